@@ -1,0 +1,54 @@
+# ember — two commands matter: `make run` (set up everything, serve with the base template) and
+# `make test` (every test and linter; what CI runs). Both must be run as root.
+SHELL := /bin/bash
+export PATH := $(PATH):/usr/local/go/bin:$(CURDIR)/.cache/bin
+GO ?= go
+DATA_DIR ?= $(CURDIR)/data
+LISTEN ?= 127.0.0.1:3000
+STATICCHECK_VERSION := v0.8.2
+FUZZTIME ?= 20s
+
+.PHONY: setup build run test lint unit fuzz e2e sdk bench bench-basic proto check-protos clean
+
+setup:
+	bash scripts/setup.sh
+
+build:
+	mkdir -p bin
+	CGO_ENABLED=0 $(GO) build -o bin/envd ./cmd/envd
+	$(GO) build -o bin/ember ./cmd/ember
+
+# One command: set up, build the `base` template on first start, serve the E2B API on $(LISTEN).
+run: setup
+	bin/ember serve --listen $(LISTEN) --data-dir $(DATA_DIR) --cache-dir $(CURDIR)/.cache --templates base
+
+# Every test: linters, Go tests (real runsc, netns, S3 server), a short fuzz run, the SDK suite.
+test: setup lint
+	EMBER_REQUIRE_ALL=1 EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -p 1 -count=1 -timeout 40m ./...
+	$(MAKE) fuzz
+	$(MAKE) sdk
+
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+	@[ -x .cache/bin/staticcheck ] || GOBIN=$(CURDIR)/.cache/bin $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
+	.cache/bin/staticcheck ./...
+	bash scripts/gen-proto.sh --check
+
+fuzz:
+	$(GO) test -run '^$$' -fuzz FuzzControlPlaneDecode -fuzztime $(FUZZTIME) ./internal/api
+
+sdk: build
+	EMBER_BIN=$(CURDIR)/bin/ember EMBER_CACHE_DIR=$(CURDIR)/.cache bash test/sdk/run.sh
+
+bench-basic: build
+	EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -run '^$$' -bench 'BenchmarkBasic' -benchtime 1x -timeout 30m ./bench/
+
+bench: build
+	EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 60m ./bench/
+
+proto:
+	bash scripts/gen-proto.sh
+
+clean:
+	rm -rf bin

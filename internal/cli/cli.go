@@ -1,0 +1,219 @@
+// Package cli is the `ember` command line: `ember serve` runs the daemon; every other command
+// (sandbox, template, keys) talks to a daemon through its HTTP API, like any E2B client. Each
+// command has --json; tables go to a terminal; exit codes are trustworthy (exec returns the
+// command's exit code).
+package cli
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"sort"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	"golang.org/x/term"
+
+	"github.com/ember-sandbox/ember/internal/daemon"
+)
+
+// ExitError carries a specific exit code out of a command.
+type ExitError struct{ Code int }
+
+func (e *ExitError) Error() string { return fmt.Sprintf("exit status %d", e.Code) }
+
+type globals struct {
+	url    string
+	key    string
+	asJSON bool
+}
+
+// Main runs the CLI and returns the process exit code.
+func Main(args []string) int {
+	g := &globals{}
+	root := &cobra.Command{
+		Use:           "ember",
+		Short:         "ember runs isolated Linux sandboxes (gVisor) behind an E2B-compatible API",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.PersistentFlags().StringVar(&g.url, "url", envOr("EMBER_URL", "http://127.0.0.1:3000"), "daemon URL ($EMBER_URL)")
+	root.PersistentFlags().StringVar(&g.key, "api-key", os.Getenv("E2B_API_KEY"), "API key ($E2B_API_KEY; default: <data-dir>/api-key of a local daemon)")
+	root.PersistentFlags().BoolVar(&g.asJSON, "json", false, "print JSON")
+	root.AddCommand(serveCmd(), sandboxCmd(g), templateCmd(g), keysCmd(g))
+	root.SetArgs(args)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := root.ExecuteContext(ctx); err != nil {
+		if ee, ok := err.(*ExitError); ok {
+			return ee.Code
+		}
+		fmt.Fprintln(os.Stderr, "error:", err)
+		return 1
+	}
+	return 0
+}
+
+func envOr(k, d string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return d
+}
+
+func (g *globals) client() *client {
+	key := g.key
+	if key == "" {
+		for _, p := range []string{envOr("EMBER_DATA_DIR", defaultDataDir()) + "/api-key"} {
+			if b, err := os.ReadFile(p); err == nil {
+				key = strings.TrimSpace(string(b))
+			}
+		}
+	}
+	return &client{base: strings.TrimRight(g.url, "/"), key: key, http: &http.Client{}}
+}
+
+func defaultDataDir() string {
+	if os.Geteuid() == 0 {
+		return "/var/lib/ember"
+	}
+	return filepath.Join(os.TempDir(), "ember")
+}
+
+func exeDir() string {
+	p, err := os.Executable()
+	if err != nil {
+		return "."
+	}
+	return filepath.Dir(p)
+}
+
+// findBinary looks for a helper binary next to ember, then in the repo cache, then PATH.
+func findBinary(name string) string {
+	for _, p := range []string{filepath.Join(exeDir(), name), filepath.Join(exeDir(), "..", ".cache", "bin", name)} {
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+	}
+	return name
+}
+
+func serveCmd() *cobra.Command {
+	cfg := daemon.Config{}
+	var templates string
+	var verbose bool
+	c := &cobra.Command{
+		Use:   "serve",
+		Short: "Run the ember daemon (E2B control API + sandbox plane on one port)",
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if os.Geteuid() != 0 {
+				return fmt.Errorf("ember serve needs root (network namespaces, runsc)")
+			}
+			if templates != "" {
+				cfg.Templates = strings.Split(templates, ",")
+			}
+			level := new(slogLevel)
+			if verbose {
+				*level = -4
+			}
+			cfg.Logger = newLogger(os.Stderr, level)
+			cfg.Out = os.Stdout
+			return daemon.Serve(cmd.Context(), cfg)
+		},
+	}
+	f := c.Flags()
+	f.StringVar(&cfg.Listen, "listen", "127.0.0.1:3000", "address to listen on")
+	f.StringVar(&cfg.DataDir, "data-dir", envOr("EMBER_DATA_DIR", defaultDataDir()), "data directory ($EMBER_DATA_DIR)")
+	f.StringVar(&cfg.CacheDir, "cache-dir", os.Getenv("EMBER_CACHE_DIR"), "build cache (debootstrap); default <data-dir>/cache")
+	f.StringVar(&cfg.Runsc, "runsc", envOr("EMBER_RUNSC", findBinary("runsc")), "runsc binary ($EMBER_RUNSC)")
+	f.StringVar(&cfg.Envd, "envd", envOr("EMBER_ENVD", findBinary("envd")), "envd binary put into templates")
+	f.StringVar(&cfg.Domain, "domain", "ember.local", "sandbox domain (host routing <port>-<id>.<domain>)")
+	f.IntVar(&cfg.PoolSize, "pool-size", 2, "restored sandboxes kept ready per template (0 disables)")
+	f.StringVar(&templates, "templates", "base", "templates to build at start if missing (comma-separated, empty for none)")
+	f.StringVar(&cfg.CIDR, "cidr", "", "network for sandbox slots (default 10.11.0.0/16)")
+	f.StringVar(&cfg.Mirror, "mirror", "", "Debian mirror for template builds")
+	f.StringVar(&cfg.S3.Endpoint, "s3-endpoint", os.Getenv("EMBER_S3_ENDPOINT"), "S3-compatible endpoint for snapshots (host:port); empty = local directory")
+	f.StringVar(&cfg.S3.Bucket, "s3-bucket", envOr("EMBER_S3_BUCKET", "ember"), "S3 bucket")
+	f.StringVar(&cfg.S3.AccessKey, "s3-access-key", os.Getenv("EMBER_S3_ACCESS_KEY"), "S3 access key")
+	f.StringVar(&cfg.S3.SecretKey, "s3-secret-key", os.Getenv("EMBER_S3_SECRET_KEY"), "S3 secret key")
+	f.BoolVar(&verbose, "verbose", false, "debug logs")
+	return c
+}
+
+// ---- output helpers ----
+
+func isTTY() bool { return term.IsTerminal(int(os.Stdout.Fd())) }
+
+func printJSON(v any) error {
+	enc := json.NewEncoder(os.Stdout)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+func table(header []string, rows [][]string) {
+	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(w, strings.Join(header, "\t"))
+	for _, r := range rows {
+		fmt.Fprintln(w, strings.Join(r, "\t"))
+	}
+	w.Flush()
+}
+
+func str(v any) string {
+	switch x := v.(type) {
+	case nil:
+		return ""
+	case string:
+		return x
+	case float64:
+		return fmt.Sprint(int64(x))
+	case map[string]any:
+		keys := make([]string, 0, len(x))
+		for k := range x {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		parts := make([]string, len(keys))
+		for i, k := range keys {
+			parts[i] = k + "=" + str(x[k])
+		}
+		return strings.Join(parts, ",")
+	case []any:
+		parts := make([]string, len(x))
+		for i, e := range x {
+			parts[i] = str(e)
+		}
+		return strings.Join(parts, ",")
+	default:
+		return fmt.Sprint(x)
+	}
+}
+
+func basicUser(user string) string { return base64.StdEncoding.EncodeToString([]byte(user + ":")) }
+
+func parseKV(list []string) (map[string]string, error) {
+	if len(list) == 0 {
+		return nil, nil
+	}
+	m := map[string]string{}
+	for _, kv := range list {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" {
+			return nil, fmt.Errorf("%q: want KEY=VALUE", kv)
+		}
+		m[k] = v
+	}
+	return m, nil
+}
+
+var _ io.Writer = os.Stdout
+var _ = time.Second

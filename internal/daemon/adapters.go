@@ -1,0 +1,79 @@
+package daemon
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"sync"
+
+	"github.com/ember-sandbox/ember/internal/network"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/snapshot"
+	"github.com/ember-sandbox/ember/internal/template"
+)
+
+// netAdapter presents network.Manager as sandbox.Network.
+type netAdapter struct {
+	m     *network.Manager
+	mu    sync.Mutex
+	slots map[int]*network.Slot
+}
+
+func (a *netAdapter) keep(s *network.Slot) sandbox.Slot {
+	a.mu.Lock()
+	a.slots[s.Index] = s
+	a.mu.Unlock()
+	return sandbox.Slot{Index: s.Index, NetNSPath: s.NetNSPath, GuestIP: s.GuestIP}
+}
+
+func (a *netAdapter) Acquire(ctx context.Context, allowInternet bool) (sandbox.Slot, error) {
+	s, err := a.m.Acquire(ctx, network.SlotOptions{AllowInternet: allowInternet})
+	if err != nil {
+		return sandbox.Slot{}, err
+	}
+	return a.keep(s), nil
+}
+
+func (a *netAdapter) Adopt(index int, allowInternet bool) (sandbox.Slot, error) {
+	s, err := a.m.Adopt(index, allowInternet)
+	if err != nil {
+		return sandbox.Slot{}, err
+	}
+	return a.keep(s), nil
+}
+
+func (a *netAdapter) Release(ctx context.Context, index int) error {
+	a.mu.Lock()
+	s := a.slots[index]
+	delete(a.slots, index)
+	a.mu.Unlock()
+	if s == nil {
+		return nil
+	}
+	return a.m.Release(ctx, s)
+}
+
+func (a *netAdapter) Reconcile(ctx context.Context, keep []int) error { return a.m.Reconcile(ctx, keep) }
+
+type builderAdapter struct{ b *template.Builder }
+
+func (a *builderAdapter) BuildRootFS(ctx context.Context, dest string, progress func(string)) error {
+	return a.b.BuildRootFS(ctx, dest, progress)
+}
+
+type imageAdapter struct{ s *snapshot.Store }
+
+func (a *imageAdapter) Save(ctx context.Context, id, dir string) error {
+	_, err := a.s.Save(ctx, id, dir)
+	return err
+}
+func (a *imageAdapter) Load(ctx context.Context, id, dir string) error { return a.s.Load(ctx, id, dir) }
+func (a *imageAdapter) Delete(ctx context.Context, id string) error   { return a.s.Delete(ctx, id) }
+
+func parsePrefix(s string) (netip.Prefix, error) {
+	p, err := netip.ParsePrefix(s)
+	if err != nil {
+		return p, fmt.Errorf("network.cidr: %w", err)
+	}
+	return p, nil
+}

@@ -1,0 +1,210 @@
+// Package daemon wires ember's parts into the `ember serve` process: the metadata store, API
+// keys, the gVisor driver, network slots, the template builder, the snapshot store, the sandbox
+// Manager and the HTTP edge. It owns process lifetime (start-up, signals, ordered shutdown) and
+// nothing else; every decision lives in the domain packages.
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/api"
+	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/network"
+	"github.com/ember-sandbox/ember/internal/runtime/gvisor"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/snapshot"
+	"github.com/ember-sandbox/ember/internal/snapshot/local"
+	snaps3 "github.com/ember-sandbox/ember/internal/snapshot/s3"
+	"github.com/ember-sandbox/ember/internal/store"
+	"github.com/ember-sandbox/ember/internal/template"
+)
+
+// Config of the daemon.
+type Config struct {
+	Listen   string // 127.0.0.1:3000
+	DataDir  string
+	CacheDir string // debootstrap cache; default <DataDir>/cache
+	Runsc    string
+	Envd     string // envd binary copied into templates
+	Domain   string
+	PoolSize int
+	// Templates built at start-up when missing (e.g. "base").
+	Templates []string
+	// Snapshot store: local directory by default; S3 when S3.Endpoint is set.
+	S3 snaps3.Config
+	// Network CIDR for sandbox slots.
+	CIDR   string
+	Mirror string
+	Logger *slog.Logger
+	// Out receives the lines a user reads: the API key on first start, template build progress.
+	Out io.Writer
+}
+
+// Node is a running ember node.
+type Node struct {
+	Manager *sandbox.Manager
+	Keys    *auth.Keys
+	Store   *store.Store
+	Handler http.Handler
+	net     *network.Manager
+}
+
+// Open assembles a node from cfg: everything but the listener.
+func Open(ctx context.Context, cfg Config) (*Node, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Out == nil {
+		cfg.Out = io.Discard
+	}
+	if cfg.CacheDir == "" {
+		cfg.CacheDir = filepath.Join(cfg.DataDir, "cache")
+	}
+	if cfg.Mirror == "" {
+		cfg.Mirror = "http://deb.debian.org/debian"
+	}
+	if err := os.MkdirAll(cfg.DataDir, 0o755); err != nil {
+		return nil, err
+	}
+	st, err := store.Open(filepath.Join(cfg.DataDir, "ember.db"))
+	if err != nil {
+		return nil, err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			st.Close()
+		}
+	}()
+	keys := auth.NewKeys(st)
+	if plain, created, err := keys.EnsureInitialKey(ctx, cfg.DataDir); err != nil {
+		return nil, fmt.Errorf("api key: %w", err)
+	} else if created {
+		fmt.Fprintf(cfg.Out, "Created API key (shown once; also in %s):\n  %s\n", filepath.Join(cfg.DataDir, "api-key"), plain)
+	}
+	drv, err := gvisor.New(gvisor.Config{Runsc: cfg.Runsc, Root: filepath.Join(cfg.DataDir, "runsc")})
+	if err != nil {
+		return nil, err
+	}
+	ncfg := network.Config{}
+	if cfg.CIDR != "" {
+		p, err := parsePrefix(cfg.CIDR)
+		if err != nil {
+			return nil, err
+		}
+		ncfg.CIDR = p
+	}
+	nm, err := network.New(ncfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := nm.Init(ctx); err != nil {
+		return nil, fmt.Errorf("network: %w", err)
+	}
+	images, err := openImages(cfg)
+	if err != nil {
+		return nil, err
+	}
+	mgr, err := sandbox.New(ctx, sandbox.Config{
+		DataDir:  cfg.DataDir,
+		Driver:   drv,
+		Network:  &netAdapter{m: nm, slots: map[int]*network.Slot{}},
+		Store:    st,
+		Builder:  &builderAdapter{b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
+		Images:   images,
+		Logger:   cfg.Logger,
+		PoolSize: cfg.PoolSize,
+	})
+	if err != nil {
+		return nil, err
+	}
+	for _, name := range cfg.Templates {
+		if _, err := st.GetTemplate(ctx, name); err == nil {
+			continue
+		}
+		fmt.Fprintf(cfg.Out, "Building template %q (first start only)...\n", name)
+		_, err := mgr.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) })
+		if err != nil {
+			mgr.Close()
+			return nil, fmt.Errorf("build template %q: %w", name, err)
+		}
+	}
+	h := api.New(api.Config{Domain: cfg.Domain}, mgr, keys, cfg.Logger)
+	ok = true
+	return &Node{Manager: mgr, Keys: keys, Store: st, Handler: h, net: nm}, nil
+}
+
+// Close stops background work. Running sandboxes keep running and are re-adopted by the next
+// start on the same data directory.
+func (n *Node) Close() {
+	n.Manager.Close()
+	n.net.Close(context.Background())
+	n.Store.Close()
+}
+
+// Serve opens a node and serves the API on cfg.Listen until ctx is done.
+func Serve(ctx context.Context, cfg Config) error {
+	node, err := Open(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer node.Close()
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: node.Handler, ReadHeaderTimeout: 30 * time.Second}
+	srv.Protocols = new(http.Protocols)
+	srv.Protocols.SetHTTP1(true)
+	srv.Protocols.SetUnencryptedHTTP2(true)
+	fmt.Fprintf(cfg.Out, "ember listening on http://%s (data %s)\n", ln.Addr(), cfg.DataDir)
+	cfg.Logger.Info("serving", "addr", ln.Addr().String(), "data_dir", cfg.DataDir)
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	shutCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(shutCtx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+		return err
+	}
+	return nil
+}
+
+func openImages(cfg Config) (sandbox.ImageStore, error) {
+	var backend snapshot.Backend
+	if cfg.S3.Endpoint != "" {
+		cfg.S3.PathStyle = true
+		b, err := snaps3.New(cfg.S3)
+		if err != nil {
+			return nil, err
+		}
+		if err := b.EnsureBucket(context.Background()); err != nil {
+			return nil, fmt.Errorf("s3: %w", err)
+		}
+		backend = b
+	} else {
+		b, err := local.New(filepath.Join(cfg.DataDir, "snapshots"))
+		if err != nil {
+			return nil, err
+		}
+		backend = b
+	}
+	opts := []snapshot.Option{}
+	if cfg.S3.Endpoint != "" {
+		opts = append(opts, snapshot.WithCache(filepath.Join(cfg.DataDir, "snapshot-cache")))
+	}
+	return &imageAdapter{s: snapshot.New(backend, opts...)}, nil
+}

@@ -1,0 +1,51 @@
+// Package errdefs holds the few error categories that every ember package wraps its errors in
+// (with fmt.Errorf("...: %w", errdefs.ErrNotFound)). They are translated once, at the edge, into
+// HTTP statuses (internal/api) and Connect codes (internal/envd). It must not import anything of
+// ember's.
+package errdefs
+
+import (
+	"errors"
+	"net/http"
+)
+
+var (
+	// ErrNotFound: the named thing (sandbox, template, snapshot, process, file) does not exist.
+	ErrNotFound = errors.New("not found")
+	// ErrConflict: the thing exists but is in the wrong state for the call (pausing a paused sandbox).
+	ErrConflict = errors.New("conflict")
+	// ErrInvalid: the caller's input is wrong.
+	ErrInvalid = errors.New("invalid argument")
+	// ErrUnavailable: a dependency or the sandbox is temporarily unable to serve.
+	ErrUnavailable = errors.New("unavailable")
+	// ErrUnauthorized: missing or wrong credentials.
+	ErrUnauthorized = errors.New("unauthorized")
+	// ErrCorrupt: stored data failed its integrity check and was refused.
+	ErrCorrupt = errors.New("corrupt data")
+	// ErrExhausted: a limit was reached (slots, sandboxes, disk).
+	ErrExhausted = errors.New("resource exhausted")
+)
+
+// HTTPStatus maps an error to the HTTP status the API returns for it.
+func HTTPStatus(err error) int {
+	switch {
+	case err == nil:
+		return http.StatusOK
+	case errors.Is(err, ErrNotFound):
+		return http.StatusNotFound
+	case errors.Is(err, ErrConflict):
+		return http.StatusConflict
+	case errors.Is(err, ErrInvalid):
+		return http.StatusBadRequest
+	case errors.Is(err, ErrUnauthorized):
+		return http.StatusUnauthorized
+	case errors.Is(err, ErrExhausted):
+		return http.StatusTooManyRequests
+	case errors.Is(err, ErrUnavailable):
+		return http.StatusServiceUnavailable
+	case errors.Is(err, ErrCorrupt):
+		return http.StatusUnprocessableEntity
+	default:
+		return http.StatusInternalServerError
+	}
+}

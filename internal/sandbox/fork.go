@@ -1,0 +1,206 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/runtime"
+)
+
+// MaxForkCount bounds the children of one fork.
+const MaxForkCount = 64
+
+// forkParallelism bounds concurrent restores of one fork.
+const forkParallelism = 8
+
+// Snapshot checkpoints a running sandbox (which keeps running) into a named snapshot that can
+// be used as a template. With an image store configured the snapshot is persisted there as
+// content-addressed chunks, and its node-local copy is a verified cache.
+func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, error) {
+	if name != "" && !nameRe.MatchString(name) {
+		return nil, fmt.Errorf("snapshot name %q: must match %s: %w", name, nameRe, errdefs.ErrInvalid)
+	}
+	snapID := name
+	if snapID == "" {
+		snapID = "snap-" + randomHex(6)
+	}
+	if _, err := m.cfg.Store.GetTemplate(ctx, snapID); err == nil {
+		return nil, fmt.Errorf("snapshot or template %q already exists: %w", snapID, errdefs.ErrConflict)
+	}
+	e, err := m.entry(id)
+	if err != nil {
+		return nil, err
+	}
+	e.mu.Lock()
+	if e.sb.State != StateRunning {
+		e.mu.Unlock()
+		return nil, fmt.Errorf("sandbox %q is %s: %w", id, e.sb.State, errdefs.ErrConflict)
+	}
+	sb := m.snapshotOf(e)
+	image := filepath.Join(m.cfg.DataDir, "images", snapID)
+	if err := os.MkdirAll(image, 0o755); err != nil {
+		e.mu.Unlock()
+		return nil, err
+	}
+	start := time.Now()
+	err = m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+	e.mu.Unlock()
+	if err != nil {
+		os.RemoveAll(image)
+		return nil, fmt.Errorf("checkpoint: %w", err)
+	}
+	ckpt := time.Since(start)
+	tpl, err := m.templateOf(ctx, sb)
+	if err != nil {
+		os.RemoveAll(image)
+		return nil, err
+	}
+	snap := &Template{
+		ID:            snapID,
+		Kind:          "snapshot",
+		RootFS:        tpl.RootFS,
+		Image:         image,
+		CreatedAt:     time.Now().UTC(),
+		Ready:         true,
+		CPUCount:      sb.CPUCount,
+		MemoryMB:      sb.MemoryMB,
+		InitToken:     sb.AccessToken,
+		SourceSandbox: sb.ID,
+		Names:         []string{snapID},
+	}
+	if m.cfg.Images != nil {
+		if err := m.cfg.Images.Save(ctx, snapID, image); err != nil {
+			os.RemoveAll(image)
+			return nil, fmt.Errorf("store snapshot: %w", err)
+		}
+		snap.SnapshotStored = true
+		// The stored chunks are the source of truth; the local copy is rebuilt (and verified)
+		// from them on first use.
+		os.RemoveAll(image)
+	}
+	if err := m.cfg.Store.PutTemplate(ctx, snap); err != nil {
+		return nil, err
+	}
+	m.logger(id).Info("snapshot taken", "snapshot", snapID, "checkpoint_ms", ckpt.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
+	return snap, nil
+}
+
+// ListSnapshots lists named snapshots, optionally of one source sandbox.
+func (m *Manager) ListSnapshots(ctx context.Context, sandboxID string) ([]*Template, error) {
+	all, err := m.cfg.Store.ListTemplates(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var out []*Template
+	for _, t := range all {
+		if t.Kind == "snapshot" && (sandboxID == "" || t.SourceSandbox == sandboxID) {
+			out = append(out, t)
+		}
+	}
+	return out, nil
+}
+
+// Fork checkpoints a running sandbox once (it keeps running) and restores count children from
+// that image in parallel, each with its own id, access token, network slot and writable layer.
+func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]ForkResult, error) {
+	if count < 1 || count > MaxForkCount {
+		return nil, fmt.Errorf("count must be between 1 and %d: %w", MaxForkCount, errdefs.ErrInvalid)
+	}
+	if timeout < 0 || timeout > MaxTimeout {
+		return nil, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
+	}
+	if timeout == 0 {
+		timeout = DefaultTimeout
+	}
+	e, err := m.entry(id)
+	if err != nil {
+		return nil, err
+	}
+	e.mu.Lock()
+	if e.sb.State != StateRunning {
+		e.mu.Unlock()
+		return nil, fmt.Errorf("sandbox %q is %s: %w", id, e.sb.State, errdefs.ErrConflict)
+	}
+	parent := m.snapshotOf(e)
+	image := filepath.Join(m.cfg.DataDir, "images", "fork-"+randomHex(6))
+	if err := os.MkdirAll(image, 0o755); err != nil {
+		e.mu.Unlock()
+		return nil, err
+	}
+	defer os.RemoveAll(image)
+	start := time.Now()
+	err = m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+	e.mu.Unlock()
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint: %w", err)
+	}
+	ckpt := time.Since(start)
+	tpl, err := m.templateOf(ctx, parent)
+	if err != nil {
+		return nil, err
+	}
+	results := make([]ForkResult, count)
+	sem := make(chan struct{}, forkParallelism)
+	var wg sync.WaitGroup
+	for i := range results {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			child, err := m.forkChild(ctx, parent, tpl, image, timeout)
+			results[i] = ForkResult{Sandbox: child, Err: err}
+		}(i)
+	}
+	wg.Wait()
+	ok := 0
+	for _, r := range results {
+		if r.Err == nil {
+			ok++
+		}
+	}
+	m.logger(id).Info("sandbox forked", "children", ok, "failed", count-ok,
+		"checkpoint_ms", ckpt.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
+	if ok == 0 {
+		return results, fmt.Errorf("fork: every child failed: %w", errors.Join(results[0].Err))
+	}
+	return results, nil
+}
+
+func (m *Manager) forkChild(ctx context.Context, parent *Sandbox, tpl *Template, image string, timeout time.Duration) (*Sandbox, error) {
+	now := time.Now().UTC()
+	child := &Sandbox{
+		ID:            newID(),
+		TemplateID:    parent.TemplateID,
+		Alias:         parent.Alias,
+		State:         StateRunning,
+		Metadata:      copyMap(parent.Metadata),
+		EnvVars:       copyMap(parent.EnvVars),
+		AccessToken:   randomHex(16),
+		StartedAt:     now,
+		EndAt:         now.Add(timeout),
+		CPUCount:      parent.CPUCount,
+		MemoryMB:      parent.MemoryMB,
+		DiskSizeMB:    parent.DiskSizeMB,
+		AutoPause:     parent.AutoPause,
+		AllowInternet: parent.AllowInternet,
+	}
+	if err := m.launch(ctx, child, tpl, image, parent.AccessToken); err != nil {
+		return nil, err
+	}
+	if err := m.cfg.Store.PutSandbox(ctx, child); err != nil {
+		m.destroy(context.Background(), child)
+		return nil, err
+	}
+	m.mu.Lock()
+	m.live[child.ID] = &entry{sb: child}
+	m.mu.Unlock()
+	c := *child
+	return &c, nil
+}

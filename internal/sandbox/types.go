@@ -1,0 +1,126 @@
+package sandbox
+
+import (
+	"time"
+)
+
+// State of a sandbox as users see it.
+type State string
+
+const (
+	StateRunning State = "running"
+	StatePaused  State = "paused"
+	// StateKilled sandboxes are gone; they are kept in the store only briefly for diagnostics
+	// and are never listed or returned by the API (404).
+	StateKilled State = "killed"
+)
+
+// DefaultTimeout is a sandbox's lifetime when the caller sets none.
+const DefaultTimeout = 300 * time.Second
+
+// MaxTimeout bounds the timeout a caller may ask for.
+const MaxTimeout = 24 * time.Hour
+
+// EnvdPort is where envd listens inside every sandbox.
+const EnvdPort = 49983
+
+// EnvdVersion is the envd protocol version ember's envd implements (gates SDK features).
+const EnvdVersion = "0.5.7"
+
+// Sandbox is the user-visible record of one sandbox. It is what the store persists.
+type Sandbox struct {
+	ID          string            `json:"id"`
+	TemplateID  string            `json:"templateId"`
+	Alias       string            `json:"alias,omitempty"`
+	State       State             `json:"state"`
+	Metadata    map[string]string `json:"metadata,omitempty"`
+	EnvVars     map[string]string `json:"envVars,omitempty"`
+	AccessToken string            `json:"accessToken"`
+	StartedAt   time.Time         `json:"startedAt"`
+	EndAt       time.Time         `json:"endAt"`
+	CPUCount    int               `json:"cpuCount"`
+	MemoryMB    int               `json:"memoryMB"`
+	DiskSizeMB  int               `json:"diskSizeMB"`
+	// AutoPause: on timeout pause instead of kill.
+	AutoPause bool `json:"autoPause"`
+	// AllowInternet: egress to the internet (NAT); false keeps the sandbox off the network
+	// except for the daemon reaching envd.
+	AllowInternet bool `json:"allowInternet"`
+
+	// Runtime placement: which driver instance and network slot the sandbox uses now.
+	Runtime Placement `json:"runtime"`
+}
+
+// Placement is where a running sandbox lives on this node. Empty while paused.
+type Placement struct {
+	Driver      string `json:"driver,omitempty"`
+	InstanceID  string `json:"instanceId,omitempty"`
+	SlotIndex   int    `json:"slotIndex"`
+	GuestIP     string `json:"guestIp,omitempty"`
+	StateDir    string `json:"stateDir,omitempty"`
+	// Image is the checkpoint a paused sandbox resumes from.
+	Image string `json:"image,omitempty"`
+}
+
+// CreateRequest is what a caller asks for when creating a sandbox.
+type CreateRequest struct {
+	TemplateID    string
+	Timeout       time.Duration // 0 = DefaultTimeout
+	Metadata      map[string]string
+	EnvVars       map[string]string
+	AutoPause     bool
+	AllowInternet *bool // nil = default (true)
+	// Cold boots the template's rootfs instead of restoring its checkpoint (benchmarks, fallback).
+	Cold bool
+}
+
+// ListFilter selects sandboxes for List.
+type ListFilter struct {
+	Metadata     map[string]string // all must match
+	States       []State           // empty = running and paused
+	TemplateID   string
+	StartedAfter time.Time
+}
+
+// Template is a sandbox template (or a named snapshot, which can be used as one).
+type Template struct {
+	ID        string    `json:"id"`
+	Aliases   []string  `json:"aliases,omitempty"`
+	Kind      string    `json:"kind"` // "template" or "snapshot"
+	RootFS    string    `json:"rootfs"`
+	Image     string    `json:"image,omitempty"` // warm checkpoint, if any
+	CreatedAt time.Time `json:"createdAt"`
+	Ready     bool      `json:"ready"`
+	CPUCount  int       `json:"cpuCount"`
+	MemoryMB  int       `json:"memoryMB"`
+	DiskMB    int       `json:"diskMB"`
+	// InitToken is the envd access token the image's envd already holds (a snapshot keeps its
+	// source's token); /init of a sandbox restored from the image authenticates with it.
+	InitToken string `json:"initToken,omitempty"`
+	// SnapshotStored: the image lives in the snapshot store (content-addressed chunks); Image is
+	// then its node-local, verified copy.
+	SnapshotStored bool `json:"snapshotStored,omitempty"`
+	// BuildID changes on every rebuild.
+	BuildID string `json:"buildId,omitempty"`
+	// SourceSandbox is the sandbox a snapshot was taken from.
+	SourceSandbox string `json:"sourceSandbox,omitempty"`
+	Names         []string `json:"names,omitempty"`
+}
+
+// Metric is one resource-usage sample of a sandbox.
+type Metric struct {
+	Timestamp  time.Time
+	CPUCount   int
+	CPUUsedPct float64
+	MemUsed    uint64
+	MemTotal   uint64
+	MemCache   uint64
+	DiskUsed   uint64
+	DiskTotal  uint64
+}
+
+// ForkResult is one child of a fork: a sandbox or the error that prevented it.
+type ForkResult struct {
+	Sandbox *Sandbox
+	Err     error
+}

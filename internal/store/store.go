@@ -1,0 +1,180 @@
+// Package store is ember's embedded metadata store: sandboxes, templates (and named snapshots)
+// and API keys, in one bbolt file under the data directory. Every write is a committed,
+// fsynced transaction, so what the API acknowledged survives a crash or a kill -9 of the daemon.
+// It stores records; it does not decide anything about them.
+package store
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+
+	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+var (
+	bucketSandboxes = []byte("sandboxes")
+	bucketTemplates = []byte("templates")
+	bucketKeys      = []byte("apikeys")
+)
+
+// Store is the metadata store. Safe for concurrent use.
+type Store struct {
+	db *bolt.DB
+}
+
+// Open opens (creating if needed) the store file at path.
+func Open(path string) (*Store, error) {
+	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: 5 * time.Second})
+	if err != nil {
+		return nil, fmt.Errorf("open store %s: %w", path, err)
+	}
+	err = db.Update(func(tx *bolt.Tx) error {
+		for _, b := range [][]byte{bucketSandboxes, bucketTemplates, bucketKeys} {
+			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		db.Close()
+		return nil, fmt.Errorf("init store: %w", err)
+	}
+	return &Store{db: db}, nil
+}
+
+// Close closes the store file.
+func (s *Store) Close() error { return s.db.Close() }
+
+func put(db *bolt.DB, bucket []byte, key string, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucket).Put([]byte(key), b) })
+}
+
+func get(db *bolt.DB, bucket []byte, key string, v any) error {
+	return db.View(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucket).Get([]byte(key))
+		if b == nil {
+			return fmt.Errorf("%s %q: %w", bucket[:len(bucket)-1], key, errdefs.ErrNotFound)
+		}
+		return json.Unmarshal(b, v)
+	})
+}
+
+func del(db *bolt.DB, bucket []byte, key string) error {
+	return db.Update(func(tx *bolt.Tx) error {
+		bk := tx.Bucket(bucket)
+		if bk.Get([]byte(key)) == nil {
+			return fmt.Errorf("%s %q: %w", bucket[:len(bucket)-1], key, errdefs.ErrNotFound)
+		}
+		return bk.Delete([]byte(key))
+	})
+}
+
+func all[T any](db *bolt.DB, bucket []byte) ([]*T, error) {
+	var out []*T
+	err := db.View(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucket).ForEach(func(k, v []byte) error {
+			t := new(T)
+			if err := json.Unmarshal(v, t); err != nil {
+				return fmt.Errorf("decode %s %q: %w", bucket, k, err)
+			}
+			out = append(out, t)
+			return nil
+		})
+	})
+	return out, err
+}
+
+// PutSandbox inserts or replaces a sandbox record.
+func (s *Store) PutSandbox(_ context.Context, sb *sandbox.Sandbox) error {
+	return put(s.db, bucketSandboxes, sb.ID, sb)
+}
+
+// GetSandbox returns a sandbox record (ErrNotFound if absent).
+func (s *Store) GetSandbox(_ context.Context, id string) (*sandbox.Sandbox, error) {
+	sb := new(sandbox.Sandbox)
+	if err := get(s.db, bucketSandboxes, id, sb); err != nil {
+		return nil, err
+	}
+	return sb, nil
+}
+
+// DeleteSandbox removes a sandbox record.
+func (s *Store) DeleteSandbox(_ context.Context, id string) error {
+	return del(s.db, bucketSandboxes, id)
+}
+
+// ListSandboxes returns every sandbox record, oldest first.
+func (s *Store) ListSandboxes(_ context.Context) ([]*sandbox.Sandbox, error) {
+	out, err := all[sandbox.Sandbox](s.db, bucketSandboxes)
+	sort.Slice(out, func(i, j int) bool { return out[i].StartedAt.Before(out[j].StartedAt) })
+	return out, err
+}
+
+// PutTemplate inserts or replaces a template record.
+func (s *Store) PutTemplate(_ context.Context, t *sandbox.Template) error {
+	return put(s.db, bucketTemplates, t.ID, t)
+}
+
+// GetTemplate returns a template by id (ErrNotFound if absent).
+func (s *Store) GetTemplate(_ context.Context, id string) (*sandbox.Template, error) {
+	t := new(sandbox.Template)
+	if err := get(s.db, bucketTemplates, id, t); err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+// DeleteTemplate removes a template record.
+func (s *Store) DeleteTemplate(_ context.Context, id string) error {
+	return del(s.db, bucketTemplates, id)
+}
+
+// ListTemplates returns every template record, oldest first.
+func (s *Store) ListTemplates(_ context.Context) ([]*sandbox.Template, error) {
+	out, err := all[sandbox.Template](s.db, bucketTemplates)
+	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
+	return out, err
+}
+
+// PutKey stores an API key record (auth.Backend).
+func (s *Store) PutKey(_ context.Context, k *auth.Key) error { return put(s.db, bucketKeys, k.ID, k) }
+
+// GetKeyByHash finds an API key by the hash of its plaintext (auth.Backend).
+func (s *Store) GetKeyByHash(_ context.Context, hash string) (*auth.Key, error) {
+	keys, err := all[auth.Key](s.db, bucketKeys)
+	if err != nil {
+		return nil, err
+	}
+	for _, k := range keys {
+		if k.Hash == hash {
+			return k, nil
+		}
+	}
+	return nil, fmt.Errorf("api key: %w", errdefs.ErrNotFound)
+}
+
+// ListKeys lists API key records (auth.Backend).
+func (s *Store) ListKeys(_ context.Context) ([]*auth.Key, error) {
+	out, err := all[auth.Key](s.db, bucketKeys)
+	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
+	return out, err
+}
+
+// DeleteKey removes an API key record (auth.Backend).
+func (s *Store) DeleteKey(_ context.Context, id string) error { return del(s.db, bucketKeys, id) }
+
+// IsNotFound reports whether err means a missing record.
+func IsNotFound(err error) bool { return errors.Is(err, errdefs.ErrNotFound) }

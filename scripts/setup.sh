@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# ember's set-up, idempotent: the Debian packages ember needs, runsc built from the pinned
+# gvisor.dev/gvisor module, the S3 server used by the snapshot-store tests, the SDK suite's npm
+# packages, and ember's own binaries. Everything lands in the repo's ignored .cache/ and bin/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=versions.env
+source scripts/versions.env
+export PATH="$PATH:/usr/local/go/bin"
+command -v go >/dev/null || { echo "setup: Go is not installed (expected /usr/local/go/bin/go)"; exit 1; }
+
+if [ "$(id -u)" -ne 0 ]; then
+	echo "setup: run as root (apt-get, network namespaces and runsc need it)"; exit 1
+fi
+
+pkgs=(debootstrap nftables iproute2 runc busybox-static ca-certificates tar)
+missing=()
+for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ "${#missing[@]}" -gt 0 ]; then
+	echo "setup: installing Debian packages: ${missing[*]}"
+	apt-get update -q
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
+fi
+
+mkdir -p .cache/bin
+if [ "$(cat .cache/bin/runsc.version 2>/dev/null)" != "$RUNSC_VERSION" ] || [ ! -x .cache/bin/runsc ]; then
+	echo "setup: building runsc $RUNSC_VERSION from the Go module proxy (about 2-4 minutes)"
+	CGO_ENABLED=0 GOBIN="$PWD/.cache/bin" go install -ldflags "-s -w -X gvisor.dev/gvisor/runsc/version.version=${RUNSC_VERSION##*-}" "$RUNSC_MODULE@$RUNSC_VERSION"
+	echo "$RUNSC_VERSION" > .cache/bin/runsc.version
+fi
+# Check that runsc really runs a sandbox here (systrap platform, no KVM needed).
+if ! out=$(timeout 60 .cache/bin/runsc --root /tmp/ember-setup-check --platform=systrap --network=none --ignore-cgroups do /bin/echo runsc-ok 2>&1) || [[ "$out" != *runsc-ok* ]]; then
+	echo "setup: runsc does not run here: $out"; exit 1
+fi
+echo "setup: $(.cache/bin/runsc --version | head -1) works"
+
+if [ -f scripts/setup-s3.sh ]; then bash scripts/setup-s3.sh; fi
+
+if [ -f test/sdk/package-lock.json ] && [ ! -d test/sdk/node_modules/e2b ]; then
+	echo "setup: npm ci (test/sdk)"
+	(cd test/sdk && npm ci --no-audit --no-fund --loglevel=error)
+fi
+
+mkdir -p bin
+CGO_ENABLED=0 go build -o bin/envd ./cmd/envd
+go build -o bin/ember ./cmd/ember
+echo "setup: built bin/ember and bin/envd"
