@@ -91,7 +91,9 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	} else if created {
 		fmt.Fprintf(cfg.Out, "Created API key (shown once; also in %s):\n  %s\n", filepath.Join(cfg.DataDir, "api-key"), plain)
 	}
-	drv, err := gvisor.New(gvisor.Config{Runsc: cfg.Runsc, Root: filepath.Join(cfg.DataDir, "runsc")})
+	// --allow-suid: sudo works for the default user, as in E2B's base template (the ID elevation stays
+	// inside the sandbox's own kernel).
+	drv, err := gvisor.New(gvisor.Config{Runsc: cfg.Runsc, Root: filepath.Join(cfg.DataDir, "runsc"), ExtraFlags: []string{"--allow-suid"}, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
 	}

@@ -73,10 +73,13 @@ type Driver interface {
 	// Start creates and starts an instance from spec (a cold boot).
 	Start(ctx context.Context, spec Spec) error
 	// Checkpoint writes the instance's full state (memory and its writable layer) into imageDir,
-	// which must exist and be empty.
+	// which must exist and be empty. Without LeaveRunning the instance's processes are gone when
+	// it returns and it stays "stopped" until Delete; Start or Restore under the same id replace
+	// a stopped instance.
 	Checkpoint(ctx context.Context, id, imageDir string, opts CheckpointOptions) error
 	// Restore starts a new instance described by spec from an image written by Checkpoint.
-	// spec.ID, StateDir and NetNSPath may differ from the checkpointed instance's.
+	// spec.ID, StateDir, NetNSPath, Hostname, Env and limits may differ from the checkpointed
+	// instance's; Args and Cwd must not. One image may be restored into many instances at once.
 	Restore(ctx context.Context, spec Spec, imageDir string) error
 	// State reports whether the instance runs.
 	State(ctx context.Context, id string) (Status, error)
@@ -90,6 +93,8 @@ type Driver interface {
 	// List returns the ids of every instance the driver knows, for reconciliation at start-up.
 	List(ctx context.Context) ([]string, error)
 	// Exec runs a command inside a running instance out of band (not through envd) and returns
-	// its combined output and exit code. For diagnostics, tests and template builds.
+	// its combined output and exit code. For diagnostics, tests and template builds. Processes
+	// it leaves in the background may not survive Restore (gVisor kills them): long-lived
+	// processes belong to the init process (envd).
 	Exec(ctx context.Context, id string, args []string) (output []byte, exitCode int, err error)
 }

@@ -146,7 +146,9 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	m := &Manager{
 		cfg:    cfg,
 		log:    cfg.Logger,
-		client: &http.Client{Transport: guestT},
+		// envd health and /init calls: no keep-alive, so a connection to a slot's address never
+		// outlives the sandbox that had it (slots and their addresses are reused).
+		client: &http.Client{Transport: &http.Transport{DialContext: dialer.DialContext, DisableKeepAlives: true}},
 		guestT: guestT,
 		live:   map[string]*entry{},
 		stop:   make(chan struct{}),
@@ -378,7 +380,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		how = "boot"
 		err = m.launch(ctx, sb, tpl, "", "")
 	default:
-		if pe := m.pool.take(tpl, allow); pe != nil {
+		if pe := m.pool.take(tpl, allow && !req.NoPool); pe != nil {
 			how = "pool"
 			err = m.assign(ctx, sb, pe, tpl.InitToken)
 		} else {
@@ -556,6 +558,8 @@ func (m *Manager) destroy(ctx context.Context, sb *Sandbox) {
 	if sb.Runtime.StateDir != "" {
 		os.RemoveAll(sb.Runtime.StateDir)
 	}
+	// Idle proxy connections may point at the address this sandbox had.
+	m.guestT.CloseIdleConnections()
 	if err := os.RemoveAll(m.sandboxDir(sb.ID)); err != nil {
 		log.Warn("remove sandbox dir", "err", err)
 	}
@@ -690,6 +694,7 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry) error {
 		m.logger(sb.ID).Warn("release slot", "err", err)
 	}
 	os.RemoveAll(old.StateDir)
+	m.guestT.CloseIdleConnections()
 	m.logger(sb.ID).Info("sandbox paused", "ms", time.Since(start).Milliseconds())
 	return nil
 }

@@ -72,6 +72,8 @@ type CreateRequest struct {
 	AllowInternet *bool // nil = default (true)
 	// Cold boots the template's rootfs instead of restoring its checkpoint (benchmarks, fallback).
 	Cold bool
+	// NoPool skips the warm pool and restores the template's checkpoint (benchmarks).
+	NoPool bool
 }
 
 // ListFilter selects sandboxes for List.

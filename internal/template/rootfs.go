@@ -196,7 +196,7 @@ func customize(root, envdPath string) error {
 	if err := os.WriteFile(filepath.Join(root, "etc/hostname"), []byte("sandbox\n"), 0o644); err != nil {
 		return err
 	}
-	hosts := "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+	hosts := "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 	if err := os.WriteFile(filepath.Join(root, "etc/hosts"), []byte(hosts), 0o644); err != nil {
 		return err
 	}

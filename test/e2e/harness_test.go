@@ -190,6 +190,13 @@ func (d *daemon) stop() {
 // api calls the control plane and decodes the JSON answer into out; returns the status.
 func (d *daemon) api(t *testing.T, method, path string, in, out any) int {
 	t.Helper()
+	code, _ := d.apiBody(t, method, path, in, out)
+	return code
+}
+
+// apiBody is api that also returns the raw response body.
+func (d *daemon) apiBody(t *testing.T, method, path string, in, out any) (int, string) {
+	t.Helper()
 	var body io.Reader
 	if in != nil {
 		b, _ := json.Marshal(in)
@@ -212,7 +219,7 @@ func (d *daemon) api(t *testing.T, method, path string, in, out any) int {
 	if resp.StatusCode/100 != 2 {
 		t.Logf("%s %s -> %d %s", method, path, resp.StatusCode, data)
 	}
-	return resp.StatusCode
+	return resp.StatusCode, string(data)
 }
 
 type sbx struct {

@@ -203,18 +203,23 @@ func (r resources) equal(o resources) bool {
 		strings.Join(r.links, ",") == strings.Join(o.links, ",") && r.runsc == o.runsc
 }
 
+// snapshotResources lists what ember holds on the host: its network namespaces and veths (name
+// prefix "emb"), the runsc processes of the shared daemon's data directory, processes and mounts.
 func snapshotResources(t *testing.T) resources {
 	t.Helper()
+	dataDir := shared.dataDir
 	var r resources
 	out, _ := exec.Command("ip", "netns", "list").Output()
 	for _, l := range strings.Split(strings.TrimSpace(string(out)), "\n") {
-		if f := strings.Fields(l); len(f) > 0 {
+		if f := strings.Fields(l); len(f) > 0 && strings.HasPrefix(f[0], "emb-") {
 			r.netns = append(r.netns, f[0])
 		}
 	}
 	ifs, _ := net.Interfaces()
 	for _, i := range ifs {
-		r.links = append(r.links, i.Name)
+		if strings.HasPrefix(i.Name, "emb") {
+			r.links = append(r.links, i.Name)
+		}
 	}
 	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
 	var sb strings.Builder
@@ -224,7 +229,7 @@ func snapshotResources(t *testing.T) resources {
 			continue
 		}
 		cl := strings.ReplaceAll(string(b), "\x00", " ")
-		if argv0 := strings.SplitN(string(b), "\x00", 2)[0]; strings.Contains(filepath.Base(argv0), "runsc") {
+		if argv0 := strings.SplitN(string(b), "\x00", 2)[0]; strings.Contains(filepath.Base(argv0), "runsc") && strings.Contains(cl, dataDir) {
 			r.runsc++
 		}
 		sb.WriteString(cl + "\n")

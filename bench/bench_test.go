@@ -1,0 +1,223 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+const iterations = 10
+
+// BenchmarkBasic: create → command finished for a cold boot of `base`, and memory per idle
+// sandbox with 10 running (issue: foundation).
+func BenchmarkBasic(b *testing.B) {
+	n := getNode(b, 0)
+	ctx := context.Background()
+	fmt.Printf("\n== ember basic (runsc systrap, %d iterations) ==\n", iterations)
+	var cold dist
+	for i := 0; i < iterations; i++ {
+		start := time.Now()
+		sb, err := n.Manager.Create(ctx, sandbox.CreateRequest{TemplateID: "base", Cold: true, NoPool: true})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if out, err := n.run(sb, "echo ok"); err != nil || out != "ok\n" {
+			b.Fatalf("command: %q %v", out, err)
+		}
+		cold = append(cold, time.Since(start))
+		n.Manager.Kill(ctx, sb.ID)
+	}
+	report(b, "cold boot: create -> command finished", cold)
+	idleMemory(b, n, 10)
+}
+
+// idleMemory starts count idle sandboxes and prints memory per sandbox.
+func idleMemory(b *testing.B, n *node, count int) {
+	ctx := context.Background()
+	before := memAvailableKiB()
+	var ids []string
+	for i := 0; i < count; i++ {
+		sb, err := n.Manager.Create(ctx, sandbox.CreateRequest{TemplateID: "base", NoPool: true})
+		if err != nil {
+			b.Fatal(err)
+		}
+		ids = append(ids, sb.ID)
+	}
+	time.Sleep(2 * time.Second)
+	pss, priv, procs := memOfProcs(filepath.Join(n.dataDir, "runsc"))
+	after := memAvailableKiB()
+	fmt.Printf("memory with %d idle sandboxes: PSS %.1f MiB/sandbox, private %.1f MiB/sandbox, MemAvailable -%.1f MiB/sandbox (%d host processes)\n",
+		count, float64(pss)/1024/float64(count), float64(priv)/1024/float64(count), float64(before-after)/1024/float64(count), procs)
+	b.ReportMetric(float64(pss)/1024/float64(count), fmt.Sprintf("pss_MiB_per_sandbox_%d", count))
+	b.ReportMetric(float64(priv)/1024/float64(count), fmt.Sprintf("private_MiB_per_sandbox_%d", count))
+	for _, id := range ids {
+		n.Manager.Kill(ctx, id)
+	}
+}
+
+// BenchmarkLifecycle prints the snapshot-first lifecycle figures (issue: snapshot-first).
+func BenchmarkLifecycle(b *testing.B) {
+	n := getNode(b, 2)
+	ctx := context.Background()
+	fmt.Printf("\n== ember lifecycle (runsc systrap, %d iterations each, medians and p99) ==\n", iterations)
+
+	create := func(req sandbox.CreateRequest, settle time.Duration) dist {
+		var d dist
+		for i := 0; i < iterations; i++ {
+			time.Sleep(settle)
+			start := time.Now()
+			sb, err := n.Manager.Create(ctx, req)
+			if err != nil {
+				b.Fatal(err)
+			}
+			d = append(d, time.Since(start))
+			n.Manager.Kill(ctx, sb.ID)
+		}
+		return d
+	}
+	pool := create(sandbox.CreateRequest{TemplateID: "base"}, 1500*time.Millisecond)
+	ckpt := create(sandbox.CreateRequest{TemplateID: "base", NoPool: true}, 0)
+	cold := create(sandbox.CreateRequest{TemplateID: "base", Cold: true}, 0)
+	runc := runcStart(b, n)
+	report(b, "create from warm pool (API ready)", pool)
+	report(b, "create from checkpoint (restore + /init)", ckpt)
+	report(b, "create by cold boot (boot + envd up)", cold)
+	if len(runc) > 0 {
+		report(b, "runc: plain container start of same rootfs", runc)
+		fmt.Printf("ratios (p50): cold/pool %.1fx, cold/checkpoint %.1fx, checkpoint/runc %.2fx, pool/runc %.2fx\n",
+			ratio(cold, pool), ratio(cold, ckpt), ratio(ckpt, runc), ratio(pool, runc))
+	}
+
+	sb, err := n.Manager.Create(ctx, sandbox.CreateRequest{TemplateID: "base", NoPool: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := n.run(sb, "echo keep > /home/user/keep.txt; (sleep 100000 &)"); err != nil {
+		b.Fatal(err)
+	}
+	var pause, resume dist
+	for i := 0; i < iterations; i++ {
+		t0 := time.Now()
+		if err := n.Manager.Pause(ctx, sb.ID); err != nil {
+			b.Fatal(err)
+		}
+		pause = append(pause, time.Since(t0))
+		t1 := time.Now()
+		if _, _, err := n.Manager.Connect(ctx, sb.ID, time.Minute); err != nil {
+			b.Fatal(err)
+		}
+		resume = append(resume, time.Since(t1))
+	}
+	report(b, "pause (checkpoint + release)", pause)
+	report(b, "resume (restore, same id)", resume)
+
+	var snap dist
+	for i := 0; i < iterations; i++ {
+		t0 := time.Now()
+		s, err := n.Manager.Snapshot(ctx, sb.ID, "")
+		if err != nil {
+			b.Fatal(err)
+		}
+		snap = append(snap, time.Since(t0))
+		n.Manager.DeleteTemplate(ctx, s.ID)
+	}
+	report(b, "snapshot of an idle sandbox (stored)", snap)
+
+	var fork, perChild dist
+	for i := 0; i < 3; i++ {
+		t0 := time.Now()
+		res, err := n.Manager.Fork(ctx, sb.ID, 16, time.Minute)
+		if err != nil {
+			b.Fatal(err)
+		}
+		el := time.Since(t0)
+		fork = append(fork, el)
+		perChild = append(perChild, el/16)
+		for _, r := range res {
+			if r.Err != nil {
+				b.Fatal(r.Err)
+			}
+			n.Manager.Kill(ctx, r.Sandbox.ID)
+		}
+	}
+	report(b, "fork into 16 children (total)", fork)
+	report(b, "fork into 16 children (per child)", perChild)
+
+	// 1 GiB written, then snapshot.
+	big, err := n.Manager.Create(ctx, sandbox.CreateRequest{TemplateID: "base", NoPool: true})
+	if err == nil {
+		if _, err := n.run(big, "head -c 1G /dev/urandom > /home/user/big.bin && sync"); err != nil {
+			fmt.Printf("snapshot after 1 GiB written: could not write 1 GiB: %v\n", err)
+		} else {
+			var d dist
+			for i := 0; i < 3; i++ {
+				t0 := time.Now()
+				s, err := n.Manager.Snapshot(ctx, big.ID, "")
+				if err != nil {
+					b.Fatal(err)
+				}
+				d = append(d, time.Since(t0))
+				n.Manager.DeleteTemplate(ctx, s.ID)
+			}
+			report(b, "snapshot after 1 GiB written (stored)", d)
+		}
+		n.Manager.Kill(ctx, big.ID)
+	}
+	n.Manager.Kill(ctx, sb.ID)
+	idleMemory(b, n, 50)
+}
+
+func ratio(a, b dist) float64 {
+	if b.pct(0.5) == 0 {
+		return 0
+	}
+	return float64(a.pct(0.5)) / float64(b.pct(0.5))
+}
+
+// runcStart measures `runc run` of /bin/true on the base template's rootfs: a plain container
+// start, the baseline a sandbox start is compared with.
+func runcStart(b *testing.B, n *node) dist {
+	runc, err := exec.LookPath("runc")
+	if err != nil {
+		fmt.Println("runc not installed; no container baseline")
+		return nil
+	}
+	tpl, err := n.Store.GetTemplate(context.Background(), "base")
+	if err != nil {
+		b.Fatal(err)
+	}
+	bundle := b.TempDir()
+	spec := exec.Command(runc, "spec", "--bundle", bundle)
+	if out, err := spec.CombinedOutput(); err != nil {
+		b.Fatalf("runc spec: %v %s", err, out)
+	}
+	cfgPath := filepath.Join(bundle, "config.json")
+	cfg, _ := os.ReadFile(cfgPath)
+	s := strings.Replace(string(cfg), `"path": "rootfs"`, fmt.Sprintf(`"path": %q`, tpl.RootFS), 1)
+	s = strings.Replace(s, `"terminal": true`, `"terminal": false`, 1)
+	s = strings.Replace(s, `"sh"`, `"/bin/true"`, 1)
+	os.WriteFile(cfgPath, []byte(s), 0o644)
+	var d dist
+	var mu sync.Mutex
+	for i := 0; i < iterations; i++ {
+		id := fmt.Sprintf("ember-bench-runc-%02d", i)
+		t0 := time.Now()
+		cmd := exec.Command(runc, "--root", filepath.Join(bundle, "state"), "run", "--bundle", bundle, id)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			fmt.Printf("runc run failed (no baseline): %v %s\n", err, out)
+			return nil
+		}
+		mu.Lock()
+		d = append(d, time.Since(t0))
+		mu.Unlock()
+	}
+	return d
+}

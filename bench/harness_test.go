@@ -1,0 +1,222 @@
+// Package bench measures ember on this machine and prints comparable figures (medians and p99,
+// with ratios against baselines measured in the same run). Benchmarks, never timed assertions:
+// the machines are shared and noisy. Run with `make bench` / `make bench-basic` (root, runsc).
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/ember-sandbox/ember/api/gen/process"
+	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
+	"github.com/ember-sandbox/ember/internal/daemon"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/testutil"
+)
+
+// node is an in-process ember node serving its API on loopback.
+type node struct {
+	*daemon.Node
+	url, key, dataDir string
+	srv               *http.Server
+}
+
+var (
+	nodeOnce sync.Once
+	theNode  *node
+	nodeErr  error
+)
+
+func getNode(b *testing.B, poolSize int) *node {
+	b.Helper()
+	testutil.RequireRoot(b)
+	runsc := testutil.Runsc(b)
+	nodeOnce.Do(func() { theNode, nodeErr = startNode(runsc, poolSize) })
+	if nodeErr != nil {
+		b.Fatal(nodeErr)
+	}
+	return theNode
+}
+
+func startNode(runsc string, poolSize int) (*node, error) {
+	root := testutil.RepoRoot()
+	tmp, err := os.MkdirTemp("", "ember-bench-")
+	if err != nil {
+		return nil, err
+	}
+	envd := filepath.Join(tmp, "envd")
+	cmd := exec.Command("go", "build", "-o", envd, "./cmd/envd")
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("build envd: %v: %s", err, out)
+	}
+	cache := os.Getenv("EMBER_CACHE_DIR")
+	if cache == "" {
+		cache = filepath.Join(root, ".cache")
+	}
+	dataDir := filepath.Join(tmp, "data")
+	n, err := daemon.Open(context.Background(), daemon.Config{
+		DataDir: dataDir, CacheDir: cache, Runsc: runsc, Envd: envd, PoolSize: poolSize,
+		Templates: []string{"base"},
+		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Out:       os.Stderr,
+	})
+	if err != nil {
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	srv := &http.Server{Handler: n.Handler}
+	go srv.Serve(ln)
+	key, err := os.ReadFile(filepath.Join(dataDir, "api-key"))
+	if err != nil {
+		return nil, err
+	}
+	return &node{Node: n, url: "http://" + ln.Addr().String(), key: strings.TrimSpace(string(key)), dataDir: dataDir, srv: srv}, nil
+}
+
+func (n *node) api(method, path string, in, out any) (int, error) {
+	var body io.Reader
+	if in != nil {
+		bs, _ := json.Marshal(in)
+		body = bytes.NewReader(bs)
+	}
+	req, _ := http.NewRequest(method, n.url+path, body)
+	req.Header.Set("X-API-Key", n.key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	data, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode/100 != 2 {
+		return resp.StatusCode, fmt.Errorf("%s %s: %d %s", method, path, resp.StatusCode, data)
+	}
+	if out != nil {
+		return resp.StatusCode, json.Unmarshal(data, out)
+	}
+	return resp.StatusCode, nil
+}
+
+type hdr struct{ id, token string }
+
+func (h hdr) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context())
+	r.Header.Set("E2b-Sandbox-Id", h.id)
+	r.Header.Set("E2b-Sandbox-Port", "49983")
+	r.Header.Set("X-Access-Token", h.token)
+	return http.DefaultTransport.RoundTrip(r)
+}
+
+// run runs a command line in a sandbox through the API's sandbox plane and returns stdout.
+func (n *node) run(sb *sandbox.Sandbox, cmdline string) (string, error) {
+	pc := processconnect.NewProcessClient(&http.Client{Transport: hdr{sb.ID, sb.AccessToken}}, n.url)
+	no := false
+	stream, err := pc.Start(context.Background(), connect.NewRequest(&process.StartRequest{
+		Process: &process.ProcessConfig{Cmd: "/bin/bash", Args: []string{"-l", "-c", cmdline}}, Stdin: &no}))
+	if err != nil {
+		return "", err
+	}
+	defer stream.Close()
+	var out strings.Builder
+	code := -1
+	for stream.Receive() {
+		ev := stream.Msg().GetEvent()
+		out.Write(ev.GetData().GetStdout())
+		if ev.GetEnd() != nil {
+			code = int(ev.GetEnd().GetExitCode())
+		}
+	}
+	if err := stream.Err(); err != nil {
+		return out.String(), err
+	}
+	if code != 0 {
+		return out.String(), fmt.Errorf("exit %d", code)
+	}
+	return out.String(), nil
+}
+
+// dist is a set of durations.
+type dist []time.Duration
+
+func (d dist) pct(p float64) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	s := append(dist(nil), d...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	i := int(p*float64(len(s)-1) + 0.5)
+	return s[i]
+}
+
+func ms(d time.Duration) string { return strconv.FormatFloat(float64(d.Microseconds())/1000, 'f', 1, 64) }
+
+// report prints one line of figures and records them as benchmark metrics.
+func report(b *testing.B, name string, d dist) {
+	b.Helper()
+	fmt.Printf("%-44s n=%-3d p50=%8s ms  p99=%8s ms\n", name, len(d), ms(d.pct(0.5)), ms(d.pct(0.99)))
+	b.ReportMetric(float64(d.pct(0.5).Microseconds())/1000, strings.ReplaceAll(name, " ", "_")+"_p50_ms")
+}
+
+// memOfProcs sums PSS and private memory (KiB) of the processes whose cmdline contains substr.
+func memOfProcs(substr string) (pssKiB, privKiB int64, count int) {
+	procs, _ := filepath.Glob("/proc/[0-9]*")
+	for _, p := range procs {
+		cl, err := os.ReadFile(p + "/cmdline")
+		if err != nil || !strings.Contains(string(cl), substr) {
+			continue
+		}
+		data, err := os.ReadFile(p + "/smaps_rollup")
+		if err != nil {
+			continue
+		}
+		count++
+		for _, line := range strings.Split(string(data), "\n") {
+			f := strings.Fields(line)
+			if len(f) < 2 {
+				continue
+			}
+			v, _ := strconv.ParseInt(f[1], 10, 64)
+			switch f[0] {
+			case "Pss:":
+				pssKiB += v
+			case "Private_Clean:", "Private_Dirty:":
+				privKiB += v
+			}
+		}
+	}
+	return
+}
+
+// memAvailableKiB reads MemAvailable.
+func memAvailableKiB() int64 {
+	data, _ := os.ReadFile("/proc/meminfo")
+	for _, line := range strings.Split(string(data), "\n") {
+		if strings.HasPrefix(line, "MemAvailable:") {
+			v, _ := strconv.ParseInt(strings.Fields(line)[1], 10, 64)
+			return v
+		}
+	}
+	return 0
+}

@@ -1,0 +1,126 @@
+package gvisor
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// ownCgroupDirs returns the directory of the calling process's cgroup in every mounted hierarchy
+// (cgroup v1 controllers, named hierarchies and v2). runsc resolves a relative CgroupsPath
+// against these, so an instance's cgroups are <dir>/<CgroupParent>/<id>.
+func ownCgroupDirs() []string {
+	type mnt struct{ root, point string }
+	mounts := map[string]mnt{} // controller or "name=x" or "" (v2) -> mount
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		sep := -1
+		for i, x := range fields {
+			if x == "-" {
+				sep = i
+				break
+			}
+		}
+		if sep < 0 || len(fields) < sep+4 || len(fields) < 5 {
+			continue
+		}
+		m := mnt{root: fields[3], point: fields[4]}
+		switch fields[sep+1] {
+		case "cgroup2":
+			mounts[""] = m
+		case "cgroup":
+			for _, o := range strings.Split(fields[sep+3], ",") {
+				mounts[o] = m
+			}
+		}
+	}
+	cg, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return nil
+	}
+	var dirs []string
+	seen := map[string]bool{}
+	for _, line := range strings.Split(strings.TrimSpace(string(cg)), "\n") {
+		parts := strings.SplitN(line, ":", 3)
+		if len(parts) != 3 {
+			continue
+		}
+		for _, ctrl := range strings.Split(parts[1], ",") {
+			m, ok := mounts[ctrl]
+			if !ok {
+				continue
+			}
+			rel := parts[2]
+			if m.root != "/" {
+				rel = strings.TrimPrefix(rel, m.root)
+			}
+			dir := filepath.Join(m.point, rel)
+			if !seen[dir] {
+				seen[dir] = true
+				dirs = append(dirs, dir)
+			}
+			break
+		}
+	}
+	return dirs
+}
+
+// instanceCgroups lists the cgroup directories runsc creates for id.
+func (d *Driver) instanceCgroups(id string) []string {
+	var out []string
+	for _, dir := range d.cgroupDirs {
+		out = append(out, filepath.Join(dir, d.cgroupPath(id)))
+	}
+	return out
+}
+
+// removeCgroups removes the instance's cgroup directories that are left (pitfall: a killed runsc
+// leaves its cgroup v1 directories behind). A directory still busy is retried briefly.
+func (d *Driver) removeCgroups(id string) error {
+	var errs []error
+	for _, dir := range d.instanceCgroups(id) {
+		var err error
+		for i := 0; i < 50; i++ {
+			err = os.Remove(dir)
+			if err == nil || errors.Is(err, fs.ErrNotExist) {
+				err = nil
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("gvisor: remove cgroup: %w", err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// cgroupMemoryLimit reads the instance's memory limit from its cgroup (v1 or v2); 0 if none.
+func (d *Driver) cgroupMemoryLimit(id string) uint64 {
+	for _, dir := range d.instanceCgroups(id) {
+		for _, name := range []string{"memory.limit_in_bytes", "memory.max"} {
+			b, err := os.ReadFile(filepath.Join(dir, name))
+			if err != nil {
+				continue
+			}
+			v, err := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
+			if err != nil {
+				return 0 // "max"
+			}
+			return v
+		}
+	}
+	return 0
+}

@@ -1,0 +1,211 @@
+package gvisor_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/runtime"
+	"github.com/ember-sandbox/ember/internal/runtime/drivertest"
+	"github.com/ember-sandbox/ember/internal/runtime/gvisor"
+	"github.com/ember-sandbox/ember/internal/testutil"
+)
+
+// newDriver makes a driver with a runsc root of its own, for real runsc (root needed).
+func newDriver(t testing.TB, mod func(*gvisor.Config)) *gvisor.Driver {
+	t.Helper()
+	testutil.RequireRoot(t)
+	cfg := gvisor.Config{Runsc: testutil.Runsc(t), Root: filepath.Join(t.TempDir(), "runsc-root")}
+	if mod != nil {
+		mod(&cfg)
+	}
+	d, err := gvisor.New(cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	// runsc bind-mounts the gofers' shared empty network namespace at <root>/null-netns; it
+	// stays for the life of the root. Unmount it so the temp dir can go.
+	t.Cleanup(func() { _ = unix.Unmount(filepath.Join(cfg.Root, "null-netns"), unix.MNT_DETACH) })
+	return d
+}
+
+func TestConformance(t *testing.T) {
+	drivertest.Run(t, func(t *testing.T) runtime.Driver { return newDriver(t, nil) }, nil)
+}
+
+func TestConformanceIgnoreCgroups(t *testing.T) {
+	if testing.Short() {
+		t.Skip("short")
+	}
+	drivertest.Run(t, func(t *testing.T) runtime.Driver {
+		return newDriver(t, func(c *gvisor.Config) { c.IgnoreCgroups = true })
+	}, nil)
+}
+
+func TestNewValidatesConfig(t *testing.T) {
+	tests := []struct {
+		name string
+		cfg  gvisor.Config
+	}{
+		{"missing runsc", gvisor.Config{Runsc: "/nonexistent/runsc"}},
+		{"relative root", gvisor.Config{Runsc: "/bin/true", Root: "rel"}},
+		{"bad compression", gvisor.Config{Runsc: "/bin/true", Root: "/tmp/x", Compression: "zstd"}},
+		{"background needs none", gvisor.Config{Runsc: "/bin/true", Root: "/tmp/x", Compression: "flate-best-speed", RestoreBackground: true}},
+		{"absolute cgroup parent", gvisor.Config{Runsc: "/bin/true", Root: "/tmp/x", CgroupParent: "/ember"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := gvisor.New(tc.cfg); !errors.Is(err, errdefs.ErrInvalid) {
+				t.Errorf("New(%+v) = %v, want ErrInvalid", tc.cfg, err)
+			}
+		})
+	}
+}
+
+func TestInvalidIDs(t *testing.T) {
+	d, err := gvisor.New(gvisor.Config{Runsc: "/bin/true", Root: t.TempDir(), IgnoreCgroups: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"", "UPPER", "a/b", "a_b", "-lead", strings.Repeat("a", 65), "a b"} {
+		t.Run(id, func(t *testing.T) {
+			if _, err := d.State(context.Background(), id); !errors.Is(err, errdefs.ErrInvalid) {
+				t.Errorf("State(%q) = %v, want ErrInvalid", id, err)
+			}
+			if err := d.Delete(context.Background(), id); !errors.Is(err, errdefs.ErrInvalid) {
+				t.Errorf("Delete(%q) = %v, want ErrInvalid", id, err)
+			}
+		})
+	}
+}
+
+// TestBundle checks the OCI spec written for an instance: limits, namespace, logs location.
+func TestBundle(t *testing.T) {
+	d := newDriver(t, nil)
+	rootfs := drivertest.BusyboxRootFS(t)
+	sp := runtime.Spec{ID: "gv-bundle01", RootFS: rootfs, StateDir: t.TempDir(), Args: []string{"/bin/sleep", "1000"}, MemoryMB: 128, CPUCount: 1}
+	ctx := context.Background()
+	if err := d.Start(ctx, sp); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Delete(context.Background(), sp.ID) })
+	b, err := os.ReadFile(filepath.Join(sp.StateDir, "bundle", "config.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{`"limit": 134217728`, `"quota": 100000`, `"type": "network"`, `"path": "` + rootfs + `"`, `"cgroupsPath": "ember/gv-bundle01"`} {
+		if !strings.Contains(string(b), want) {
+			t.Errorf("config.json lacks %s", want)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(sp.StateDir, "logs", "runsc.log")); err != nil {
+		t.Errorf("no per-instance runsc log: %v", err)
+	}
+	st, err := d.Stats(ctx, sp.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.MemoryLimit != 128<<20 {
+		t.Errorf("Stats.MemoryLimit = %d, want %d", st.MemoryLimit, 128<<20)
+	}
+	// The sandbox sees the limit as its total memory.
+	out, _, err := d.Exec(ctx, sp.ID, []string{"sh", "-c", "grep MemTotal /proc/meminfo"})
+	if err != nil || !strings.Contains(string(out), "131072 kB") {
+		t.Errorf("MemTotal inside = %q, %v; want 131072 kB", out, err)
+	}
+}
+
+// TestMemoryLimitEnforced shows what the host cgroup does when a sandbox goes past MemoryMB: the
+// whole sandbox is OOM-killed (gVisor does not kill single processes for a host limit).
+func TestMemoryLimitEnforced(t *testing.T) {
+	d := newDriver(t, nil)
+	sp := runtime.Spec{ID: "gv-memlim01", RootFS: drivertest.BusyboxRootFS(t), StateDir: t.TempDir(), Args: []string{"/bin/sleep", "1000"}, MemoryMB: 64}
+	ctx := context.Background()
+	if err := d.Start(ctx, sp); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Delete(context.Background(), sp.ID) })
+	_, _, _ = d.Exec(ctx, sp.ID, []string{"sh", "-c", "dd if=/dev/zero of=/tmp/big bs=1M count=200"})
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		st, err := d.State(ctx, sp.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.State == runtime.StateStopped {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a sandbox that wrote 200 MiB into memory with a 64 MiB limit still runs")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestExecProcessesDieOnRestore pins a gVisor behaviour callers must know: processes descended
+// from `runsc exec` (Driver.Exec) are killed when an image is restored; processes of the init
+// process (envd) survive.
+func TestExecProcessesDieOnRestore(t *testing.T) {
+	d := newDriver(t, func(c *gvisor.Config) { c.IgnoreCgroups = true })
+	rootfs := drivertest.BusyboxRootFS(t)
+	args := []string{"/bin/sh", "-c", "sleep 1001 & exec sleep 1000000"}
+	sp := runtime.Spec{ID: "gv-execdie1", RootFS: rootfs, StateDir: t.TempDir(), Args: args}
+	ctx := context.Background()
+	if err := d.Start(ctx, sp); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Delete(context.Background(), sp.ID) })
+	if _, code, err := d.Exec(ctx, sp.ID, []string{"sh", "-c", "sleep 1002 </dev/null >/dev/null 2>&1 &"}); err != nil || code != 0 {
+		t.Fatalf("Exec: %d, %v", code, err)
+	}
+	img := t.TempDir()
+	if err := d.Checkpoint(ctx, sp.ID, img, runtime.CheckpointOptions{LeaveRunning: true}); err != nil {
+		t.Fatal(err)
+	}
+	clone := runtime.Spec{ID: "gv-execdie2", RootFS: rootfs, StateDir: t.TempDir(), Args: args}
+	if err := d.Restore(ctx, clone, img); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Delete(context.Background(), clone.ID) })
+	// ps lists zombies as [sleep]; live processes with their arguments.
+	out, _, err := d.Exec(ctx, clone.ID, []string{"ps"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(out), "sleep 1001") || strings.Contains(string(out), "sleep 1002") {
+		t.Errorf("after restore want init's child alive and exec's child dead; ps:\n%s", out)
+	}
+}
+
+// TestSandboxOutlivesCaller checks the sandbox process runs in a session of its own, so killing
+// the daemon (its process group, its session) does not take sandboxes down.
+func TestSandboxOutlivesCaller(t *testing.T) {
+	d := newDriver(t, func(c *gvisor.Config) { c.IgnoreCgroups = true })
+	sp := runtime.Spec{ID: "gv-session1", RootFS: drivertest.BusyboxRootFS(t), StateDir: t.TempDir(), Args: []string{"/bin/sleep", "1000"}}
+	ctx := context.Background()
+	if err := d.Start(ctx, sp); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Delete(context.Background(), sp.ID) })
+	st, err := d.State(ctx, sp.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sid, err := unix.Getsid(st.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if own, _ := unix.Getsid(0); sid == own {
+		t.Errorf("sandbox pid %d is in the caller's session %d", st.Pid, own)
+	}
+	if pgid, _ := unix.Getpgid(st.Pid); pgid == unix.Getpgrp() {
+		t.Errorf("sandbox pid %d is in the caller's process group", st.Pid)
+	}
+}
