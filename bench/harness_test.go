@@ -170,7 +170,9 @@ func (d dist) pct(p float64) time.Duration {
 	return s[i]
 }
 
-func ms(d time.Duration) string { return strconv.FormatFloat(float64(d.Microseconds())/1000, 'f', 1, 64) }
+func ms(d time.Duration) string {
+	return strconv.FormatFloat(float64(d.Microseconds())/1000, 'f', 1, 64)
+}
 
 // report prints one line of figures and records them as benchmark metrics.
 func report(b *testing.B, name string, d dist) {

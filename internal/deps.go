@@ -14,6 +14,6 @@ import (
 	_ "github.com/vishvananda/netns"
 	_ "go.etcd.io/bbolt"
 	_ "golang.org/x/sys/unix"
-	_ "google.golang.org/protobuf/proto"
 	_ "golang.org/x/term"
+	_ "google.golang.org/protobuf/proto"
 )

@@ -53,7 +53,9 @@ func (a *netAdapter) Release(ctx context.Context, index int) error {
 	return a.m.Release(ctx, s)
 }
 
-func (a *netAdapter) Reconcile(ctx context.Context, keep []int) error { return a.m.Reconcile(ctx, keep) }
+func (a *netAdapter) Reconcile(ctx context.Context, keep []int) error {
+	return a.m.Reconcile(ctx, keep)
+}
 
 type builderAdapter struct{ b *template.Builder }
 
@@ -68,7 +70,7 @@ func (a *imageAdapter) Save(ctx context.Context, id, dir string) error {
 	return err
 }
 func (a *imageAdapter) Load(ctx context.Context, id, dir string) error { return a.s.Load(ctx, id, dir) }
-func (a *imageAdapter) Delete(ctx context.Context, id string) error   { return a.s.Delete(ctx, id) }
+func (a *imageAdapter) Delete(ctx context.Context, id string) error    { return a.s.Delete(ctx, id) }
 
 func parsePrefix(s string) (netip.Prefix, error) {
 	p, err := netip.ParsePrefix(s)

@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/api"
@@ -155,15 +156,20 @@ func (n *Node) Close() {
 
 // Serve opens a node and serves the API on cfg.Listen until ctx is done.
 func Serve(ctx context.Context, cfg Config) error {
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return err
+	}
+	defer ln.Close()
+	if cfg.Domain == "" {
+		// <port>-<id>.localhost:<port> reaches host routing without any DNS set-up.
+		cfg.Domain = "localhost:" + strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+	}
 	node, err := Open(ctx, cfg)
 	if err != nil {
 		return err
 	}
 	defer node.Close()
-	ln, err := net.Listen("tcp", cfg.Listen)
-	if err != nil {
-		return err
-	}
 	srv := &http.Server{Handler: node.Handler, ReadHeaderTimeout: 30 * time.Second}
 	srv.Protocols = new(http.Protocols)
 	srv.Protocols.SetHTTP1(true)

@@ -144,8 +144,8 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		DisableCompression:  true,
 	}
 	m := &Manager{
-		cfg:    cfg,
-		log:    cfg.Logger,
+		cfg: cfg,
+		log: cfg.Logger,
 		// envd health and /init calls: no keep-alive, so a connection to a slot's address never
 		// outlives the sandbox that had it (slots and their addresses are reused).
 		client: &http.Client{Transport: &http.Transport{DialContext: dialer.DialContext, DisableKeepAlives: true}},

@@ -53,11 +53,11 @@ type Sandbox struct {
 
 // Placement is where a running sandbox lives on this node. Empty while paused.
 type Placement struct {
-	Driver      string `json:"driver,omitempty"`
-	InstanceID  string `json:"instanceId,omitempty"`
-	SlotIndex   int    `json:"slotIndex"`
-	GuestIP     string `json:"guestIp,omitempty"`
-	StateDir    string `json:"stateDir,omitempty"`
+	Driver     string `json:"driver,omitempty"`
+	InstanceID string `json:"instanceId,omitempty"`
+	SlotIndex  int    `json:"slotIndex"`
+	GuestIP    string `json:"guestIp,omitempty"`
+	StateDir   string `json:"stateDir,omitempty"`
 	// Image is the checkpoint a paused sandbox resumes from.
 	Image string `json:"image,omitempty"`
 }
@@ -105,7 +105,7 @@ type Template struct {
 	// BuildID changes on every rebuild.
 	BuildID string `json:"buildId,omitempty"`
 	// SourceSandbox is the sandbox a snapshot was taken from.
-	SourceSandbox string `json:"sourceSandbox,omitempty"`
+	SourceSandbox string   `json:"sourceSandbox,omitempty"`
 	Names         []string `json:"names,omitempty"`
 }
 

@@ -1,0 +1,234 @@
+// Package api is ember's single HTTP edge. Every request is routed, in E2B's order, either to
+// the sandbox plane (a reverse proxy into the sandbox's envd or any guest port, chosen by the
+// E2b-Sandbox-Id header, a <port>-<id>.<domain> Host, or a signed /files URL) or to the control
+// plane (E2B's REST API plus ember's extras: template builds and API keys), which requires an
+// API key. It translates domain errors into HTTP statuses in one place (writeError) and owns
+// the E2B wire format; it must not reach into the runtime, network or store directly — it only
+// calls sandbox.Service and auth.Keys.
+package api
+
+import (
+	"fmt"
+	"log/slog"
+	"net/http"
+	"net/http/httputil"
+	"regexp"
+	"runtime/debug"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+// DefaultDomain is the sandbox domain when Config.Domain is empty. Browsers and curl resolve
+// every *.localhost name to the loopback address, so with Domain set to "localhost:<port>" the
+// SDK's getHost(port) URLs (http://<port>-<id>.localhost:<port>) reach this server's host
+// routing without any DNS setup. Use a real wildcard domain (and TLS) for Mode B.
+const DefaultDomain = "localhost"
+
+// DefaultClientID is the constant (deprecated) clientID returned in every Sandbox.
+const DefaultClientID = "ember"
+
+// DefaultMaxBodyBytes bounds control-plane JSON request bodies.
+const DefaultMaxBodyBytes = 1 << 20
+
+// Config is the edge's configuration.
+type Config struct {
+	// Domain is returned as `domain` in sandbox responses (the SDK builds getHost() and, without
+	// E2B_SANDBOX_URL, envd URLs from it) and is the suffix of routed hosts
+	// `<port>-<id>[-<clientID>].<Domain>`. It may carry a port ("localhost:3000"); the port is
+	// ignored when matching hosts. Default DefaultDomain.
+	Domain string
+	// MaxBodyBytes bounds control-plane request bodies (413 beyond). Default 1 MiB.
+	MaxBodyBytes int64
+	// ClientID is the constant clientID in responses. Default DefaultClientID.
+	ClientID string
+}
+
+func (c Config) withDefaults() Config {
+	if c.Domain == "" {
+		c.Domain = DefaultDomain
+	}
+	if c.MaxBodyBytes <= 0 {
+		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if c.ClientID == "" {
+		c.ClientID = DefaultClientID
+	}
+	return c
+}
+
+// Headers the SDKs send on every envd request.
+const (
+	HeaderSandboxID   = "E2b-Sandbox-Id"
+	HeaderSandboxPort = "E2b-Sandbox-Port"
+	HeaderNextToken   = "X-Next-Token"
+	HeaderAPIKey      = "X-Api-Key"
+)
+
+type server struct {
+	cfg    Config
+	svc    sandbox.Service
+	keys   *auth.Keys
+	log    *slog.Logger
+	hostRe *regexp.Regexp
+	proxy  *httputil.ReverseProxy
+	routes *router
+}
+
+// New returns the daemon's HTTP handler. Serve it on one port; enabling h2c on the server is
+// harmless and lets HTTP/2 clients in.
+func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) http.Handler {
+	cfg = cfg.withDefaults()
+	if logger == nil {
+		logger = slog.Default()
+	}
+	s := &server{cfg: cfg, svc: svc, keys: keys, log: logger}
+	domainHost := strings.ToLower(cfg.Domain)
+	if h, _, ok := strings.Cut(domainHost, ":"); ok {
+		domainHost = h
+	}
+	s.hostRe = regexp.MustCompile(`^(\d+)-([^.-]+)(-[^.]+)?\.` + regexp.QuoteMeta(domainHost) + `(:\d+)?$`)
+	s.proxy = s.newProxy()
+	s.routes = s.controlRoutes()
+	return s
+}
+
+// ServeHTTP routes one request (E2B-PROTOCOL §1.5): header, then Host, then /files signature,
+// else control plane.
+func (s *server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	defer s.recoverPanic(w, r)
+
+	if vals, ok := r.Header[HeaderSandboxID]; ok {
+		id := ""
+		if len(vals) > 0 {
+			id = vals[0]
+		}
+		port, err := parsePort(r.Header.Get(HeaderSandboxPort))
+		if err != nil {
+			writeError(w, s.log, r, err)
+			return
+		}
+		s.serveSandbox(w, r, id, port)
+		return
+	}
+	if port, id, ok, err := s.matchHost(r.Host); ok {
+		if err != nil {
+			writeError(w, s.log, r, err)
+			return
+		}
+		s.serveSandbox(w, r, id, port)
+		return
+	}
+	if r.URL.Path == "/files" {
+		if sig := r.URL.Query().Get("signature"); strings.HasPrefix(sig, auth.SignaturePrefix) {
+			s.serveSignedFiles(w, r, sig)
+			return
+		}
+	}
+	s.serveControl(w, r)
+}
+
+// matchHost recognises <port>-<id>[-<clientID>].<domain>[:port]. ok reports a match; err a
+// matched host with an unusable port.
+func (s *server) matchHost(host string) (port int, id string, ok bool, err error) {
+	m := s.hostRe.FindStringSubmatch(strings.ToLower(host))
+	if m == nil {
+		return 0, "", false, nil
+	}
+	port, err = parsePort(m[1])
+	return port, m[2], true, err
+}
+
+// parsePort parses a guest port; "" means envd's port.
+func parsePort(v string) (int, error) {
+	if v == "" {
+		return sandbox.EnvdPort, nil
+	}
+	p, err := strconv.Atoi(v)
+	if err != nil || p < 1 || p > 65535 {
+		return 0, badRequest("invalid sandbox port %q", v)
+	}
+	return p, nil
+}
+
+func (s *server) recoverPanic(w http.ResponseWriter, r *http.Request) {
+	rec := recover()
+	if rec == nil {
+		return
+	}
+	if rec == http.ErrAbortHandler {
+		panic(rec)
+	}
+	s.log.Error("panic in handler", "method", r.Method, "path", r.URL.Path, "panic", fmt.Sprint(rec), "stack", string(debug.Stack()))
+	writeJSONError(w, http.StatusInternalServerError, "internal error")
+}
+
+// serveControl authenticates and dispatches a control-plane request.
+func (s *server) serveControl(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	sw := &statusWriter{ResponseWriter: w}
+	defer func() {
+		s.log.Debug("api request", "method", r.Method, "path", r.URL.Path, "status", sw.status, "duration", time.Since(start))
+	}()
+	if r.URL.Path == "/health" && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
+		writeJSON(sw, http.StatusOK, map[string]string{"status": "ok"})
+		return
+	}
+	if err := s.authenticate(r); err != nil {
+		writeError(sw, s.log, r, err)
+		return
+	}
+	s.routes.serve(sw, r, s.log)
+}
+
+// authenticate checks X-API-Key, falling back to `Authorization: Bearer <key>` when the header
+// is absent (an Authorization header carrying E2B_ACCESS_TOKEN next to a valid X-API-Key is
+// ignored).
+func (s *server) authenticate(r *http.Request) error {
+	key := r.Header.Get(HeaderAPIKey)
+	if key == "" {
+		if v := r.Header.Get("Authorization"); len(v) > 7 && strings.EqualFold(v[:7], "bearer ") {
+			key = strings.TrimSpace(v[7:])
+		}
+	}
+	if key == "" {
+		return &httpError{status: http.StatusUnauthorized, msg: "Invalid API key"}
+	}
+	if err := s.keys.Verify(r.Context(), key); err != nil {
+		if http.StatusUnauthorized == statusOf(err) {
+			return &httpError{status: http.StatusUnauthorized, msg: "Invalid API key"}
+		}
+		return err
+	}
+	return nil
+}
+
+// statusWriter records the status for the access log; Unwrap keeps Flush and friends working
+// through http.ResponseController.
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (w *statusWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *statusWriter) Write(b []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *statusWriter) Flush() {
+	_ = http.NewResponseController(w.ResponseWriter).Flush()
+}
+
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }

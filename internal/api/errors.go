@@ -1,0 +1,80 @@
+package api
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+)
+
+// errorBody is E2B's error shape. The JS SDK reads `code` from the body (not the status) to
+// tell 404 and 409 apart, so code always equals the HTTP status.
+type errorBody struct {
+	Code    int    `json:"code"`
+	Message string `json:"message"`
+}
+
+// httpError is an error the edge itself decides (bad input, auth, routing), with its status.
+type httpError struct {
+	status int
+	msg    string
+}
+
+func (e *httpError) Error() string { return e.msg }
+
+func badRequest(format string, args ...any) error {
+	return &httpError{status: http.StatusBadRequest, msg: fmt.Sprintf(format, args...)}
+}
+
+func notFound(format string, args ...any) error {
+	return &httpError{status: http.StatusNotFound, msg: fmt.Sprintf(format, args...)}
+}
+
+// statusOf is the one place errors become HTTP statuses.
+func statusOf(err error) int {
+	var he *httpError
+	if errors.As(err, &he) {
+		return he.status
+	}
+	var mbe *http.MaxBytesError
+	if errors.As(err, &mbe) {
+		return http.StatusRequestEntityTooLarge
+	}
+	return errdefs.HTTPStatus(err)
+}
+
+// writeError writes err as {"code","message"} with the matching status. 500s hide the detail
+// from the caller and log it.
+func writeError(w http.ResponseWriter, log *slog.Logger, r *http.Request, err error) {
+	status := statusOf(err)
+	msg := err.Error()
+	switch {
+	case status == http.StatusInternalServerError:
+		log.Error("api error", "method", r.Method, "path", r.URL.Path, "err", err)
+		msg = "internal error"
+	case status >= 500:
+		log.Warn("api error", "method", r.Method, "path", r.URL.Path, "status", status, "err", err)
+	case status == http.StatusTooManyRequests:
+		// The SDKs retry a 429 only when Retry-After is an integer number of seconds.
+		w.Header().Set("Retry-After", "1")
+	}
+	writeJSONError(w, status, msg)
+}
+
+func writeJSONError(w http.ResponseWriter, status int, msg string) {
+	writeJSON(w, status, errorBody{Code: status, Message: msg})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		status = http.StatusInternalServerError
+		b, _ = json.Marshal(errorBody{Code: status, Message: "internal error: encode response"})
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(append(b, '\n'))
+}

@@ -1,0 +1,153 @@
+package api
+
+import (
+	"context"
+	"crypto/subtle"
+	"errors"
+	"log/slog"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+
+	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+type proxyTargetKey struct{}
+
+// notRunningBody is the 502 the SDKs read as "sandbox not running".
+type notRunningBody struct {
+	Code      int    `json:"code"`
+	Message   string `json:"message"`
+	SandboxID string `json:"sandboxId"`
+}
+
+func writeNotRunning(w http.ResponseWriter, id string) {
+	writeJSON(w, http.StatusBadGateway, notRunningBody{
+		Code:      http.StatusBadGateway,
+		Message:   "sandbox " + quoteID(id) + " is not running or does not exist",
+		SandboxID: id,
+	})
+}
+
+// quoteID keeps hostile ids out of messages' structure and bounds their length.
+func quoteID(id string) string {
+	if len(id) > 64 {
+		id = id[:64] + "…"
+	}
+	return `"` + url.PathEscape(id) + `"`
+}
+
+func (s *server) newProxy() *httputil.ReverseProxy {
+	transport := s.svc.GuestTransport()
+	if transport == nil {
+		transport = http.DefaultTransport
+	}
+	return &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			target := pr.In.Context().Value(proxyTargetKey{}).(*url.URL)
+			pr.SetURL(target)
+			// Keep the Host the client used: apps behind the proxy see their public name.
+			pr.Out.Host = pr.In.Host
+			pr.SetXForwarded()
+		},
+		Transport:     transport,
+		FlushInterval: -1, // flush every write: Connect streams must not be buffered
+		ErrorLog:      slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			if errors.Is(err, context.Canceled) || r.Context().Err() != nil {
+				return // the client went away
+			}
+			id, _ := r.Context().Value(proxySandboxKey{}).(string)
+			s.log.Debug("sandbox proxy error", "sandbox_id", id, "err", err)
+			writeNotRunning(w, id)
+		},
+	}
+}
+
+type proxySandboxKey struct{}
+
+// serveSandbox proxies r to port of sandbox id. Anything that stops the request reaching a
+// running sandbox answers 502.
+func (s *server) serveSandbox(w http.ResponseWriter, r *http.Request, id string, port int) {
+	if !validSandboxID(id) {
+		writeNotRunning(w, id)
+		return
+	}
+	base, err := s.svc.GuestURL(r.Context(), id, port)
+	if err != nil {
+		if statusOf(err) == http.StatusInternalServerError {
+			s.log.Warn("guest url", "sandbox_id", id, "port", port, "err", err)
+		}
+		writeNotRunning(w, id)
+		return
+	}
+	target, err := url.Parse(base)
+	if err != nil || target.Host == "" {
+		s.log.Error("bad guest url", "sandbox_id", id, "url", base, "err", err)
+		writeNotRunning(w, id)
+		return
+	}
+	ctx := context.WithValue(r.Context(), proxyTargetKey{}, target)
+	ctx = context.WithValue(ctx, proxySandboxKey{}, id)
+	s.proxy.ServeHTTP(w, r.WithContext(ctx))
+}
+
+// serveSignedFiles routes an uploadUrl()/downloadUrl() request, which carries no headers, to
+// the sandbox whose access token produced its signature.
+func (s *server) serveSignedFiles(w http.ResponseWriter, r *http.Request, sig string) {
+	q := r.URL.Query()
+	op := auth.OperationForMethod(r.Method)
+	if op == "" {
+		w.Header().Set("Allow", "GET, POST")
+		writeJSONError(w, http.StatusMethodNotAllowed, "method "+r.Method+" not allowed on /files")
+		return
+	}
+	exp, err := auth.ParseSignatureExpiration(q.Get("signature_expiration"))
+	if err != nil {
+		writeError(w, s.log, r, err)
+		return
+	}
+	path, user := q.Get("path"), q.Get("username")
+	sbxs, err := s.svc.List(r.Context(), sandbox.ListFilter{
+		States: []sandbox.State{sandbox.StateRunning, sandbox.StatePaused},
+	})
+	if err != nil {
+		writeError(w, s.log, r, err)
+		return
+	}
+	for _, sbx := range sbxs {
+		if sbx.AccessToken == "" {
+			continue
+		}
+		want := auth.FileSignature(path, op, user, sbx.AccessToken, exp)
+		if subtle.ConstantTimeCompare([]byte(want), []byte(sig)) != 1 {
+			continue
+		}
+		if err := auth.VerifyFileSignature(sig, path, op, user, sbx.AccessToken, exp); err != nil {
+			writeJSONError(w, http.StatusUnauthorized, "signature expired")
+			return
+		}
+		if sbx.State != sandbox.StateRunning {
+			writeNotRunning(w, sbx.ID)
+			return
+		}
+		s.serveSandbox(w, r, sbx.ID, sandbox.EnvdPort)
+		return
+	}
+	writeError(w, s.log, r, &httpError{status: http.StatusUnauthorized, msg: "invalid signature"})
+}
+
+// validSandboxID: ember's sandbox ids are [a-z0-9]+ (no '-', so hosts stay unambiguous).
+func validSandboxID(id string) bool {
+	if id == "" || len(id) > 64 {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		c := id[i]
+		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9') {
+			return false
+		}
+	}
+	return true
+}

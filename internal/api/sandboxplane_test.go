@@ -1,0 +1,247 @@
+package api
+
+import (
+	"bufio"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+func TestRoutingPrecedence(t *testing.T) {
+	e := newEnv(t)
+	a := e.fake.add(sandbox.StateRunning, nil)
+	b := e.fake.add(sandbox.StateRunning, nil)
+	sigA := auth.FileSignature("/a.txt", auth.OpRead, "", a.AccessToken, 0)
+	sigAWrite := auth.FileSignature("/up.txt", auth.OpWrite, "root", a.AccessToken, time.Now().Unix()+60)
+	sigB := auth.FileSignature("/a.txt", auth.OpRead, "", b.AccessToken, 0)
+
+	tests := []struct {
+		name     string
+		method   string
+		path     string
+		hdr      []string
+		wantHit  string // "id:port" the guest was reached for; "" = control plane
+		wantCode int
+	}{
+		{"header routes to envd port by default", "GET", "/health", []string{"E2b-Sandbox-Id", a.ID}, a.ID + ":49983", 200},
+		{"header with port", "GET", "/", []string{"E2b-Sandbox-Id", a.ID, "E2b-Sandbox-Port", "8080"}, a.ID + ":8080", 200},
+		{"header beats host", "GET", "/x", []string{"E2b-Sandbox-Id", a.ID, "Host", "3000-" + b.ID + ".ember.test"}, a.ID + ":49983", 200},
+		{"header beats signature", "GET", "/files?path=/a.txt&signature=" + url.QueryEscape(sigB), []string{"E2b-Sandbox-Id", a.ID}, a.ID + ":49983", 200},
+		{"header beats control paths", "GET", "/sandboxes", []string{"E2b-Sandbox-Id", a.ID}, a.ID + ":49983", 200},
+		{"host", "GET", "/", []string{"Host", "3000-" + b.ID + ".ember.test"}, b.ID + ":3000", 200},
+		{"host with port", "GET", "/", []string{"Host", "3000-" + b.ID + ".ember.test:3000"}, b.ID + ":3000", 200},
+		{"host upper case", "GET", "/", []string{"Host", "3000-" + strings.ToUpper(b.ID) + ".EMBER.test"}, b.ID + ":3000", 200},
+		{"legacy host with clientID", "GET", "/", []string{"Host", "49983-" + b.ID + "-ember.ember.test:3000"}, b.ID + ":49983", 200},
+		{"host beats signature", "GET", "/files?path=/a.txt&signature=" + url.QueryEscape(sigA), []string{"Host", "49983-" + b.ID + ".ember.test"}, b.ID + ":49983", 200},
+		{"signature read", "GET", "/files?path=%2Fa.txt&signature=" + url.QueryEscape(sigA), nil, a.ID + ":49983", 200},
+		{"signature picks the other sandbox", "GET", "/files?path=/a.txt&signature=" + url.QueryEscape(sigB), nil, b.ID + ":49983", 200},
+		{"signature write with user and expiry", "POST", "/files?username=root&path=%2Fup.txt&signature=" + url.QueryEscape(sigAWrite) +
+			"&signature_expiration=" + itoa(time.Now().Unix()+60), nil, a.ID + ":49983", 200},
+		{"other domain is control plane", "GET", "/", []string{"Host", "3000-" + b.ID + ".other.test"}, "", 401},
+		{"api host is control plane", "GET", "/v2/sandboxes", []string{"Host", "api.ember.test:3000"}, "", 401},
+		{"files without signature is control plane", "GET", "/files?path=/a.txt", nil, "", 401},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			before := len(e.fake.hits())
+			r := e.do(tt.method, tt.path, "", tt.hdr...)
+			if r.status != tt.wantCode {
+				t.Fatalf("status %d, want %d: %s", r.status, tt.wantCode, r.body)
+			}
+			hits := e.fake.hits()[before:]
+			if tt.wantHit == "" {
+				if len(hits) != 0 {
+					t.Fatalf("reached the sandbox plane %v, want control plane", hits)
+				}
+				r.wantError(t, http.StatusUnauthorized)
+				return
+			}
+			if !slices.Equal(hits, []string{tt.wantHit}) {
+				t.Fatalf("guest hits %v, want [%s]", hits, tt.wantHit)
+			}
+		})
+	}
+}
+
+func TestProxyKeepsRequest(t *testing.T) {
+	e := newEnv(t)
+	a := e.fake.add(sandbox.StateRunning, nil)
+	big := strings.Repeat("x", 3<<20) // beyond the control plane's body limit: not applied here
+	r := e.do("POST", "/filesystem.Filesystem/ListDir?a=1&b=%2F", big,
+		"E2b-Sandbox-Id", a.ID, "E2b-Sandbox-Port", "49983", "X-Access-Token", a.AccessToken)
+	if r.status != 200 {
+		t.Fatalf("status %d: %.200s", r.status, r.body)
+	}
+	var echo guestEcho
+	r.json(t, &echo)
+	if echo.Method != "POST" || echo.Path != "/filesystem.Filesystem/ListDir" || echo.Query != "a=1&b=%2F" {
+		t.Fatalf("guest saw %s %s ?%s", echo.Method, echo.Path, echo.Query)
+	}
+	if echo.Token != a.AccessToken || echo.SandboxID != a.ID {
+		t.Fatalf("guest headers: token %q sandbox %q", echo.Token, echo.SandboxID)
+	}
+	if len(echo.Body) != len(big) {
+		t.Fatalf("guest got %d body bytes, want %d", len(echo.Body), len(big))
+	}
+	if !strings.HasPrefix(echo.Host, "127.0.0.1:") {
+		t.Fatalf("guest saw Host %q, want the client's Host", echo.Host)
+	}
+}
+
+func TestSandboxPlaneNotRunning(t *testing.T) {
+	e := newEnv(t)
+	paused := e.fake.add(sandbox.StatePaused, nil)
+	killed := e.fake.add(sandbox.StateRunning, nil)
+	e.fake.Kill(t.Context(), killed.ID)
+	down := e.fake.add(sandbox.StateRunning, nil)
+
+	tests := []struct {
+		name string
+		hdr  []string
+		want int
+	}{
+		{"unknown", []string{"E2b-Sandbox-Id", "nosuch"}, 502},
+		{"paused", []string{"E2b-Sandbox-Id", paused.ID}, 502},
+		{"killed", []string{"E2b-Sandbox-Id", killed.ID}, 502},
+		{"empty id", []string{"E2b-Sandbox-Id", ""}, 502},
+		{"odd characters", []string{"E2b-Sandbox-Id", "../etc"}, 502},
+		{"debug sandbox id", []string{"E2b-Sandbox-Id", "debug_sandbox_id"}, 502},
+		{"upper case", []string{"E2b-Sandbox-Id", "ABC"}, 502},
+		{"host unknown", []string{"Host", "49983-nosuch.ember.test"}, 502},
+		{"host paused", []string{"Host", "3000-" + paused.ID + ".ember.test"}, 502},
+		{"bad port header", []string{"E2b-Sandbox-Id", paused.ID, "E2b-Sandbox-Port", "http"}, 400},
+		{"port out of range", []string{"E2b-Sandbox-Id", paused.ID, "E2b-Sandbox-Port", "70000"}, 400},
+		{"host port out of range", []string{"Host", "99999-" + paused.ID + ".ember.test"}, 400},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := e.do("GET", "/health", "", tt.hdr...)
+			r.wantError(t, tt.want)
+		})
+	}
+
+	t.Run("guest unreachable", func(t *testing.T) {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr := l.Addr().String()
+		l.Close()
+		e.fake.mu.Lock()
+		e.fake.guestURL = "http://" + addr
+		e.fake.mu.Unlock()
+		r := e.do("GET", "/health", "", "E2b-Sandbox-Id", down.ID)
+		r.wantError(t, 502)
+	})
+}
+
+func TestSignatureRoutingRejects(t *testing.T) {
+	e := newEnv(t)
+	a := e.fake.add(sandbox.StateRunning, nil)
+	p := e.fake.add(sandbox.StatePaused, nil)
+	past := time.Now().Unix() - 10
+	tests := []struct {
+		name   string
+		method string
+		query  string
+		want   int
+	}{
+		{"wrong token", "GET", "path=/a&signature=" + url.QueryEscape(auth.FileSignature("/a", "read", "", "tok-other", 0)), 401},
+		{"other path", "GET", "path=/b&signature=" + url.QueryEscape(auth.FileSignature("/a", "read", "", a.AccessToken, 0)), 401},
+		{"read signature used to write", "POST", "path=/a&signature=" + url.QueryEscape(auth.FileSignature("/a", "read", "", a.AccessToken, 0)), 401},
+		{"expired", "GET", "path=/a&signature_expiration=" + itoa(past) + "&signature=" + url.QueryEscape(auth.FileSignature("/a", "read", "", a.AccessToken, past)), 401},
+		{"bad expiration", "GET", "path=/a&signature_expiration=soon&signature=v1_x", 400},
+		{"garbage", "GET", "path=/a&signature=v1_%00%ff", 401},
+		{"paused sandbox", "GET", "path=/a&signature=" + url.QueryEscape(auth.FileSignature("/a", "read", "", p.AccessToken, 0)), 502},
+		{"method", "DELETE", "path=/a&signature=" + url.QueryEscape(auth.FileSignature("/a", "read", "", a.AccessToken, 0)), 405},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := e.do(tt.method, "/files?"+tt.query, "")
+			r.wantError(t, tt.want)
+			if len(e.fake.hits()) != 0 {
+				t.Fatalf("guest reached: %v", e.fake.hits())
+			}
+		})
+	}
+}
+
+// The proxy must not buffer: the SDK blocks on the first Connect envelope of a stream.
+func TestProxyStreamsWithoutBuffering(t *testing.T) {
+	e := newEnv(t)
+	a := e.fake.add(sandbox.StateRunning, nil)
+	req, _ := http.NewRequest("POST", e.api.URL+"/stream", strings.NewReader("{}"))
+	req.Header.Set("E2b-Sandbox-Id", a.ID)
+	res, err := e.api.Client().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	br := bufio.NewReader(res.Body)
+	got := make(chan string, 1)
+	go func() {
+		line, _ := br.ReadString('\n')
+		got <- line
+	}()
+	select {
+	case line := <-got:
+		if line != "chunk1\n" {
+			t.Fatalf("first chunk %q", line)
+		}
+	case <-time.After(5 * time.Second):
+		close(e.guest.release)
+		t.Fatal("first chunk did not arrive while the guest was still streaming: the proxy buffers")
+	}
+	close(e.guest.release)
+	rest, err := io.ReadAll(br)
+	if err != nil || string(rest) != "chunk2\n" {
+		t.Fatalf("rest %q err %v", rest, err)
+	}
+}
+
+func TestProxyWebSocketUpgrade(t *testing.T) {
+	e := newEnv(t)
+	a := e.fake.add(sandbox.StateRunning, nil)
+	conn, err := net.DialTimeout("tcp", strings.TrimPrefix(e.api.URL, "http://"), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+	_, err = io.WriteString(conn, "GET /ws HTTP/1.1\r\nHost: 3000-"+a.ID+".ember.test:3000\r\n"+
+		"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	br := bufio.NewReader(conn)
+	res, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.StatusCode != http.StatusSwitchingProtocols || !strings.EqualFold(res.Header.Get("Upgrade"), "websocket") {
+		t.Fatalf("upgrade answered %d %v", res.StatusCode, res.Header)
+	}
+	for _, msg := range []string{"hello", "again"} {
+		if _, err := io.WriteString(conn, msg); err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, len(msg))
+		if _, err := io.ReadFull(br, buf); err != nil {
+			t.Fatal(err)
+		}
+		if string(buf) != msg {
+			t.Fatalf("echo %q, want %q", buf, msg)
+		}
+	}
+	if hits := e.fake.hits(); !slices.Equal(hits, []string{a.ID + ":3000"}) {
+		t.Fatalf("hits %v", hits)
+	}
+}

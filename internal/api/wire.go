@@ -1,0 +1,225 @@
+package api
+
+import (
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+// E2B wire types (E2B-PROTOCOL §2). Every field the SDKs' generated models mark required is
+// always present.
+
+type newSandboxRequest struct {
+	TemplateID          string            `json:"templateID"`
+	Timeout             *int64            `json:"timeout"`
+	Metadata            map[string]string `json:"metadata"`
+	EnvVars             map[string]string `json:"envVars"`
+	AllowInternetAccess *bool             `json:"allow_internet_access"`
+	AutoPause           *bool             `json:"autoPause"`
+	Secure              *bool             `json:"secure"`
+}
+
+type sandboxJSON struct {
+	SandboxID          string  `json:"sandboxID"`
+	TemplateID         string  `json:"templateID"`
+	ClientID           string  `json:"clientID"`
+	EnvdVersion        string  `json:"envdVersion"`
+	EnvdAccessToken    string  `json:"envdAccessToken,omitempty"`
+	Domain             string  `json:"domain"`
+	TrafficAccessToken *string `json:"trafficAccessToken"`
+	Alias              string  `json:"alias,omitempty"`
+}
+
+type volumeMountJSON struct {
+	Name string `json:"name"`
+	Path string `json:"path"`
+}
+
+type listedSandboxJSON struct {
+	SandboxID    string            `json:"sandboxID"`
+	TemplateID   string            `json:"templateID"`
+	Alias        string            `json:"alias,omitempty"`
+	ClientID     string            `json:"clientID"`
+	CPUCount     int               `json:"cpuCount"`
+	MemoryMB     int               `json:"memoryMB"`
+	DiskSizeMB   int               `json:"diskSizeMB"`
+	StartedAt    time.Time         `json:"startedAt"`
+	EndAt        time.Time         `json:"endAt"`
+	EnvdVersion  string            `json:"envdVersion"`
+	State        string            `json:"state"`
+	Metadata     map[string]string `json:"metadata"`
+	VolumeMounts []volumeMountJSON `json:"volumeMounts"`
+}
+
+type lifecycleJSON struct {
+	OnTimeout  string `json:"onTimeout"`
+	AutoResume bool   `json:"autoResume"`
+}
+
+type sandboxDetailJSON struct {
+	listedSandboxJSON
+	EnvdAccessToken     string         `json:"envdAccessToken,omitempty"`
+	Domain              string         `json:"domain"`
+	AllowInternetAccess *bool          `json:"allowInternetAccess"`
+	Network             map[string]any `json:"network"`
+	Lifecycle           lifecycleJSON  `json:"lifecycle"`
+}
+
+type metricJSON struct {
+	Timestamp     time.Time `json:"timestamp"`
+	TimestampUnix int64     `json:"timestampUnix"`
+	CPUCount      int       `json:"cpuCount"`
+	CPUUsedPct    float64   `json:"cpuUsedPct"`
+	MemUsed       uint64    `json:"memUsed"`
+	MemTotal      uint64    `json:"memTotal"`
+	MemCache      uint64    `json:"memCache"`
+	DiskUsed      uint64    `json:"diskUsed"`
+	DiskTotal     uint64    `json:"diskTotal"`
+}
+
+type snapshotJSON struct {
+	SnapshotID string    `json:"snapshotID"`
+	Names      []string  `json:"names"`
+	SandboxID  string    `json:"sandboxID,omitempty"`
+	CreatedAt  time.Time `json:"createdAt"`
+}
+
+type createSnapshotResponse struct {
+	SnapshotID string   `json:"snapshotID"`
+	Names      []string `json:"names"`
+}
+
+type templateJSON struct {
+	TemplateID    string     `json:"templateID"`
+	BuildID       string     `json:"buildID"`
+	CPUCount      int        `json:"cpuCount"`
+	MemoryMB      int        `json:"memoryMB"`
+	DiskSizeMB    int        `json:"diskSizeMB"`
+	Public        bool       `json:"public"`
+	Aliases       []string   `json:"aliases"`
+	Names         []string   `json:"names"`
+	CreatedAt     time.Time  `json:"createdAt"`
+	UpdatedAt     time.Time  `json:"updatedAt"`
+	CreatedBy     *string    `json:"createdBy"`
+	LastSpawnedAt *time.Time `json:"lastSpawnedAt"`
+	SpawnCount    int        `json:"spawnCount"`
+	BuildCount    int        `json:"buildCount"`
+	EnvdVersion   string     `json:"envdVersion"`
+	BuildStatus   string     `json:"buildStatus"`
+	Kind          string     `json:"kind"`
+}
+
+type forkResultJSON struct {
+	Sandbox *sandboxJSON `json:"sandbox,omitempty"`
+	Error   *errorBody   `json:"error,omitempty"`
+}
+
+func (s *server) toSandbox(sb *sandbox.Sandbox) sandboxJSON {
+	return sandboxJSON{
+		SandboxID:       sb.ID,
+		TemplateID:      sb.TemplateID,
+		ClientID:        s.cfg.ClientID,
+		EnvdVersion:     sandbox.EnvdVersion,
+		EnvdAccessToken: sb.AccessToken,
+		Domain:          s.cfg.Domain,
+		Alias:           sb.Alias,
+	}
+}
+
+func (s *server) toListed(sb *sandbox.Sandbox) listedSandboxJSON {
+	md := sb.Metadata
+	if md == nil {
+		md = map[string]string{}
+	}
+	return listedSandboxJSON{
+		SandboxID:    sb.ID,
+		TemplateID:   sb.TemplateID,
+		Alias:        sb.Alias,
+		ClientID:     s.cfg.ClientID,
+		CPUCount:     sb.CPUCount,
+		MemoryMB:     sb.MemoryMB,
+		DiskSizeMB:   sb.DiskSizeMB,
+		StartedAt:    sb.StartedAt.UTC(),
+		EndAt:        sb.EndAt.UTC(),
+		EnvdVersion:  sandbox.EnvdVersion,
+		State:        string(sb.State),
+		Metadata:     md,
+		VolumeMounts: []volumeMountJSON{},
+	}
+}
+
+func (s *server) toDetail(sb *sandbox.Sandbox) sandboxDetailJSON {
+	onTimeout := "kill"
+	if sb.AutoPause {
+		onTimeout = "pause"
+	}
+	allow := sb.AllowInternet
+	return sandboxDetailJSON{
+		listedSandboxJSON:   s.toListed(sb),
+		EnvdAccessToken:     sb.AccessToken,
+		Domain:              s.cfg.Domain,
+		AllowInternetAccess: &allow,
+		Network:             map[string]any{},
+		Lifecycle:           lifecycleJSON{OnTimeout: onTimeout},
+	}
+}
+
+func toMetric(m sandbox.Metric) metricJSON {
+	return metricJSON{
+		Timestamp:     m.Timestamp.UTC(),
+		TimestampUnix: m.Timestamp.Unix(),
+		CPUCount:      m.CPUCount,
+		CPUUsedPct:    m.CPUUsedPct,
+		MemUsed:       m.MemUsed,
+		MemTotal:      m.MemTotal,
+		MemCache:      m.MemCache,
+		DiskUsed:      m.DiskUsed,
+		DiskTotal:     m.DiskTotal,
+	}
+}
+
+func templateNames(t *sandbox.Template) []string {
+	if len(t.Names) > 0 {
+		return append([]string(nil), t.Names...)
+	}
+	if len(t.Aliases) > 0 {
+		return append([]string(nil), t.Aliases...)
+	}
+	return []string{}
+}
+
+func toSnapshot(t *sandbox.Template) snapshotJSON {
+	return snapshotJSON{
+		SnapshotID: t.ID,
+		Names:      templateNames(t),
+		SandboxID:  t.SourceSandbox,
+		CreatedAt:  t.CreatedAt.UTC(),
+	}
+}
+
+func toTemplate(t *sandbox.Template) templateJSON {
+	aliases := append([]string{}, t.Aliases...)
+	status := "building"
+	if t.Ready {
+		status = "ready"
+	}
+	kind := t.Kind
+	if kind == "" {
+		kind = "template"
+	}
+	return templateJSON{
+		TemplateID:  t.ID,
+		BuildID:     t.ID,
+		CPUCount:    t.CPUCount,
+		MemoryMB:    t.MemoryMB,
+		DiskSizeMB:  t.DiskMB,
+		Aliases:     aliases,
+		Names:       templateNames(t),
+		CreatedAt:   t.CreatedAt.UTC(),
+		UpdatedAt:   t.CreatedAt.UTC(),
+		BuildCount:  1,
+		EnvdVersion: sandbox.EnvdVersion,
+		BuildStatus: status,
+		Kind:        kind,
+	}
+}

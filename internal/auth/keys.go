@@ -1,0 +1,249 @@
+// Package auth owns ember's API keys (E2B-shaped `e2b_<40 hex>` keys, stored only as sha256
+// hashes) and the envd file-URL signatures that let a signed /files URL act as a credential. It
+// must not know about HTTP routing or sandboxes; internal/api calls it and the metadata store
+// implements its Backend.
+package auth
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+)
+
+// KeyPrefix starts every API key, as in E2B (some SDKs check the format `^e2b_[0-9a-f]+$`).
+const KeyPrefix = "e2b_"
+
+// keyHexLen is the number of hex characters after the prefix (20 random bytes).
+const keyHexLen = 40
+
+// KeyFileName is the file in the data directory that holds the initial key.
+const KeyFileName = "api-key"
+
+var keyFormat = regexp.MustCompile(`^e2b_[0-9a-f]{40}$`)
+
+// Key is a stored API key. The plaintext is never stored: Hash is the hex sha256 of it.
+type Key struct {
+	ID        string    `json:"id"`
+	Name      string    `json:"name"`
+	Hash      string    `json:"hash"`
+	Mask      string    `json:"mask"`
+	CreatedAt time.Time `json:"createdAt"`
+}
+
+// Backend persists keys. GetKeyByHash and DeleteKey return an error wrapping errdefs.ErrNotFound
+// when there is no such key.
+type Backend interface {
+	PutKey(ctx context.Context, k *Key) error
+	GetKeyByHash(ctx context.Context, hash string) (*Key, error)
+	ListKeys(ctx context.Context) ([]*Key, error)
+	DeleteKey(ctx context.Context, id string) error
+}
+
+// Keys creates, verifies, lists and revokes API keys.
+type Keys struct {
+	b   Backend
+	now func() time.Time
+}
+
+// NewKeys returns the key service over a backend.
+func NewKeys(b Backend) *Keys {
+	return &Keys{b: b, now: time.Now}
+}
+
+// HashKey returns the stored form of a plaintext key (hex sha256).
+func HashKey(plaintext string) string {
+	sum := sha256.Sum256([]byte(plaintext))
+	return hex.EncodeToString(sum[:])
+}
+
+// ValidKeyFormat reports whether s looks like a key ember issues.
+func ValidKeyFormat(s string) bool { return keyFormat.MatchString(s) }
+
+// MaskKey returns the display form of a key, e.g. "e2b_ab…ef12".
+func MaskKey(plaintext string) string {
+	body := strings.TrimPrefix(plaintext, KeyPrefix)
+	if len(body) < 8 {
+		return KeyPrefix + "…"
+	}
+	return KeyPrefix + body[:2] + "…" + body[len(body)-4:]
+}
+
+// GenerateKey returns a fresh random plaintext key.
+func GenerateKey() (string, error) {
+	b := make([]byte, keyHexLen/2)
+	if _, err := rand.Read(b); err != nil {
+		return "", fmt.Errorf("generate api key: %w", err)
+	}
+	return KeyPrefix + hex.EncodeToString(b), nil
+}
+
+func newKeyID() (string, error) {
+	b := make([]byte, 8)
+	if _, err := rand.Read(b); err != nil {
+		return "", fmt.Errorf("generate key id: %w", err)
+	}
+	return hex.EncodeToString(b), nil
+}
+
+// MaxNameLen bounds a key's name.
+const MaxNameLen = 128
+
+// Create issues a new key. The plaintext is returned once and never again.
+func (k *Keys) Create(ctx context.Context, name string) (string, *Key, error) {
+	plaintext, err := GenerateKey()
+	if err != nil {
+		return "", nil, err
+	}
+	key, err := k.register(ctx, name, plaintext)
+	if err != nil {
+		return "", nil, err
+	}
+	return plaintext, key, nil
+}
+
+func (k *Keys) register(ctx context.Context, name, plaintext string) (*Key, error) {
+	name = strings.TrimSpace(name)
+	if name == "" {
+		name = "default"
+	}
+	if len(name) > MaxNameLen {
+		return nil, fmt.Errorf("key name longer than %d bytes: %w", MaxNameLen, errdefs.ErrInvalid)
+	}
+	id, err := newKeyID()
+	if err != nil {
+		return nil, err
+	}
+	key := &Key{
+		ID:        id,
+		Name:      name,
+		Hash:      HashKey(plaintext),
+		Mask:      MaskKey(plaintext),
+		CreatedAt: k.now().UTC(),
+	}
+	if err := k.b.PutKey(ctx, key); err != nil {
+		return nil, fmt.Errorf("store api key: %w", err)
+	}
+	return key, nil
+}
+
+// Verify returns nil when plaintext is a live key, else an error wrapping
+// errdefs.ErrUnauthorized (or the backend's failure).
+func (k *Keys) Verify(ctx context.Context, plaintext string) error {
+	if !ValidKeyFormat(plaintext) {
+		return fmt.Errorf("malformed api key: %w", errdefs.ErrUnauthorized)
+	}
+	hash := HashKey(plaintext)
+	key, err := k.b.GetKeyByHash(ctx, hash)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return fmt.Errorf("unknown api key: %w", errdefs.ErrUnauthorized)
+	}
+	if err != nil {
+		return fmt.Errorf("look up api key: %w", err)
+	}
+	// The lookup is by hash; compare again in constant time so a backend that matches loosely
+	// (prefix, case) cannot let a wrong key through.
+	if subtle.ConstantTimeCompare([]byte(key.Hash), []byte(hash)) != 1 {
+		return fmt.Errorf("unknown api key: %w", errdefs.ErrUnauthorized)
+	}
+	return nil
+}
+
+// List returns all keys (without plaintext), oldest first as the backend orders them.
+func (k *Keys) List(ctx context.Context) ([]*Key, error) {
+	return k.b.ListKeys(ctx)
+}
+
+// Revoke deletes a key. Revoking the last remaining key is refused (errdefs.ErrConflict) so the
+// daemon cannot be locked out by accident.
+func (k *Keys) Revoke(ctx context.Context, id string) error {
+	keys, err := k.b.ListKeys(ctx)
+	if err != nil {
+		return err
+	}
+	found := false
+	for _, key := range keys {
+		if key.ID == id {
+			found = true
+			break
+		}
+	}
+	if !found {
+		return fmt.Errorf("api key %q: %w", id, errdefs.ErrNotFound)
+	}
+	if len(keys) == 1 {
+		return fmt.Errorf("api key %q is the last one; create another first: %w", id, errdefs.ErrConflict)
+	}
+	return k.b.DeleteKey(ctx, id)
+}
+
+// EnsureInitialKey makes sure at least one key exists. When the store has none it issues one
+// (or re-registers the key already written in <dataDir>/api-key, so a wiped store keeps the
+// user's configured key working), writes it to <dataDir>/api-key with mode 0600 and returns it
+// with created=true so the daemon can print it once. When keys exist it returns "", false.
+func (k *Keys) EnsureInitialKey(ctx context.Context, dataDir string) (plaintext string, created bool, err error) {
+	keys, err := k.b.ListKeys(ctx)
+	if err != nil {
+		return "", false, fmt.Errorf("list api keys: %w", err)
+	}
+	if len(keys) > 0 {
+		return "", false, nil
+	}
+	path := filepath.Join(dataDir, KeyFileName)
+	if b, rerr := os.ReadFile(path); rerr == nil && ValidKeyFormat(strings.TrimSpace(string(b))) {
+		plaintext = strings.TrimSpace(string(b))
+	} else {
+		if plaintext, err = GenerateKey(); err != nil {
+			return "", false, err
+		}
+	}
+	if err := writeFileAtomic(path, []byte(plaintext+"\n"), 0o600); err != nil {
+		return "", false, err
+	}
+	if _, err := k.register(ctx, "initial", plaintext); err != nil {
+		return "", false, err
+	}
+	return plaintext, true, nil
+}
+
+func writeFileAtomic(path string, data []byte, mode os.FileMode) error {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	f, err := os.CreateTemp(dir, ".api-key-*")
+	if err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	tmp := f.Name()
+	defer os.Remove(tmp) // no-op after a successful rename
+	if err := f.Chmod(mode); err != nil {
+		f.Close()
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return nil
+}
