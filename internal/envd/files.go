@@ -1,0 +1,219 @@
+package envd
+
+import (
+	"compress/gzip"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+)
+
+// writeInfo is one entry of the POST /files response.
+type writeInfo struct {
+	Name string `json:"name"`
+	Path string `json:"path"`
+	Type string `json:"type"`
+}
+
+// httpError is an error that carries its HTTP status.
+type httpError struct {
+	status int
+	msg    string
+}
+
+func (e *httpError) Error() string { return e.msg }
+
+func httpErrorf(status int, format string, args ...any) error {
+	return &httpError{status: status, msg: fmt.Sprintf(format, args...)}
+}
+
+func writeHTTPError(w http.ResponseWriter, err error) {
+	var he *httpError
+	switch {
+	case errors.As(err, &he):
+		writeJSONError(w, he.status, he.msg)
+	case errors.Is(err, syscall.ENOSPC):
+		writeJSONError(w, http.StatusInsufficientStorage, "not enough disk space: "+err.Error())
+	case errors.Is(err, errdefs.ErrInvalid):
+		writeJSONError(w, http.StatusBadRequest, err.Error())
+	case errors.Is(err, os.ErrNotExist):
+		writeJSONError(w, http.StatusNotFound, err.Error())
+	case errors.Is(err, os.ErrPermission):
+		writeJSONError(w, http.StatusForbidden, err.Error())
+	default:
+		writeJSONError(w, http.StatusInternalServerError, err.Error())
+	}
+}
+
+// filesAccount resolves the ?username= user, or the default user; unknown users are 401.
+func (s *Server) filesAccount(r *http.Request) (*account, error) {
+	name := r.URL.Query().Get("username")
+	if name == "" {
+		name = s.settings().defaultUser
+	}
+	acct, err := lookupAccount(name)
+	if err != nil {
+		return nil, httpErrorf(http.StatusUnauthorized, "invalid user '%s'", name)
+	}
+	return acct, nil
+}
+
+// getFile serves GET /files?path=: the raw bytes of a regular file.
+func (s *Server) getFile(w http.ResponseWriter, r *http.Request) {
+	acct, err := s.filesAccount(r)
+	if err != nil {
+		writeHTTPError(w, err)
+		return
+	}
+	raw := r.URL.Query().Get("path")
+	if raw == "" {
+		writeJSONError(w, http.StatusBadRequest, "path is required")
+		return
+	}
+	path := acct.resolvePath(raw)
+	f, err := os.Open(path)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			writeJSONError(w, http.StatusNotFound, fmt.Sprintf("path '%s' does not exist", path))
+			return
+		}
+		writeHTTPError(w, err)
+		return
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		writeHTTPError(w, err)
+		return
+	}
+	if fi.IsDir() {
+		writeJSONError(w, http.StatusBadRequest, fmt.Sprintf("path '%s' is a directory", path))
+		return
+	}
+	w.Header().Set("Content-Type", "application/octet-stream")
+	w.Header().Set("Content-Disposition", mime.FormatMediaType("inline", map[string]string{"filename": fi.Name()}))
+	if !fi.Mode().IsRegular() { // a device or fifo: stream it
+		w.WriteHeader(http.StatusOK)
+		_, _ = io.Copy(w, f)
+		return
+	}
+	http.ServeContent(w, r, "", fi.ModTime(), f)
+}
+
+// postFiles serves POST /files: multipart parts named "file", or an octet-stream body with ?path=.
+func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
+	acct, err := s.filesAccount(r)
+	if err != nil {
+		writeHTTPError(w, err)
+		return
+	}
+	queryPath := r.URL.Query().Get("path")
+	mediaType, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	var written []writeInfo
+
+	switch mediaType {
+	case "multipart/form-data":
+		mr, err := r.MultipartReader()
+		if err != nil {
+			writeJSONError(w, http.StatusBadRequest, "invalid multipart body: "+err.Error())
+			return
+		}
+		for {
+			part, err := mr.NextPart()
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				writeJSONError(w, http.StatusBadRequest, "invalid multipart body: "+err.Error())
+				return
+			}
+			if part.FormName() != "file" {
+				part.Close()
+				continue
+			}
+			// part.FileName() strips directories; the SDK puts the destination path there.
+			_, params, _ := mime.ParseMediaType(part.Header.Get("Content-Disposition"))
+			dest := params["filename"]
+			if queryPath != "" {
+				dest = queryPath
+			}
+			if dest == "" {
+				part.Close()
+				writeJSONError(w, http.StatusBadRequest, "a file part has no filename and the request no path")
+				return
+			}
+			info, err := writeFileAs(acct, acct.resolvePath(dest), part)
+			part.Close()
+			if err != nil {
+				writeHTTPError(w, err)
+				return
+			}
+			written = append(written, info)
+		}
+	default: // application/octet-stream and anything else: the body is the file
+		if queryPath == "" {
+			writeJSONError(w, http.StatusBadRequest, "path is required for a non-multipart upload")
+			return
+		}
+		var body io.Reader = r.Body
+		if strings.EqualFold(r.Header.Get("Content-Encoding"), "gzip") {
+			zr, err := gzip.NewReader(r.Body)
+			if err != nil {
+				writeJSONError(w, http.StatusBadRequest, "invalid gzip body: "+err.Error())
+				return
+			}
+			defer zr.Close()
+			body = zr
+		}
+		info, err := writeFileAs(acct, acct.resolvePath(queryPath), body)
+		if err != nil {
+			writeHTTPError(w, err)
+			return
+		}
+		written = append(written, info)
+	}
+	if len(written) == 0 {
+		writeJSONError(w, http.StatusBadRequest, "no file in the request")
+		return
+	}
+	writeJSON(w, http.StatusOK, written)
+}
+
+// writeFileAs streams body to path (creating parents, replacing the file) owned by acct.
+func writeFileAs(acct *account, path string, body io.Reader) (writeInfo, error) {
+	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
+		return writeInfo{}, httpErrorf(http.StatusBadRequest, "path '%s' is a directory", path)
+	}
+	if err := mkdirAllAs(filepath.Dir(path), acct); err != nil {
+		if errors.Is(err, errdefs.ErrInvalid) {
+			return writeInfo{}, httpErrorf(http.StatusBadRequest, "%s", err.Error())
+		}
+		return writeInfo{}, err
+	}
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+	if err != nil {
+		return writeInfo{}, err
+	}
+	if _, err := io.Copy(f, body); err != nil {
+		f.Close()
+		if errors.Is(err, syscall.ENOSPC) {
+			return writeInfo{}, err
+		}
+		return writeInfo{}, httpErrorf(http.StatusBadRequest, "reading upload of '%s': %v", path, err)
+	}
+	if err := f.Chown(int(acct.UID), int(acct.GID)); err != nil {
+		f.Close()
+		return writeInfo{}, err
+	}
+	if err := f.Close(); err != nil {
+		return writeInfo{}, err
+	}
+	return writeInfo{Name: filepath.Base(path), Path: path, Type: "file"}, nil
+}

@@ -1,0 +1,225 @@
+package envd
+
+import (
+	"context"
+	"errors"
+	"io/fs"
+	"net/http"
+	"os"
+	"path/filepath"
+	"syscall"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	pb "github.com/ember-sandbox/ember/api/gen/filesystem"
+	"github.com/ember-sandbox/ember/api/gen/filesystem/filesystemconnect"
+	"github.com/ember-sandbox/ember/internal/errdefs"
+)
+
+// filesystemService implements filesystem.Filesystem.
+type filesystemService struct{ s *Server }
+
+var _ filesystemconnect.FilesystemHandler = (*filesystemService)(nil)
+
+// fsAccount resolves the acting user of a filesystem RPC; an unknown user is unauthenticated.
+func (f *filesystemService) fsAccount(h http.Header) (*account, error) {
+	name, err := basicUser(h)
+	if err != nil {
+		return nil, connect.NewError(connect.CodeUnauthenticated, err)
+	}
+	if name == "" {
+		name = f.s.settings().defaultUser
+	}
+	acct, err := lookupAccount(name)
+	if err != nil {
+		return nil, connect.NewError(connect.CodeUnauthenticated, err)
+	}
+	return acct, nil
+}
+
+// entryInfo describes path (not following a final symlink).
+func entryInfo(path string, names *nameCache) (*pb.EntryInfo, error) {
+	fi, err := os.Lstat(path)
+	if err != nil {
+		return nil, err
+	}
+	return entryFromInfo(path, fi, names), nil
+}
+
+func entryFromInfo(path string, fi fs.FileInfo, names *nameCache) *pb.EntryInfo {
+	e := &pb.EntryInfo{
+		Name:         fi.Name(),
+		Path:         path,
+		Size:         fi.Size(),
+		Mode:         uint32(fi.Mode().Perm()),
+		Permissions:  fi.Mode().String(),
+		ModifiedTime: timestamppb.New(fi.ModTime()),
+	}
+	switch {
+	case fi.Mode()&fs.ModeSymlink != 0:
+		e.Type = pb.FileType_FILE_TYPE_SYMLINK
+		if target, err := os.Readlink(path); err == nil {
+			e.SymlinkTarget = &target
+		}
+	case fi.IsDir():
+		e.Type = pb.FileType_FILE_TYPE_DIRECTORY
+	default:
+		e.Type = pb.FileType_FILE_TYPE_FILE
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		e.Owner = names.user(st.Uid)
+		e.Group = names.group(st.Gid)
+	}
+	return e
+}
+
+func notFound(path string) error {
+	return connect.NewError(connect.CodeNotFound, errorf(errdefs.ErrNotFound, "path '%s' does not exist", path))
+}
+
+func fsError(path string, err error) error {
+	if errors.Is(err, os.ErrNotExist) {
+		return notFound(path)
+	}
+	return toConnectError(err)
+}
+
+func (f *filesystemService) Stat(_ context.Context, req *connect.Request[pb.StatRequest]) (*connect.Response[pb.StatResponse], error) {
+	acct, err := f.fsAccount(req.Header())
+	if err != nil {
+		return nil, err
+	}
+	path := acct.resolvePath(req.Msg.GetPath())
+	e, err := entryInfo(path, newNameCache())
+	if err != nil {
+		return nil, fsError(path, err)
+	}
+	return connect.NewResponse(&pb.StatResponse{Entry: e}), nil
+}
+
+// mkdirAllAs creates dir and its missing parents, giving the new ones to acct.
+func mkdirAllAs(dir string, acct *account) error {
+	if fi, err := os.Stat(dir); err == nil {
+		if fi.IsDir() {
+			return nil
+		}
+		return errorf(errdefs.ErrInvalid, "path '%s' exists and is not a directory", dir)
+	}
+	parent := filepath.Dir(dir)
+	if parent != dir {
+		if err := mkdirAllAs(parent, acct); err != nil {
+			return err
+		}
+	}
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		if errors.Is(err, os.ErrExist) {
+			return nil
+		}
+		return err
+	}
+	return os.Lchown(dir, int(acct.UID), int(acct.GID))
+}
+
+func (f *filesystemService) MakeDir(_ context.Context, req *connect.Request[pb.MakeDirRequest]) (*connect.Response[pb.MakeDirResponse], error) {
+	acct, err := f.fsAccount(req.Header())
+	if err != nil {
+		return nil, err
+	}
+	path := acct.resolvePath(req.Msg.GetPath())
+	if _, err := os.Lstat(path); err == nil {
+		return nil, connect.NewError(connect.CodeAlreadyExists, errorf(errdefs.ErrConflict, "path '%s' already exists", path))
+	}
+	if err := mkdirAllAs(path, acct); err != nil {
+		return nil, fsError(path, err)
+	}
+	e, err := entryInfo(path, newNameCache())
+	if err != nil {
+		return nil, fsError(path, err)
+	}
+	return connect.NewResponse(&pb.MakeDirResponse{Entry: e}), nil
+}
+
+func (f *filesystemService) Move(_ context.Context, req *connect.Request[pb.MoveRequest]) (*connect.Response[pb.MoveResponse], error) {
+	acct, err := f.fsAccount(req.Header())
+	if err != nil {
+		return nil, err
+	}
+	src := acct.resolvePath(req.Msg.GetSource())
+	dst := acct.resolvePath(req.Msg.GetDestination())
+	if _, err := os.Lstat(src); err != nil {
+		return nil, fsError(src, err)
+	}
+	if err := mkdirAllAs(filepath.Dir(dst), acct); err != nil {
+		return nil, fsError(filepath.Dir(dst), err)
+	}
+	if err := os.Rename(src, dst); err != nil {
+		return nil, fsError(src, err)
+	}
+	e, err := entryInfo(dst, newNameCache())
+	if err != nil {
+		return nil, fsError(dst, err)
+	}
+	return connect.NewResponse(&pb.MoveResponse{Entry: e}), nil
+}
+
+func (f *filesystemService) ListDir(_ context.Context, req *connect.Request[pb.ListDirRequest]) (*connect.Response[pb.ListDirResponse], error) {
+	acct, err := f.fsAccount(req.Header())
+	if err != nil {
+		return nil, err
+	}
+	root := acct.resolvePath(req.Msg.GetPath())
+	depth := int(req.Msg.GetDepth())
+	if depth < 1 {
+		depth = 1
+	}
+	fi, err := os.Stat(root) // follows a symlinked directory
+	if err != nil {
+		return nil, fsError(root, err)
+	}
+	if !fi.IsDir() {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "path '%s' is not a directory", root))
+	}
+	names := newNameCache()
+	var entries []*pb.EntryInfo
+	var walk func(dir string, level int) error
+	walk = func(dir string, level int) error {
+		des, err := os.ReadDir(dir)
+		if err != nil {
+			return err
+		}
+		for _, de := range des {
+			p := filepath.Join(dir, de.Name())
+			info, err := de.Info()
+			if err != nil {
+				continue // removed meanwhile
+			}
+			entries = append(entries, entryFromInfo(p, info, names))
+			if info.IsDir() && level < depth {
+				if err := walk(p, level+1); err != nil && !errors.Is(err, os.ErrNotExist) && !errors.Is(err, os.ErrPermission) {
+					return err
+				}
+			}
+		}
+		return nil
+	}
+	if err := walk(root, 1); err != nil {
+		return nil, fsError(root, err)
+	}
+	return connect.NewResponse(&pb.ListDirResponse{Entries: entries}), nil
+}
+
+func (f *filesystemService) Remove(_ context.Context, req *connect.Request[pb.RemoveRequest]) (*connect.Response[pb.RemoveResponse], error) {
+	acct, err := f.fsAccount(req.Header())
+	if err != nil {
+		return nil, err
+	}
+	path := acct.resolvePath(req.Msg.GetPath())
+	if _, err := os.Lstat(path); err != nil {
+		return nil, fsError(path, err)
+	}
+	if err := os.RemoveAll(path); err != nil {
+		return nil, fsError(path, err)
+	}
+	return connect.NewResponse(&pb.RemoveResponse{}), nil
+}

@@ -1,0 +1,249 @@
+package envd
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/fsnotify/fsnotify"
+
+	pb "github.com/ember-sandbox/ember/api/gen/filesystem"
+	"github.com/ember-sandbox/ember/internal/errdefs"
+)
+
+// dirWatcher turns inotify events under root into FilesystemEvents named relative to root.
+type dirWatcher struct {
+	root         string
+	recursive    bool
+	includeEntry bool
+	w            *fsnotify.Watcher
+	out          *queue[*pb.FilesystemEvent]
+	done         chan struct{}
+	wg           sync.WaitGroup
+}
+
+func newDirWatcher(root string, recursive, includeEntry bool) (*dirWatcher, error) {
+	fi, err := os.Stat(root)
+	if err != nil {
+		return nil, fsError(root, err)
+	}
+	if !fi.IsDir() {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "path '%s' is not a directory", root))
+	}
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		return nil, connect.NewError(connect.CodeInternal, err)
+	}
+	d := &dirWatcher{
+		root: root, recursive: recursive, includeEntry: includeEntry,
+		w: w, out: newQueue[*pb.FilesystemEvent](), done: make(chan struct{}),
+	}
+	if err := d.add(root); err != nil {
+		w.Close()
+		return nil, fsError(root, err)
+	}
+	d.wg.Add(1)
+	go d.run()
+	return d, nil
+}
+
+// add watches dir and, when recursive, every directory below it.
+func (d *dirWatcher) add(dir string) error {
+	if !d.recursive {
+		return d.w.Add(dir)
+	}
+	return filepath.WalkDir(dir, func(p string, de fs.DirEntry, err error) error {
+		if err != nil {
+			if p == dir {
+				return err
+			}
+			return nil
+		}
+		if de.IsDir() {
+			if err := d.w.Add(p); err != nil && p == dir {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+func (d *dirWatcher) run() {
+	defer d.wg.Done()
+	for {
+		select {
+		case <-d.done:
+			return
+		case ev, ok := <-d.w.Events:
+			if !ok {
+				return
+			}
+			d.handle(ev)
+		case _, ok := <-d.w.Errors:
+			if !ok {
+				return
+			}
+		}
+	}
+}
+
+var opTypes = []struct {
+	op fsnotify.Op
+	t  pb.EventType
+}{
+	{fsnotify.Create, pb.EventType_EVENT_TYPE_CREATE},
+	{fsnotify.Write, pb.EventType_EVENT_TYPE_WRITE},
+	{fsnotify.Remove, pb.EventType_EVENT_TYPE_REMOVE},
+	{fsnotify.Rename, pb.EventType_EVENT_TYPE_RENAME},
+	{fsnotify.Chmod, pb.EventType_EVENT_TYPE_CHMOD},
+}
+
+func (d *dirWatcher) handle(ev fsnotify.Event) {
+	if d.recursive && ev.Has(fsnotify.Create) {
+		if fi, err := os.Lstat(ev.Name); err == nil && fi.IsDir() {
+			_ = d.add(ev.Name)
+		}
+	}
+	rel, err := filepath.Rel(d.root, ev.Name)
+	if err != nil {
+		rel = ev.Name
+	}
+	for _, ot := range opTypes {
+		if !ev.Has(ot.op) {
+			continue
+		}
+		fe := &pb.FilesystemEvent{Name: rel, Type: ot.t}
+		if d.includeEntry && ot.op != fsnotify.Remove && ot.op != fsnotify.Rename {
+			if e, err := entryInfo(ev.Name, newNameCache()); err == nil {
+				fe.Entry = e
+			}
+		}
+		d.out.push(fe)
+	}
+}
+
+func (d *dirWatcher) close() {
+	select {
+	case <-d.done:
+		return
+	default:
+	}
+	close(d.done)
+	d.w.Close()
+	d.wg.Wait()
+}
+
+func (f *filesystemService) WatchDir(ctx context.Context, req *connect.Request[pb.WatchDirRequest], stream *connect.ServerStream[pb.WatchDirResponse]) error {
+	acct, err := f.fsAccount(req.Header())
+	if err != nil {
+		return err
+	}
+	d, err := newDirWatcher(acct.resolvePath(req.Msg.GetPath()), req.Msg.GetRecursive(), req.Msg.GetIncludeEntry())
+	if err != nil {
+		return err
+	}
+	defer d.close()
+	if err := stream.Send(&pb.WatchDirResponse{Event: &pb.WatchDirResponse_Start{Start: &pb.WatchDirResponse_StartEvent{}}}); err != nil {
+		return err
+	}
+	var tick <-chan time.Time
+	if iv := keepaliveInterval(req.Header()); iv > 0 {
+		t := time.NewTicker(iv)
+		defer t.Stop()
+		tick = t.C
+	}
+	for {
+		select {
+		case <-d.out.notify:
+			for _, ev := range d.out.take() {
+				if err := stream.Send(&pb.WatchDirResponse{Event: &pb.WatchDirResponse_Filesystem{Filesystem: ev}}); err != nil {
+					return err
+				}
+			}
+		case <-tick:
+			if err := stream.Send(&pb.WatchDirResponse{Event: &pb.WatchDirResponse_Keepalive{Keepalive: &pb.WatchDirResponse_KeepAlive{}}}); err != nil {
+				return err
+			}
+		case <-ctx.Done():
+			if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+				return connect.NewError(connect.CodeDeadlineExceeded, errors.New("watch timeout exceeded"))
+			}
+			return connect.NewError(connect.CodeCanceled, ctx.Err())
+		}
+	}
+}
+
+// watcherRegistry holds the watchers of the polling API (CreateWatcher/GetWatcherEvents).
+type watcherRegistry struct {
+	mu sync.Mutex
+	m  map[string]*dirWatcher
+}
+
+func newWatcherRegistry() *watcherRegistry { return &watcherRegistry{m: map[string]*dirWatcher{}} }
+
+func (r *watcherRegistry) get(id string) (*dirWatcher, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	d, ok := r.m[id]
+	if !ok {
+		return nil, connect.NewError(connect.CodeNotFound, errorf(errdefs.ErrNotFound, "watcher '%s' not found", id))
+	}
+	return d, nil
+}
+
+func (r *watcherRegistry) closeAll() {
+	r.mu.Lock()
+	ws := r.m
+	r.m = map[string]*dirWatcher{}
+	r.mu.Unlock()
+	for _, d := range ws {
+		d.close()
+	}
+}
+
+func (f *filesystemService) CreateWatcher(_ context.Context, req *connect.Request[pb.CreateWatcherRequest]) (*connect.Response[pb.CreateWatcherResponse], error) {
+	acct, err := f.fsAccount(req.Header())
+	if err != nil {
+		return nil, err
+	}
+	d, err := newDirWatcher(acct.resolvePath(req.Msg.GetPath()), req.Msg.GetRecursive(), req.Msg.GetIncludeEntry())
+	if err != nil {
+		return nil, err
+	}
+	b := make([]byte, 16)
+	_, _ = rand.Read(b)
+	id := hex.EncodeToString(b)
+	r := f.s.watchers
+	r.mu.Lock()
+	r.m[id] = d
+	r.mu.Unlock()
+	return connect.NewResponse(&pb.CreateWatcherResponse{WatcherId: id}), nil
+}
+
+func (f *filesystemService) GetWatcherEvents(_ context.Context, req *connect.Request[pb.GetWatcherEventsRequest]) (*connect.Response[pb.GetWatcherEventsResponse], error) {
+	d, err := f.s.watchers.get(req.Msg.GetWatcherId())
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&pb.GetWatcherEventsResponse{Events: d.out.take()}), nil
+}
+
+func (f *filesystemService) RemoveWatcher(_ context.Context, req *connect.Request[pb.RemoveWatcherRequest]) (*connect.Response[pb.RemoveWatcherResponse], error) {
+	r := f.s.watchers
+	d, err := r.get(req.Msg.GetWatcherId())
+	if err != nil {
+		return nil, err
+	}
+	r.mu.Lock()
+	delete(r.m, req.Msg.GetWatcherId())
+	r.mu.Unlock()
+	d.close()
+	return connect.NewResponse(&pb.RemoveWatcherResponse{}), nil
+}
