@@ -91,7 +91,7 @@ type Manager struct {
 	cfg    Config
 	log    *slog.Logger
 	client *http.Client
-	guestT *http.Transport
+	guestT *guestTransports
 
 	mu   sync.Mutex
 	live map[string]*entry // sandboxes by id (running and paused)
@@ -137,12 +137,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		}
 	}
 	dialer := &net.Dialer{Timeout: 3 * time.Second, KeepAlive: 30 * time.Second}
-	guestT := &http.Transport{
-		DialContext:         dialer.DialContext,
-		MaxIdleConnsPerHost: 16,
-		IdleConnTimeout:     30 * time.Second,
-		DisableCompression:  true,
-	}
+	guestT := newGuestTransports()
 	m := &Manager{
 		cfg: cfg,
 		log: cfg.Logger,
@@ -472,6 +467,7 @@ func (m *Manager) launch(ctx context.Context, sb *Sandbox, tpl *Template, image,
 		GuestIP:    slot.GuestIP.String(),
 		StateDir:   spec.StateDir,
 	}
+	m.guestT.open(sb.Runtime.GuestIP)
 	undo.Release()
 	return nil
 }
@@ -558,8 +554,7 @@ func (m *Manager) destroy(ctx context.Context, sb *Sandbox) {
 	if sb.Runtime.StateDir != "" {
 		os.RemoveAll(sb.Runtime.StateDir)
 	}
-	// Idle proxy connections may point at the address this sandbox had.
-	m.guestT.CloseIdleConnections()
+	m.guestT.close(sb.Runtime.GuestIP)
 	if err := os.RemoveAll(m.sandboxDir(sb.ID)); err != nil {
 		log.Warn("remove sandbox dir", "err", err)
 	}
@@ -694,7 +689,7 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry) error {
 		m.logger(sb.ID).Warn("release slot", "err", err)
 	}
 	os.RemoveAll(old.StateDir)
-	m.guestT.CloseIdleConnections()
+	m.guestT.close(old.GuestIP)
 	m.logger(sb.ID).Info("sandbox paused", "ms", time.Since(start).Milliseconds())
 	return nil
 }
@@ -776,6 +771,7 @@ func (m *Manager) launchResume(ctx context.Context, sb *Sandbox, tpl *Template, 
 		GuestIP:    slot.GuestIP.String(),
 		StateDir:   spec.StateDir,
 	}
+	m.guestT.open(sb.Runtime.GuestIP)
 	undo.Release()
 	return nil
 }

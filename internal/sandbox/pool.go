@@ -194,5 +194,6 @@ func (m *Manager) assign(ctx context.Context, sb *Sandbox, pe *pooled, initToken
 		GuestIP:    pe.slot.GuestIP.String(),
 		StateDir:   pe.stateDir,
 	}
+	m.guestT.open(sb.Runtime.GuestIP)
 	return nil
 }

@@ -32,6 +32,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 					keepInstances[sb.Runtime.InstanceID] = true
 					keepDirs[sb.ID] = true
 					m.live[sb.ID] = &entry{sb: sb}
+					m.guestT.open(sb.Runtime.GuestIP)
 					log.Info("re-adopted running sandbox")
 					continue
 				} else {
