@@ -39,7 +39,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzControlPlaneDecode -fuzztime $(FUZZTIME) ./internal/api
 
 sdk: build
-	EMBER_BIN=$(CURDIR)/bin/ember EMBER_CACHE_DIR=$(CURDIR)/.cache bash test/sdk/run.sh
+	EMBER_SDK_LIFECYCLE=1 EMBER_READY_TIMEOUT=900 EMBER_BIN=$(CURDIR)/bin/ember EMBER_CACHE_DIR=$(CURDIR)/.cache bash test/sdk/run.sh
 
 bench-basic: build
 	EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -run '^$$' -bench 'BenchmarkBasic' -benchtime 1x -timeout 30m ./bench/

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Runs the E2B SDK compatibility suite (the unmodified `e2b` npm package, pinned in
+# package-lock.json) against a real ember daemon that this script starts and stops.
+#
+# Environment:
+#   EMBER_BIN            ember binary (default: <repo>/bin/ember)
+#   EMBER_DATA_DIR       data dir holding the built `base` template (default: a fresh temp dir;
+#                        the daemon then builds `base` itself, which is slow)
+#   EMBER_READY_TIMEOUT  seconds to wait for the daemon to answer HTTP (default: 60)
+#   EMBER_SDK_LIFECYCLE  1 = also run the pause/resume/snapshot/fork tests
+#   EMBER_SDK_KEEP_LOG   1 = keep the daemon log even when the tests pass
+# Arguments, if any, are passed to `node --test` instead of the default file list, e.g.
+#   test/sdk/run.sh test/3-files.test.mjs        (paths relative to test/sdk)
+#   test/sdk/run.sh --test-name-pattern=pty test/2-commands.test.mjs
+# Exit status: the test runner's, or 1 if the daemon could not be started.
+set -uo pipefail
+
+SDK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_ROOT="$(cd "$SDK_DIR/../.." && pwd)"
+EMBER_BIN="${EMBER_BIN:-$REPO_ROOT/bin/ember}"
+READY_TIMEOUT="${EMBER_READY_TIMEOUT:-60}"
+
+log() { printf 'sdk-run: %s\n' "$*" >&2; }
+die() { log "$*"; exit 1; }
+
+[[ -x "$EMBER_BIN" ]] || die "EMBER_BIN=$EMBER_BIN is not an executable (build it first: make build)"
+command -v node >/dev/null || die "node is not installed"
+
+if [[ ! -d "$SDK_DIR/node_modules/e2b" ]]; then
+  log "installing the pinned SDK (npm ci)"
+  (cd "$SDK_DIR" && npm ci --no-audit --no-fund --loglevel=error) || die "npm ci failed"
+fi
+
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/ember-sdk.XXXXXX")"
+DAEMON_LOG="$WORK/ember.log"
+CREATED_DATA_DIR=""
+if [[ -z "${EMBER_DATA_DIR:-}" ]]; then
+  EMBER_DATA_DIR="$WORK/data"
+  CREATED_DATA_DIR="$EMBER_DATA_DIR"
+  mkdir -p "$EMBER_DATA_DIR"
+  log "EMBER_DATA_DIR not set: using fresh $EMBER_DATA_DIR (base template will be built, slow)"
+fi
+
+# A free loopback port (the kernel picks it; a tiny race with other processes is acceptable).
+PORT="$(node -e 'const s=require("net").createServer();s.listen(0,"127.0.0.1",()=>{console.log(s.address().port);s.close()})')" \
+  || die "could not pick a free port"
+BASE_URL="http://127.0.0.1:$PORT"
+
+DAEMON_PID=""
+TEST_PID=""
+stop_daemon() {
+  [[ -n "$DAEMON_PID" ]] || return 0
+  if kill -0 "$DAEMON_PID" 2>/dev/null; then
+    kill "$DAEMON_PID" 2>/dev/null
+    for _ in $(seq 1 100); do
+      kill -0 "$DAEMON_PID" 2>/dev/null || break
+      sleep 0.1
+    done
+    if kill -0 "$DAEMON_PID" 2>/dev/null; then
+      log "daemon $DAEMON_PID did not stop within 10 s: SIGKILL"
+      kill -9 "$DAEMON_PID" 2>/dev/null
+    fi
+  fi
+  wait "$DAEMON_PID" 2>/dev/null
+  DAEMON_PID=""
+}
+
+STATUS=1
+finish() {
+  if [[ -n "$TEST_PID" ]] && kill -0 "$TEST_PID" 2>/dev/null; then
+    kill "$TEST_PID" 2>/dev/null
+    wait "$TEST_PID" 2>/dev/null
+  fi
+  stop_daemon
+  if [[ "$STATUS" -ne 0 ]]; then
+    if [[ -s "$DAEMON_LOG" ]]; then
+      log "daemon log tail ($DAEMON_LOG):"
+      tail -n 80 "$DAEMON_LOG" | sed 's/^/  | /' >&2
+    fi
+    log "kept $WORK for inspection"
+  elif [[ "${EMBER_SDK_KEEP_LOG:-0}" == 1 ]]; then
+    log "daemon log: $DAEMON_LOG"
+  else
+    [[ -n "$CREATED_DATA_DIR" ]] && rm -rf "$CREATED_DATA_DIR"
+    rm -f "$DAEMON_LOG"
+    rmdir "$WORK" 2>/dev/null
+  fi
+  exit "$STATUS"
+}
+trap finish EXIT
+trap 'log "interrupted"; STATUS=130; exit 130' INT TERM
+
+log "starting $EMBER_BIN serve --listen 127.0.0.1:$PORT --data-dir $EMBER_DATA_DIR"
+"$EMBER_BIN" serve --listen "127.0.0.1:$PORT" --data-dir "$EMBER_DATA_DIR" >"$DAEMON_LOG" 2>&1 &
+DAEMON_PID=$!
+
+# Ready = the API root answers with any HTTP status, and the API key file exists.
+ready() {
+  node -e '
+    const ac = new AbortController(); setTimeout(() => ac.abort(), 2000).unref();
+    fetch(process.argv[1], { signal: ac.signal }).then(r => r.arrayBuffer()).then(() => process.exit(0), () => process.exit(1));
+  ' "$BASE_URL/" 2>/dev/null && [[ -s "$EMBER_DATA_DIR/api-key" ]]
+}
+deadline=$((SECONDS + READY_TIMEOUT))
+until ready; do
+  kill -0 "$DAEMON_PID" 2>/dev/null || { wait "$DAEMON_PID"; die "daemon exited (status $?) before it was ready"; }
+  (( SECONDS < deadline )) || die "daemon not ready at $BASE_URL (or no $EMBER_DATA_DIR/api-key) after ${READY_TIMEOUT}s"
+  sleep 0.5
+done
+log "daemon $DAEMON_PID ready at $BASE_URL"
+
+E2B_API_KEY="$(tr -d '[:space:]' <"$EMBER_DATA_DIR/api-key")"
+export E2B_API_KEY
+export E2B_API_URL="$BASE_URL"
+export E2B_SANDBOX_URL="$BASE_URL"
+export E2B_DOMAIN="${E2B_DOMAIN:-ember.local}"
+unset E2B_DEBUG E2B_ACCESS_TOKEN
+
+cd "$SDK_DIR" || die "cd $SDK_DIR"
+if [[ $# -gt 0 ]]; then
+  args=("$@")
+else
+  args=(test/*.test.mjs)
+fi
+# In the background + wait, so that SIGINT/SIGTERM reach the trap at once.
+node --test --test-concurrency=1 "${args[@]}" &
+TEST_PID=$!
+wait "$TEST_PID"
+STATUS=$?
+TEST_PID=""
+exit "$STATUS"
