@@ -222,3 +222,19 @@ func memAvailableKiB() int64 {
 	}
 	return 0
 }
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if theNode != nil {
+		theNode.srv.Close()
+		theNode.Close()
+		cleanupDataDir(theNode.dataDir)
+	}
+	os.Exit(code)
+}
+
+// cleanupDataDir removes a test data dir, including the namespace mount runsc keeps in its root.
+func cleanupDataDir(dataDir string) {
+	exec.Command("umount", filepath.Join(dataDir, "runsc", "null-netns")).Run()
+	os.RemoveAll(filepath.Dir(dataDir))
+}

@@ -98,7 +98,8 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
-	ncfg := network.Config{}
+	// A few pre-made slots take the netlink work (~5 ms) off the create path.
+	ncfg := network.Config{PoolSize: 4, Logger: cfg.Logger}
 	if cfg.CIDR != "" {
 		p, err := parsePrefix(cfg.CIDR)
 		if err != nil {

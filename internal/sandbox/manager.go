@@ -479,8 +479,12 @@ func (m *Manager) waitEnvd(ctx context.Context, base string) error {
 	delay := 2 * time.Millisecond
 	var last error
 	for {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, base+"/health", nil)
+		// A short bound per attempt: a lost first SYN on a fresh veth would otherwise cost the
+		// kernel's 1 s retransmit.
+		actx, acancel := context.WithTimeout(ctx, 250*time.Millisecond)
+		req, _ := http.NewRequestWithContext(actx, http.MethodGet, base+"/health", nil)
 		resp, err := m.client.Do(req)
+		acancel()
 		if err == nil {
 			io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()

@@ -52,6 +52,7 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	if shared != nil {
 		shared.stop()
+		exec.Command("umount", filepath.Join(shared.dataDir, "runsc", "null-netns")).Run()
 	}
 	os.RemoveAll(dir)
 	os.Exit(code)

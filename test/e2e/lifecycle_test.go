@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 func TestDaemonCrashAndRestart(t *testing.T) {
@@ -203,5 +204,32 @@ func TestCorruptSnapshotIsRefused(t *testing.T) {
 	}
 	if !strings.Contains(body, "checksum mismatch") || !strings.Contains(body, snap.SnapshotID) {
 		t.Fatalf("create from a corrupt snapshot: %d %s, want an error naming the snapshot and the checksum mismatch", code, body)
+	}
+}
+
+func TestTimeoutKillsOrAutoPauses(t *testing.T) {
+	d := need(t)
+	killed := d.create(t, map[string]any{"timeout": 2})
+	paused := d.create(t, map[string]any{"timeout": 2, "autoPause": true})
+	d.run(t, paused, "echo kept > /home/user/auto.txt")
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		var info sbx
+		codeK := d.api(t, "GET", "/sandboxes/"+killed.SandboxID, nil, nil)
+		d.api(t, "GET", "/sandboxes/"+paused.SandboxID, nil, &info)
+		if codeK == 404 && info.State == "paused" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after the timeout: plain sandbox status %d (want 404), autoPause sandbox state %q (want paused)", codeK, info.State)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	var again sbx
+	if code := d.api(t, "POST", "/v2/sandboxes/"+paused.SandboxID+"/connect", map[string]any{"timeout": 60}, &again); code != 201 {
+		t.Fatalf("resume auto-paused: %d", code)
+	}
+	if r := d.run(t, again, "cat /home/user/auto.txt"); r.stdout != "kept\n" {
+		t.Fatalf("auto-paused sandbox lost its file: %q", r.stdout)
 	}
 }
