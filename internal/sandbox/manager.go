@@ -433,6 +433,7 @@ func (m *Manager) spec(sb *Sandbox, tpl *Template, slot Slot, instance string) r
 func (m *Manager) launch(ctx context.Context, sb *Sandbox, tpl *Template, image, initToken string) error {
 	var undo cleanup.Stack
 	defer func() { undo.Run() }()
+	t0 := time.Now()
 	slot, err := m.cfg.Network.Acquire(ctx, sb.AllowInternet)
 	if err != nil {
 		return fmt.Errorf("network slot: %w", err)
@@ -444,6 +445,7 @@ func (m *Manager) launch(ctx context.Context, sb *Sandbox, tpl *Template, image,
 		return err
 	}
 	undo.Add(func() error { return os.RemoveAll(spec.StateDir) })
+	t1 := time.Now()
 	if image == "" {
 		err = m.cfg.Driver.Start(ctx, spec)
 	} else {
@@ -453,13 +455,17 @@ func (m *Manager) launch(ctx context.Context, sb *Sandbox, tpl *Template, image,
 	if err != nil {
 		return fmt.Errorf("start instance: %w", err)
 	}
+	t2 := time.Now()
 	base := fmt.Sprintf("http://%s", netip.AddrPortFrom(slot.GuestIP, EnvdPort))
 	if err := m.waitEnvd(ctx, base); err != nil {
 		return err
 	}
+	t3 := time.Now()
 	if err := m.initEnvd(ctx, base, sb, initToken); err != nil {
 		return err
 	}
+	m.logger(sb.ID).Debug("launch timings", "restore", image != "",
+		"slot_ms", ms(t1.Sub(t0)), "runtime_ms", ms(t2.Sub(t1)), "envd_ms", ms(t3.Sub(t2)), "init_ms", ms(time.Since(t3)))
 	sb.Runtime = Placement{
 		Driver:     m.cfg.Driver.Name(),
 		InstanceID: inst,
@@ -843,3 +849,5 @@ func (m *Manager) Metrics(ctx context.Context, id string) ([]Metric, error) {
 		DiskTotal:  uint64(sb.DiskSizeMB) << 20,
 	}}, nil
 }
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
