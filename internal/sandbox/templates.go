@@ -95,16 +95,16 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 	progress(fmt.Sprintf("envd up after %s", time.Since(t0).Round(time.Millisecond)))
 	if req.StartCmd != "" {
 		progress("start command: " + req.StartCmd)
-		cmd := fmt.Sprintf("nohup /bin/bash -l -c %s >/tmp/ember-start.log 2>&1 &", shellQuote(req.StartCmd))
-		if out, code, err := m.cfg.Driver.Exec(ctx, inst, []string{"/bin/bash", "-c", cmd}); err != nil || code != 0 {
-			return fmt.Errorf("start command: exit %d: %v: %s", code, err, out)
+		cmd := fmt.Sprintf("exec >/tmp/ember-start.log 2>&1; exec /bin/bash -l -c %s", shellQuote(req.StartCmd))
+		if _, _, err := m.envdCommand(ctx, base, cmd, false); err != nil {
+			return fmt.Errorf("start command: %w", err)
 		}
 	}
 	if req.ReadyCmd != "" {
 		progress("waiting for ready command: " + req.ReadyCmd)
 		deadline := time.Now().Add(2 * time.Minute)
 		for {
-			out, code, err := m.cfg.Driver.Exec(ctx, inst, []string{"/bin/bash", "-l", "-c", req.ReadyCmd})
+			code, out, err := m.envdCommand(ctx, base, req.ReadyCmd, true)
 			if err == nil && code == 0 {
 				break
 			}

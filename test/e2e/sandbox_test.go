@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"encoding/json"
 	"fmt"
 	"net"
 	"os"
@@ -251,4 +252,36 @@ func (d *daemon) proxyGet(t *testing.T, s sbx, port int, path string) int {
 	}
 	resp.Body.Close()
 	return resp.StatusCode
+}
+
+func TestTemplateBuildWithStartAndReadyCommands(t *testing.T) {
+	d := need(t)
+	cli := func(args ...string) ([]byte, error) {
+		cmd := exec.Command(d.bin, append([]string{"--url", "http://" + d.addr}, args...)...)
+		cmd.Env = append(os.Environ(), "E2B_API_KEY="+d.key)
+		return cmd.Output()
+	}
+	// A server started before the checkpoint is already running in every sandbox of the template.
+	out, err := cli("template", "build", "web", "--json",
+		"--start-cmd", "cd /tmp && echo warm > index.html && python3 -m http.server 8080",
+		"--ready-cmd", "curl -sf http://127.0.0.1:8080/index.html")
+	if err != nil {
+		t.Fatalf("ember template build: %v\n%s\n%s", err, out, d.logs())
+	}
+	var built map[string]any
+	if err := json.Unmarshal(out, &built); err != nil {
+		t.Fatalf("--json output is not JSON: %q", out)
+	}
+	t.Cleanup(func() { d.api(t, "DELETE", "/templates/web", nil, nil) })
+	out, err = cli("template", "ls", "--json")
+	if err != nil || !strings.Contains(string(out), `"web"`) {
+		t.Fatalf("template ls --json: %v %s", err, out)
+	}
+	s := d.create(t, map[string]any{"templateID": "web"})
+	if r := d.run(t, s, "curl -sf http://127.0.0.1:8080/index.html"); r.stdout != "warm\n" {
+		t.Fatalf("the template's server is not running in a new sandbox: %q %q", r.stdout, r.stderr)
+	}
+	if code := d.proxyGet(t, s, 8080, "/index.html"); code != 200 {
+		t.Fatalf("guest port through the sandbox plane: %d", code)
+	}
 }
