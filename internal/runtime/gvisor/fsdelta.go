@@ -1,0 +1,257 @@
+package gvisor
+
+// fsdelta: a sandbox's writable layer as host files instead of gVisor's memory-backed overlay.
+//
+// With runsc --overlay2=none and a rootfs that is a kernel overlayfs mount (lower = the shared
+// template rootfs, upper = a directory private to the sandbox), everything the sandbox writes is a
+// host file, and a checkpoint image holds only memory: after the sandbox wrote 1 GiB the image
+// stays at ~0.3 MiB and checkpoint --leave-running takes ~50 ms (the memory overlay: 1.1 GiB,
+// 0.4-2.2 s). A snapshot or fork is then: pause, checkpoint --leave-running, CloneUpper, resume;
+// each child gets PrepareRootFS on its clone and is restored there (runsc accepts a rootfs path
+// that differs from the checkpointed one).
+//
+// CloneUpper is O(1) in the data on btrfs (a subvolume snapshot), O(files) on xfs with reflink
+// (FICLONE per file via cp --reflink), and O(bytes) elsewhere. Any CoW clone first writes back
+// the layer's dirty pages, so data written just before a snapshot costs disk bandwidth once.
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+)
+
+// Layout of a sandbox directory used by PrepareRootFS and CloneUpper.
+const (
+	layerDirName  = "layer"  // the sandbox's writable layer: a btrfs subvolume when possible
+	upperDirName  = "upper"  // overlayfs upperdir, inside layer
+	workDirName   = "work"   // overlayfs workdir, inside layer (same filesystem as upper)
+	mergedDirName = "rootfs" // the mount point handed to runsc as the OCI root
+)
+
+// Clone methods reported by CloneUpper.
+const (
+	CloneBtrfsSnapshot = "btrfs-snapshot" // a writable btrfs subvolume snapshot: O(1)
+	CloneReflink       = "reflink"        // a tree copy sharing extents (xfs reflink=1, btrfs)
+	CloneCopy          = "copy"           // a full copy: O(bytes)
+)
+
+// PrepareRootFS makes sandboxDir's writable root: an overlayfs mount at <sandboxDir>/rootfs with
+// lower = the template rootfs lower (never written) and upper/work in <sandboxDir>/layer. An
+// existing layer (one made by CloneUpper) is reused; otherwise an empty one is created, as a
+// btrfs subvolume when sandboxDir is on btrfs. Run the instance with runsc --overlay2=none and
+// merged as its rootfs. cleanup unmounts merged; the layer stays until RemoveLayer.
+func PrepareRootFS(lower, sandboxDir string) (merged string, cleanup func() error, err error) {
+	for _, p := range []string{lower, sandboxDir} {
+		if !filepath.IsAbs(p) || strings.ContainsAny(p, ",:\\\n") {
+			return "", nil, fmt.Errorf("gvisor: fsdelta: path %q: must be absolute without , : or \\: %w", p, errdefs.ErrInvalid)
+		}
+	}
+	lfi, err := os.Stat(lower)
+	if err != nil || !lfi.IsDir() {
+		return "", nil, fmt.Errorf("gvisor: fsdelta: lower %q: not a directory: %w", lower, errdefs.ErrInvalid)
+	}
+	if err := os.MkdirAll(sandboxDir, 0o755); err != nil {
+		return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
+	}
+	layer := filepath.Join(sandboxDir, layerDirName)
+	if _, err := os.Stat(layer); errors.Is(err, os.ErrNotExist) {
+		if err := createLayer(layer); err != nil {
+			return "", nil, err
+		}
+	} else if err != nil {
+		return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
+	}
+	upper := filepath.Join(layer, upperDirName)
+	work := filepath.Join(layer, workDirName)
+	merged = filepath.Join(sandboxDir, mergedDirName)
+	// The root of the merged tree takes upper's attributes: give it the template root's mode.
+	if err := os.MkdirAll(upper, 0o755); err != nil {
+		return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
+	}
+	if err := os.Chmod(upper, lfi.Mode().Perm()); err != nil {
+		return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
+	}
+	for _, d := range []string{work, merged} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
+		}
+	}
+	opts := "lowerdir=" + lower + ",upperdir=" + upper + ",workdir=" + work
+	if err := unix.Mount("overlay", merged, "overlay", 0, opts); err != nil {
+		return "", nil, fmt.Errorf("gvisor: fsdelta: mount overlay on %s: %w", merged, err)
+	}
+	cleanup = func() error {
+		err := unix.Unmount(merged, 0)
+		if errors.Is(err, unix.EBUSY) {
+			err = unix.Unmount(merged, unix.MNT_DETACH)
+		}
+		if err != nil && !errors.Is(err, unix.EINVAL) { // EINVAL: not mounted any more
+			return fmt.Errorf("gvisor: fsdelta: unmount %s: %w", merged, err)
+		}
+		return nil
+	}
+	return merged, cleanup, nil
+}
+
+// CloneUpper gives dstSandboxDir a writable layer equal to srcSandboxDir's (as PrepareRootFS made
+// it), for a child to be restored on. The source must not change while it runs: pause the
+// instance (runsc pause) across checkpoint and clone, so files and memory image agree.
+// dstSandboxDir must not have a layer yet. It returns the method used (Clone*).
+func CloneUpper(srcSandboxDir, dstSandboxDir string) (method string, err error) {
+	src := filepath.Join(srcSandboxDir, layerDirName)
+	dst := filepath.Join(dstSandboxDir, layerDirName)
+	if _, err := os.Stat(filepath.Join(src, upperDirName)); err != nil {
+		return "", fmt.Errorf("gvisor: fsdelta: clone: source layer: %v: %w", err, errdefs.ErrNotFound)
+	}
+	if _, err := os.Lstat(dst); err == nil {
+		return "", fmt.Errorf("gvisor: fsdelta: clone: %s exists: %w", dst, errdefs.ErrConflict)
+	}
+	if err := os.MkdirAll(dstSandboxDir, 0o755); err != nil {
+		return "", fmt.Errorf("gvisor: fsdelta: clone: %w", err)
+	}
+	if isSubvolume(src) && isBtrfs(dstSandboxDir) {
+		err := btrfsSnapshot(src, dst)
+		if err == nil {
+			return CloneBtrfsSnapshot, nil
+		}
+		if !errors.Is(err, unix.EXDEV) {
+			return "", err
+		}
+		// Another btrfs filesystem: copy.
+	}
+	// A plain tree: copy upper only (work is overlayfs scratch space) with cp, which keeps what
+	// overlayfs stores in the upper: whiteouts (0/0 char devices), trusted.overlay.* xattrs,
+	// owners, modes, times and hard links. --reflink=auto shares extents where the fs can.
+	method = CloneCopy
+	if reflinkCapable(dstSandboxDir) && sameFS(src, dstSandboxDir) {
+		method = CloneReflink
+	}
+	if err := createLayer(dst); err != nil {
+		return "", err
+	}
+	out, err := exec.Command("cp", "-a", "--reflink=auto", "--",
+		filepath.Join(src, upperDirName), filepath.Join(dst, upperDirName)).CombinedOutput()
+	if err != nil {
+		_ = RemoveLayer(dstSandboxDir)
+		return "", fmt.Errorf("gvisor: fsdelta: clone: cp: %v: %s", err, strings.TrimSpace(string(out)))
+	}
+	return method, nil
+}
+
+// RemoveLayer deletes sandboxDir's writable layer (unmount its rootfs first).
+func RemoveLayer(sandboxDir string) error {
+	layer := filepath.Join(sandboxDir, layerDirName)
+	if isSubvolume(layer) {
+		if err := btrfsVolIoctl(filepath.Dir(layer), btrfsIocSnapDestroy, -1, filepath.Base(layer)); err == nil {
+			return nil
+		}
+		// Not allowed (unprivileged without user_subvol_rm_allowed): fall back to rm.
+	}
+	if err := os.RemoveAll(layer); err != nil {
+		return fmt.Errorf("gvisor: fsdelta: remove layer: %w", err)
+	}
+	return nil
+}
+
+// createLayer makes an empty layer directory: a subvolume on btrfs, a directory elsewhere.
+func createLayer(layer string) error {
+	parent := filepath.Dir(layer)
+	if isBtrfs(parent) {
+		if err := btrfsVolIoctl(parent, btrfsIocSubvolCreate, -1, filepath.Base(layer)); err == nil {
+			return nil
+		}
+	}
+	if err := os.Mkdir(layer, 0o755); err != nil {
+		return fmt.Errorf("gvisor: fsdelta: layer: %w", err)
+	}
+	return nil
+}
+
+// btrfs ioctls (linux/btrfs.h): all take struct btrfs_ioctl_vol_args {s64 fd; char name[4088]}.
+const (
+	btrfsIocSnapCreate   = 0x50009401 // _IOW(0x94, 1, vol_args)
+	btrfsIocSubvolCreate = 0x5000940e // _IOW(0x94, 14, vol_args)
+	btrfsIocSnapDestroy  = 0x5000940f // _IOW(0x94, 15, vol_args)
+	btrfsFirstFreeObjID  = 256        // inode number of every subvolume's root directory
+)
+
+type btrfsVolArgs struct {
+	Fd   int64
+	Name [4088]byte
+}
+
+// btrfsVolIoctl runs a vol_args ioctl on the directory dir with fd and name.
+func btrfsVolIoctl(dir string, req uintptr, fd int, name string) error {
+	if len(name) >= 4088 || strings.Contains(name, "/") {
+		return fmt.Errorf("gvisor: fsdelta: btrfs name %q: %w", name, errdefs.ErrInvalid)
+	}
+	d, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("gvisor: fsdelta: open %s: %w", dir, err)
+	}
+	defer unix.Close(d)
+	args := btrfsVolArgs{Fd: int64(fd)}
+	copy(args.Name[:], name)
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(d), req, uintptr(unsafe.Pointer(&args))); errno != 0 {
+		return fmt.Errorf("gvisor: fsdelta: btrfs ioctl %#x %s/%s: %w", req, dir, name, errno)
+	}
+	return nil
+}
+
+// btrfsSnapshot makes dst a writable snapshot of the subvolume src.
+func btrfsSnapshot(src, dst string) error {
+	s, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("gvisor: fsdelta: open %s: %w", src, err)
+	}
+	defer unix.Close(s)
+	return btrfsVolIoctl(filepath.Dir(dst), btrfsIocSnapCreate, s, filepath.Base(dst))
+}
+
+func isBtrfs(path string) bool {
+	var st unix.Statfs_t
+	return unix.Statfs(path, &st) == nil && uint32(st.Type) == uint32(unix.BTRFS_SUPER_MAGIC)
+}
+
+func isSubvolume(path string) bool {
+	var st unix.Stat_t
+	return isBtrfs(path) && unix.Stat(path, &st) == nil && st.Ino == btrfsFirstFreeObjID
+}
+
+// sameFS reports whether a and b are on the same filesystem. btrfs subvolumes differ in st_dev
+// (and statfs fsid), so two btrfs paths count as the same: cp falls back to copying if not.
+func sameFS(a, b string) bool {
+	if isBtrfs(a) && isBtrfs(b) {
+		return true
+	}
+	var sa, sb unix.Stat_t
+	return unix.Stat(a, &sa) == nil && unix.Stat(b, &sb) == nil && sa.Dev == sb.Dev
+}
+
+// reflinkCapable reports whether dir's filesystem can share extents between files (FICLONE).
+func reflinkCapable(dir string) bool {
+	src, err := os.CreateTemp(dir, ".reflink-probe-*")
+	if err != nil {
+		return false
+	}
+	defer os.Remove(src.Name())
+	defer src.Close()
+	if _, err := src.Write([]byte("x")); err != nil {
+		return false
+	}
+	dst, err := os.CreateTemp(dir, ".reflink-probe-*")
+	if err != nil {
+		return false
+	}
+	defer os.Remove(dst.Name())
+	defer dst.Close()
+	return unix.IoctlFileClone(int(dst.Fd()), int(src.Fd())) == nil
+}
