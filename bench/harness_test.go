@@ -4,9 +4,7 @@
 package bench
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -93,30 +91,6 @@ func startNode(runsc string, poolSize int) (*node, error) {
 		return nil, err
 	}
 	return &node{Node: n, url: "http://" + ln.Addr().String(), key: strings.TrimSpace(string(key)), dataDir: dataDir, srv: srv}, nil
-}
-
-func (n *node) api(method, path string, in, out any) (int, error) {
-	var body io.Reader
-	if in != nil {
-		bs, _ := json.Marshal(in)
-		body = bytes.NewReader(bs)
-	}
-	req, _ := http.NewRequest(method, n.url+path, body)
-	req.Header.Set("X-API-Key", n.key)
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	data, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode/100 != 2 {
-		return resp.StatusCode, fmt.Errorf("%s %s: %d %s", method, path, resp.StatusCode, data)
-	}
-	if out != nil {
-		return resp.StatusCode, json.Unmarshal(data, out)
-	}
-	return resp.StatusCode, nil
 }
 
 type hdr struct{ id, token string }

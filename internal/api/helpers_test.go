@@ -1,7 +1,6 @@
 package api
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"io"
@@ -165,14 +164,6 @@ func newGuest(t *testing.T) *guest {
 	g.srv = httptest.NewServer(mux)
 	t.Cleanup(g.srv.Close)
 	return g
-}
-
-func mustJSON(v any) string {
-	b, err := json.Marshal(v)
-	if err != nil {
-		panic(err)
-	}
-	return string(bytes.TrimSpace(b))
 }
 
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }

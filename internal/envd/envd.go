@@ -7,12 +7,10 @@ package envd
 
 import (
 	"context"
-	"errors"
 	"log/slog"
 	"maps"
 	"net"
 	"net/http"
-	"os"
 	"sync"
 	"time"
 
@@ -220,5 +218,3 @@ func (s *Server) settings() settings {
 		baseEnv:        s.baseEnv,
 	}
 }
-
-func isNotExist(err error) bool { return errors.Is(err, os.ErrNotExist) }

@@ -160,20 +160,6 @@ func (h *harness) run(t *testing.T, user string, cfg *pb.ProcessConfig, stdin *b
 	return collect[*pb.StartResponse](stream)
 }
 
-func (h *harness) get(t *testing.T, path string, hdr http.Header) *http.Response {
-	t.Helper()
-	req, _ := http.NewRequest(http.MethodGet, h.url+path, nil)
-	for k, v := range hdr {
-		req.Header[k] = v
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { resp.Body.Close() })
-	return resp
-}
-
 func codeOf(err error) connect.Code {
 	if err == nil {
 		return 0

@@ -1,11 +1,9 @@
 package gvisor
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"fmt"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -86,23 +84,4 @@ func classify(msg string) error {
 		return errdefs.ErrConflict
 	}
 	return nil
-}
-
-// tail returns the last n bytes of a file, for error messages.
-func tail(path string, n int64) string {
-	f, err := os.Open(path)
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	if fi, err := f.Stat(); err == nil && fi.Size() > n {
-		_, _ = f.Seek(fi.Size()-n, 0)
-	}
-	var b strings.Builder
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		b.WriteString(sc.Text())
-		b.WriteByte('\n')
-	}
-	return strings.TrimSpace(b.String())
 }
