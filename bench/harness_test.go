@@ -72,7 +72,7 @@ func startNode(runsc string, poolSize int) (*node, error) {
 	}
 	dataDir := filepath.Join(tmp, "data")
 	n, err := daemon.Open(context.Background(), daemon.Config{
-		DataDir: dataDir, CacheDir: cache, Runsc: runsc, Envd: envd, PoolSize: poolSize,
+		DataDir: dataDir, CacheDir: cache, Runsc: runsc, Envd: envd, PoolSize: poolSize, SlotPoolSize: -1,
 		Templates: []string{"base"},
 		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Out:       os.Stderr,

@@ -138,6 +138,7 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&cfg.Envd, "envd", envOr("EMBER_ENVD", findBinary("envd")), "envd binary put into templates")
 	f.StringVar(&cfg.Domain, "domain", "", "sandbox domain for host routing <port>-<id>.<domain> (default localhost:<listen port>)")
 	f.IntVar(&cfg.PoolSize, "pool-size", 2, "restored sandboxes kept ready per template (0 disables)")
+	f.IntVar(&cfg.SlotPoolSize, "slot-pool-size", 4, "network slots made ahead of need (0 disables)")
 	f.StringVar(&templates, "templates", "base", "templates to build at start if missing (comma-separated, empty for none)")
 	f.StringVar(&cfg.CIDR, "cidr", "", "network for sandbox slots (default 10.11.0.0/16)")
 	f.StringVar(&cfg.Mirror, "mirror", "", "Debian mirror for template builds")

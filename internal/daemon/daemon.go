@@ -38,6 +38,8 @@ type Config struct {
 	Envd     string // envd binary copied into templates
 	Domain   string
 	PoolSize int
+	// SlotPoolSize is the number of network slots made ahead of need (-1 = default 4).
+	SlotPoolSize int
 	// Templates built at start-up when missing (e.g. "base").
 	Templates []string
 	// Snapshot store: local directory by default; S3 when S3.Endpoint is set.
@@ -99,7 +101,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	// A few pre-made slots take the netlink work (~5 ms) off the create path.
-	ncfg := network.Config{PoolSize: 4, Logger: cfg.Logger}
+	if cfg.SlotPoolSize < 0 {
+		cfg.SlotPoolSize = 4
+	}
+	ncfg := network.Config{PoolSize: cfg.SlotPoolSize, Logger: cfg.Logger}
 	if cfg.CIDR != "" {
 		p, err := parsePrefix(cfg.CIDR)
 		if err != nil {

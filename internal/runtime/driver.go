@@ -28,6 +28,9 @@ type Spec struct {
 	Args []string
 	Env  []string
 	Cwd  string
+	// ConsumeImage tells Restore that the image is not used again (resume of a paused sandbox):
+	// the driver may move its contents instead of copying them.
+	ConsumeImage bool
 	// Resource limits; zero means the driver's default.
 	CPUCount int
 	MemoryMB int

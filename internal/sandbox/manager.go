@@ -765,6 +765,7 @@ func (m *Manager) launchResume(ctx context.Context, sb *Sandbox, tpl *Template, 
 		return err
 	}
 	undo.Add(func() error { return os.RemoveAll(spec.StateDir) })
+	spec.ConsumeImage = true // the pause image is deleted after a resume
 	err = m.cfg.Driver.Restore(ctx, spec, image)
 	undo.Add(func() error { return m.cfg.Driver.Delete(context.Background(), inst) })
 	if err != nil {

@@ -5,6 +5,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
@@ -74,10 +77,10 @@ func (m *Manager) reconcile(ctx context.Context) error {
 	entries, _ := os.ReadDir(filepath.Join(m.cfg.DataDir, "sandboxes"))
 	for _, e := range entries {
 		if !keepDirs[e.Name()] {
-			os.RemoveAll(filepath.Join(m.cfg.DataDir, "sandboxes", e.Name()))
+			removeTree(filepath.Join(m.cfg.DataDir, "sandboxes", e.Name()))
 		}
 	}
-	os.RemoveAll(filepath.Join(m.cfg.DataDir, "pool"))
+	removeTree(filepath.Join(m.cfg.DataDir, "pool"))
 	// Unfinished fork images are useless after a restart.
 	imgs, _ := os.ReadDir(filepath.Join(m.cfg.DataDir, "images"))
 	for _, e := range imgs {
@@ -86,4 +89,20 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// removeTree unmounts whatever is mounted under dir (a crashed instance's rootfs) and removes it.
+func removeTree(dir string) {
+	data, _ := os.ReadFile("/proc/self/mounts")
+	var points []string
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 1 && strings.HasPrefix(f[1], dir+"/") {
+			points = append(points, f[1])
+		}
+	}
+	for i := len(points) - 1; i >= 0; i-- {
+		unix.Unmount(points[i], unix.MNT_DETACH)
+	}
+	os.RemoveAll(dir)
 }

@@ -137,7 +137,7 @@ func (d *daemon) start() error {
 		cache = filepath.Join(testutil.RepoRoot(), ".cache")
 	}
 	d.cmd = exec.Command(d.bin, "serve", "--listen", d.addr, "--data-dir", d.dataDir, "--cache-dir", cache,
-		"--runsc", d.runsc, "--envd", d.envd, "--templates", "base", "--pool-size", "0", "--verbose")
+		"--runsc", d.runsc, "--envd", d.envd, "--templates", "base", "--pool-size", "0", "--slot-pool-size", "0", "--verbose")
 	d.cmd.Stdout = lockedWriter{d}
 	d.cmd.Stderr = lockedWriter{d}
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -175,17 +176,34 @@ func TestCorruptSnapshotIsRefused(t *testing.T) {
 		t.Fatalf("snapshot: %d", code)
 	}
 	t.Cleanup(func() { d.api(t, "DELETE", "/templates/"+snap.SnapshotID, nil, nil) })
-	// Flip one byte of the largest stored chunk.
+	// Flip one byte of the largest chunk this snapshot's manifest references.
+	var manifest struct {
+		Files []struct {
+			Chunks []struct {
+				Hash string `json:"hash"`
+				Size int64  `json:"size"`
+			} `json:"chunks"`
+		} `json:"files"`
+	}
+	mb, err := os.ReadFile(filepath.Join(d.dataDir, "snapshots", "manifests", snap.SnapshotID+".json"))
+	if err != nil {
+		t.Fatalf("snapshot manifest: %v", err)
+	}
+	if err := json.Unmarshal(mb, &manifest); err != nil {
+		t.Fatalf("snapshot manifest: %v", err)
+	}
 	var biggest string
 	var size int64
-	filepath.Walk(filepath.Join(d.dataDir, "snapshots"), func(p string, info os.FileInfo, err error) error {
-		if err == nil && info.Mode().IsRegular() && strings.Contains(p, "chunk") && info.Size() > size {
-			biggest, size = p, info.Size()
+	for _, f := range manifest.Files {
+		for _, c := range f.Chunks {
+			p := filepath.Join(d.dataDir, "snapshots", "chunks", c.Hash[:2], c.Hash)
+			if fi, err := os.Stat(p); err == nil && fi.Size() > size {
+				biggest, size = p, fi.Size()
+			}
 		}
-		return nil
-	})
+	}
 	if biggest == "" {
-		t.Fatal("no stored chunk found under the snapshot store")
+		t.Fatalf("no stored chunk of %s found", snap.SnapshotID)
 	}
 	f, err := os.OpenFile(biggest, os.O_RDWR, 0)
 	if err != nil {
@@ -200,7 +218,7 @@ func TestCorruptSnapshotIsRefused(t *testing.T) {
 	code, body := d.apiBody(t, "POST", "/v2/sandboxes", map[string]any{"templateID": snap.SnapshotID}, &s)
 	if code/100 == 2 {
 		d.api(t, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil)
-		t.Fatalf("a sandbox was created from a corrupt snapshot")
+		t.Fatalf("a sandbox was created from a corrupt snapshot (flipped a byte of %s)\n%s", biggest, d.logs())
 	}
 	if !strings.Contains(body, "checksum mismatch") || !strings.Contains(body, snap.SnapshotID) {
 		t.Fatalf("create from a corrupt snapshot: %d %s, want an error naming the snapshot and the checksum mismatch", code, body)

@@ -33,7 +33,9 @@ type Config struct {
 	Root string
 	// Platform is runsc's --platform (default "systrap"; there is no KVM here).
 	Platform string
-	// Overlay is runsc's --overlay2 (default "root:memory": sandbox writes live in sandbox memory,
+	// Overlay is runsc's --overlay2. Default OverlayHost ("none"): each instance runs on a host
+	// overlayfs mount with its own upper directory (layers.go), so writes are host files and
+	// checkpoints hold memory only. "root:memory": sandbox writes live in sandbox memory,
 	// are captured by checkpoints, and the shared rootfs directory is never written).
 	Overlay string
 	// IgnoreCgroups passes --ignore-cgroups: no host cgroups, so MemoryMB and CPUCount are not
@@ -92,7 +94,7 @@ func New(cfg Config) (*Driver, error) {
 		cfg.Platform = "systrap"
 	}
 	if cfg.Overlay == "" {
-		cfg.Overlay = "root:memory"
+		cfg.Overlay = OverlayHost
 	}
 	if cfg.CgroupParent == "" {
 		cfg.CgroupParent = "ember"
@@ -153,11 +155,18 @@ func (d *Driver) Start(ctx context.Context, spec runtime.Spec) error {
 	if err := validateSpec(spec); err != nil {
 		return err
 	}
-	bundle, err := d.writeBundle(spec)
+	spec, err := d.prepareLayer(spec, "")
 	if err != nil {
 		return err
 	}
-	return d.launch(ctx, spec, "run", "--detach", "--bundle", bundle, spec.ID)
+	bundle, err := d.writeBundle(spec)
+	if err == nil {
+		err = d.launch(ctx, spec, "run", "--detach", "--bundle", bundle, spec.ID)
+	}
+	if err != nil && d.hostLayers() {
+		releaseLayer(spec.StateDir)
+	}
+	return err
 }
 
 // Restore implements runtime.Driver: `runsc restore --detach` of imageDir into a fresh bundle.
@@ -171,15 +180,22 @@ func (d *Driver) Restore(ctx context.Context, spec runtime.Spec, imageDir string
 	if _, err := os.Stat(filepath.Join(imageDir, "checkpoint.img")); err != nil {
 		return fmt.Errorf("gvisor: restore image %q: %v: %w", imageDir, err, errdefs.ErrNotFound)
 	}
-	bundle, err := d.writeBundle(spec)
+	spec, err := d.prepareLayer(spec, imageDir)
 	if err != nil {
 		return err
 	}
-	args := []string{"restore", "--detach", "--bundle", bundle, "--image-path", imageDir}
-	if d.cfg.RestoreBackground {
-		args = append(args, "--background")
+	bundle, err := d.writeBundle(spec)
+	if err == nil {
+		args := []string{"restore", "--detach", "--bundle", bundle, "--image-path", imageDir}
+		if d.cfg.RestoreBackground {
+			args = append(args, "--background")
+		}
+		err = d.launch(ctx, spec, append(args, spec.ID)...)
 	}
-	return d.launch(ctx, spec, append(args, spec.ID)...)
+	if err != nil && d.hostLayers() {
+		releaseLayer(spec.StateDir)
+	}
+	return err
 }
 
 // launch runs a runsc command that creates a sandbox (run/restore --detach). The sandbox inherits
@@ -407,11 +423,18 @@ func (d *Driver) Delete(ctx context.Context, id string) error {
 	if err := validateID(id); err != nil {
 		return err
 	}
+	stateDir := ""
+	if d.hostLayers() {
+		stateDir = d.instanceDir(ctx, id)
+	}
 	_, err := d.run(ctx, d.logDir(id), "delete", "--force", id)
 	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 		return err
 	}
 	d.setLogDir(id, "")
+	if err := releaseLayer(stateDir); err != nil {
+		return err
+	}
 	return d.removeCgroups(id)
 }
 
@@ -514,6 +537,19 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 		defer unix.Close(pidfd)
 	}
 
+	stateDir := ""
+	if d.hostLayers() {
+		if stateDir = d.instanceDir(ctx, id); stateDir == "" {
+			return fmt.Errorf("gvisor: checkpoint %s: state directory unknown: %w", id, errdefs.ErrNotFound)
+		}
+		if opts.LeaveRunning {
+			// Files and memory must agree: nothing runs between the checkpoint and the layer clone.
+			if _, err := d.run(ctx, d.logDir(id), "pause", id); err != nil {
+				return d.explain(ctx, id, err)
+			}
+			defer d.run(context.WithoutCancel(ctx), d.logDir(id), "resume", id)
+		}
+	}
 	args := []string{"checkpoint", "--image-path", imageDir, "--compression=" + d.cfg.Compression}
 	if opts.LeaveRunning {
 		args = append(args, "--leave-running")
@@ -528,11 +564,20 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 	}
 	d.log.Debug("checkpointed", "sandbox_id", id, "leave_running", opts.LeaveRunning, "ms", time.Since(t0).Milliseconds())
 	if opts.LeaveRunning {
+		if stateDir != "" {
+			return d.checkpointLayer(stateDir, imageDir, true)
+		}
 		return nil
 	}
 	// The image is complete; without the kill the sandbox would linger about a second.
 	_ = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
-	return waitPidfd(ctx, pidfd, 10*time.Second)
+	if err := waitPidfd(ctx, pidfd, 10*time.Second); err != nil {
+		return err
+	}
+	if stateDir != "" {
+		return d.checkpointLayer(stateDir, imageDir, false)
+	}
+	return nil
 }
 
 // sandboxPid returns the pid of id's running sandbox process. It reads runsc's state file

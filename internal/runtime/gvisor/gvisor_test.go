@@ -100,7 +100,7 @@ func TestBundle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{`"limit": 134217728`, `"quota": 100000`, `"type": "network"`, `"path": "` + rootfs + `"`, `"cgroupsPath": "ember/gv-bundle01"`} {
+	for _, want := range []string{`"limit": 134217728`, `"quota": 100000`, `"type": "network"`, `"path": "` + filepath.Join(sp.StateDir, "rootfs") + `"`, `"cgroupsPath": "ember/gv-bundle01"`} {
 		if !strings.Contains(string(b), want) {
 			t.Errorf("config.json lacks %s", want)
 		}

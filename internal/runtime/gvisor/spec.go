@@ -71,8 +71,9 @@ func (d *Driver) ociSpec(s runtime.Spec) *specs.Spec {
 			},
 			Rlimits: []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: 1048576, Soft: 1048576}},
 		},
-		// The template rootfs is shared: runsc's overlay (Config.Overlay) keeps every write in the
-		// sandbox's own upper layer, so the host directory is only ever read.
+		// The template rootfs is shared and only ever read: writes go to the instance's own layer,
+		// a host overlayfs upper (OverlayHost, RootFS is then the instance's overlay mount) or
+		// runsc's memory overlay (Config.Overlay "root:memory").
 		Root:     &specs.Root{Path: s.RootFS},
 		Hostname: hostname,
 		Mounts: []specs.Mount{

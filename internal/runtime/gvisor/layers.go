@@ -1,0 +1,122 @@
+package gvisor
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ember-sandbox/ember/internal/runtime"
+)
+
+// OverlayHost is Config.Overlay's value for host layers: runsc runs with --overlay2=none on a
+// kernel overlayfs mount whose upper is a directory of the instance (fsdelta.go). A sandbox's
+// writes are then host files, not sentry memory, so checkpoint images hold memory only and their
+// cost does not grow with what the sandbox wrote; checkpoints carry the layer as a copy-on-write
+// clone (btrfs snapshot or reflinks where the filesystem has them, a copy elsewhere).
+const OverlayHost = "none"
+
+func (d *Driver) hostLayers() bool { return d.cfg.Overlay == OverlayHost }
+
+// imageLayer is where a checkpoint image keeps the instance's writable layer.
+func imageHasLayer(imageDir string) bool {
+	_, err := os.Stat(filepath.Join(imageDir, layerDirName, upperDirName))
+	return err == nil
+}
+
+// prepareLayer gives spec's instance its writable root before start or restore: the layer of
+// imageDir (moved when spec.ConsumeImage, else cloned), or an empty one. It returns the spec to
+// hand to runsc (RootFS = the overlay mount).
+func (d *Driver) prepareLayer(spec runtime.Spec, imageDir string) (runtime.Spec, error) {
+	if !d.hostLayers() {
+		return spec, nil
+	}
+	if imageDir != "" && imageHasLayer(imageDir) {
+		dst := filepath.Join(spec.StateDir, layerDirName)
+		if spec.ConsumeImage {
+			if err := os.Rename(filepath.Join(imageDir, layerDirName), dst); err != nil {
+				return spec, fmt.Errorf("gvisor: take layer of %s: %w", imageDir, err)
+			}
+		} else if _, err := CloneUpper(imageDir, spec.StateDir); err != nil {
+			return spec, err
+		}
+	}
+	merged, _, err := PrepareRootFS(spec.RootFS, spec.StateDir)
+	if err != nil {
+		return spec, err
+	}
+	spec.RootFS = merged
+	return spec, nil
+}
+
+// releaseLayer unmounts an instance's overlay and removes its layer.
+func releaseLayer(stateDir string) error {
+	if stateDir == "" {
+		return nil
+	}
+	var errs []error
+	if err := unmount(filepath.Join(stateDir, mergedDirName)); err != nil {
+		errs = append(errs, err)
+	}
+	if err := RemoveLayer(stateDir); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// unmount detaches a mount point; a path that is not mounted (or absent) is not an error.
+func unmount(p string) error {
+	for i := 0; ; i++ {
+		err := unix.Unmount(p, 0)
+		switch {
+		case err == nil:
+			continue // stacked mounts: repeat until none is left
+		case errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOENT):
+			return nil
+		case errors.Is(err, unix.EBUSY) && i < 50:
+			time.Sleep(20 * time.Millisecond) // the gofer may still be exiting
+		case errors.Is(err, unix.EBUSY):
+			return unix.Unmount(p, unix.MNT_DETACH)
+		default:
+			return fmt.Errorf("gvisor: unmount %s: %w", p, err)
+		}
+	}
+}
+
+// instanceDir finds the state directory of an instance (the parent of its bundle).
+func (d *Driver) instanceDir(ctx context.Context, id string) string {
+	if l := d.logDir(id); l != "" {
+		return filepath.Dir(l)
+	}
+	out, err := d.run(ctx, "", "state", id)
+	if err != nil {
+		return ""
+	}
+	var s ociState
+	if json.Unmarshal(out, &s) != nil || s.Bundle == "" {
+		return ""
+	}
+	return filepath.Dir(s.Bundle)
+}
+
+// checkpointLayer completes a checkpoint of a host-layer instance: with leaveRunning the
+// (paused) instance's layer is cloned into the image; otherwise the stopped instance's layer is
+// moved there.
+func (d *Driver) checkpointLayer(stateDir, imageDir string, leaveRunning bool) error {
+	if leaveRunning {
+		_, err := CloneUpper(stateDir, imageDir)
+		return err
+	}
+	if err := unmount(filepath.Join(stateDir, mergedDirName)); err != nil {
+		return err
+	}
+	if err := os.Rename(filepath.Join(stateDir, layerDirName), filepath.Join(imageDir, layerDirName)); err != nil {
+		return fmt.Errorf("gvisor: move layer into image: %w", err)
+	}
+	return nil
+}
