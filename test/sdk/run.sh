@@ -72,6 +72,8 @@ finish() {
     wait "$TEST_PID" 2>/dev/null
   fi
   stop_daemon
+  # runsc keeps a namespace bind mount in its root dir; it would pin the data dir.
+  umount "$EMBER_DATA_DIR/runsc/null-netns" 2>/dev/null || true
   if [[ "$STATUS" -ne 0 ]]; then
     if [[ -s "$DAEMON_LOG" ]]; then
       log "daemon log tail ($DAEMON_LOG):"
