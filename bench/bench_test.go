@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -152,25 +153,39 @@ func BenchmarkLifecycle(b *testing.B) {
 	report(b, "fork into 16 children (per child)", perChild)
 
 	// 1 GiB written, then snapshot.
+	fmt.Printf("sandbox writable layers on %s\n", layerFS)
 	big, err := n.Manager.Create(ctx, sandbox.CreateRequest{TemplateID: "base", NoPool: true})
-	if err == nil {
-		if _, err := n.run(big, "head -c 1G /dev/urandom > /home/user/big.bin && sync"); err != nil {
-			fmt.Printf("snapshot after 1 GiB written: could not write 1 GiB: %v\n", err)
-		} else {
-			var d dist
-			for i := 0; i < 3; i++ {
-				t0 := time.Now()
-				s, err := n.Manager.Snapshot(ctx, big.ID, "")
-				if err != nil {
-					b.Fatal(err)
-				}
-				d = append(d, time.Since(t0))
-				n.Manager.DeleteTemplate(ctx, s.ID)
-			}
-			report(b, "snapshot after 1 GiB written (stored)", d)
-		}
-		n.Manager.Kill(ctx, big.ID)
+	if err != nil {
+		b.Fatal(err)
 	}
+	if _, err := n.run(big, "head -c 1G /dev/urandom > /home/user/big.bin && sync"); err != nil {
+		fmt.Printf("snapshot after 1 GiB written: could not write 1 GiB: %v\n", err)
+	} else {
+		info, _ := n.Manager.Get(ctx, big.ID)
+		var capture, stored dist
+		for i := 0; i < iterations; i++ {
+			img := filepath.Join(n.dataDir, "images", fmt.Sprintf("bench-capture-%d", i))
+			os.MkdirAll(img, 0o755)
+			t0 := time.Now()
+			if err := n.Driver.Checkpoint(ctx, info.Runtime.InstanceID, img, runtime.CheckpointOptions{LeaveRunning: true}); err != nil {
+				b.Fatal(err)
+			}
+			capture = append(capture, time.Since(t0))
+			os.RemoveAll(img)
+		}
+		for i := 0; i < 3; i++ {
+			t0 := time.Now()
+			s, err := n.Manager.Snapshot(ctx, big.ID, "")
+			if err != nil {
+				b.Fatal(err)
+			}
+			stored = append(stored, time.Since(t0))
+			n.Manager.DeleteTemplate(ctx, s.ID)
+		}
+		report(b, "capture after 1 GiB written (ckpt+layer clone)", capture)
+		report(b, "snapshot after 1 GiB written (stored, chunked)", stored)
+	}
+	n.Manager.Kill(ctx, big.ID)
 	n.Manager.Kill(ctx, sb.ID)
 	idleMemory(b, n, 50)
 }

@@ -71,6 +71,23 @@ func startNode(runsc string, poolSize int) (*node, error) {
 		cache = filepath.Join(root, ".cache")
 	}
 	dataDir := filepath.Join(tmp, "data")
+	layerFS = "host filesystem (" + fsType(tmp) + ")"
+	if _, err := exec.LookPath("mkfs.btrfs"); err == nil && os.Getenv("EMBER_BENCH_LAYER_FS") != "host" {
+		// Sandbox layers on btrfs: checkpoints clone them as O(1) subvolume snapshots.
+		img := filepath.Join(tmp, "layers.img")
+		if f, err := os.Create(img); err == nil {
+			f.Truncate(64 << 30)
+			f.Close()
+			os.MkdirAll(dataDir, 0o755)
+			if out, err := exec.Command("mkfs.btrfs", "-q", img).CombinedOutput(); err != nil {
+				return nil, fmt.Errorf("mkfs.btrfs: %v %s", err, out)
+			}
+			if out, err := exec.Command("mount", "-o", "loop", img, dataDir).CombinedOutput(); err != nil {
+				return nil, fmt.Errorf("mount layers fs: %v %s", err, out)
+			}
+			layerFS = "btrfs (loop device on " + fsType(tmp) + ")"
+		}
+	}
 	n, err := daemon.Open(context.Background(), daemon.Config{
 		DataDir: dataDir, CacheDir: cache, Runsc: runsc, Envd: envd, PoolSize: poolSize, SlotPoolSize: -1,
 		Templates: []string{"base"},
@@ -207,8 +224,21 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// cleanupDataDir removes a test data dir, including the namespace mount runsc keeps in its root.
+// cleanupDataDir removes a test data dir, including the namespace mount runsc keeps in its root
+// and the loop-mounted layer filesystem.
 func cleanupDataDir(dataDir string) {
 	exec.Command("umount", filepath.Join(dataDir, "runsc", "null-netns")).Run()
+	exec.Command("umount", dataDir).Run()
 	os.RemoveAll(filepath.Dir(dataDir))
+}
+
+// layerFS names the filesystem that holds the sandboxes' writable layers in this run.
+var layerFS string
+
+func fsType(p string) string {
+	out, err := exec.Command("stat", "-f", "-c", "%T", p).Output()
+	if err != nil {
+		return "unknown"
+	}
+	return strings.TrimSpace(string(out))
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/api"
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/network"
+	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/runtime/gvisor"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/snapshot"
@@ -55,6 +56,7 @@ type Config struct {
 // Node is a running ember node.
 type Node struct {
 	Manager *sandbox.Manager
+	Driver  runtime.Driver
 	Keys    *auth.Keys
 	Store   *store.Store
 	Handler http.Handler
@@ -149,7 +151,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	h := api.New(api.Config{Domain: cfg.Domain}, mgr, keys, cfg.Logger)
 	ok = true
-	return &Node{Manager: mgr, Keys: keys, Store: st, Handler: h, net: nm}, nil
+	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, net: nm}, nil
 }
 
 // Close stops background work. Running sandboxes keep running and are re-adopted by the next
