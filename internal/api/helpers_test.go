@@ -1,6 +1,7 @@
 package api
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"io"
@@ -137,6 +138,17 @@ func newGuest(t *testing.T) *guest {
 			return
 		}
 		_, _ = io.WriteString(w, "chunk2\n")
+	})
+	// /duplex answers after the first body line, then echoes the rest of the body as it arrives
+	// (Connect streams answer before the request body has been read to its end).
+	mux.HandleFunc("/duplex", func(w http.ResponseWriter, r *http.Request) {
+		_ = http.NewResponseController(w).EnableFullDuplex()
+		br := bufio.NewReader(r.Body)
+		first, _ := br.ReadString('\n')
+		_, _ = io.WriteString(w, "got "+first)
+		_ = http.NewResponseController(w).Flush()
+		rest, _ := io.ReadAll(br)
+		_, _ = io.WriteString(w, "then "+string(rest))
 	})
 	mux.HandleFunc("/ws", func(w http.ResponseWriter, r *http.Request) {
 		if !strings.EqualFold(r.Header.Get("Upgrade"), "websocket") {

@@ -53,13 +53,13 @@ func (s *server) newProxy() *httputil.ReverseProxy {
 		},
 		Transport:     transport,
 		FlushInterval: -1, // flush every write: Connect streams must not be buffered
-		ErrorLog:      slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+		ErrorLog:      slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			if errors.Is(err, context.Canceled) || r.Context().Err() != nil {
 				return // the client went away
 			}
 			id, _ := r.Context().Value(proxySandboxKey{}).(string)
-			s.log.Debug("sandbox proxy error", "sandbox_id", id, "err", err)
+			s.log.Warn("sandbox proxy error", "sandbox_id", id, "err", err)
 			writeNotRunning(w, id)
 		},
 	}
@@ -90,6 +90,12 @@ func (s *server) serveSandbox(w http.ResponseWriter, r *http.Request, id string,
 	}
 	ctx := context.WithValue(r.Context(), proxyTargetKey{}, target)
 	ctx = context.WithValue(ctx, proxySandboxKey{}, id)
+	// Connect streams answer while the request body may still be arriving. Without full duplex
+	// the HTTP/1 server drains the request body when the response starts, racing the proxy that
+	// is still forwarding it: the upstream write fails and the stream is cut mid-way.
+	if err := http.NewResponseController(w).EnableFullDuplex(); err != nil && !errors.Is(err, http.ErrNotSupported) {
+		s.log.Debug("full duplex", "err", err)
+	}
 	s.proxy.ServeHTTP(w, r.WithContext(ctx))
 }
 

@@ -207,6 +207,42 @@ func TestProxyStreamsWithoutBuffering(t *testing.T) {
 	}
 }
 
+// The proxy forwards a request body that is still arriving after the guest started answering
+// (the e2b SDK's streaming calls): the HTTP/1 server must not drain the body when the response
+// starts, or the upstream write fails and the stream is cut.
+func TestProxyFullDuplex(t *testing.T) {
+	e := newEnv(t)
+	a := e.fake.add(sandbox.StateRunning, nil)
+	pr, pw := io.Pipe()
+	req, _ := http.NewRequest("POST", e.api.URL+"/duplex", pr)
+	req.Header.Set("E2b-Sandbox-Id", a.ID)
+	done := make(chan struct{})
+	var res *http.Response
+	var err error
+	go func() { res, err = e.api.Client().Do(req); close(done) }()
+	io.WriteString(pw, "first\n")
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		pw.Close()
+		t.Fatal("no response while the request body is still open")
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	br := bufio.NewReader(res.Body)
+	if line, _ := br.ReadString('\n'); line != "got first\n" {
+		t.Fatalf("first answer %q", line)
+	}
+	io.WriteString(pw, "second")
+	pw.Close()
+	rest, err := io.ReadAll(br)
+	if err != nil || string(rest) != "then second" {
+		t.Fatalf("rest %q err %v", rest, err)
+	}
+}
+
 func TestProxyWebSocketUpgrade(t *testing.T) {
 	e := newEnv(t)
 	a := e.fake.add(sandbox.StateRunning, nil)

@@ -34,11 +34,12 @@ func (g *guestTransports) open(addr string) {
 	if old := g.byAddr[addr]; old != nil {
 		old.CloseIdleConnections()
 	}
+	// No keep-alive: a fresh connection per request costs a fraction of a millisecond over the
+	// veth, and no connection ever outlives the request it was made for.
 	g.byAddr[addr] = &http.Transport{
-		DialContext:         g.dialer.DialContext,
-		MaxIdleConnsPerHost: 16,
-		IdleConnTimeout:     30 * time.Second,
-		DisableCompression:  true,
+		DialContext:        g.dialer.DialContext,
+		DisableKeepAlives:  true,
+		DisableCompression: true,
 	}
 }
 

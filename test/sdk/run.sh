@@ -93,7 +93,7 @@ trap finish EXIT
 trap 'log "interrupted"; STATUS=130; exit 130' INT TERM
 
 log "starting $EMBER_BIN serve --listen 127.0.0.1:$PORT --data-dir $EMBER_DATA_DIR"
-"$EMBER_BIN" serve --listen "127.0.0.1:$PORT" --data-dir "$EMBER_DATA_DIR" >"$DAEMON_LOG" 2>&1 &
+"$EMBER_BIN" serve --listen "127.0.0.1:$PORT" --data-dir "$EMBER_DATA_DIR" ${EMBER_SERVE_FLAGS:-} >"$DAEMON_LOG" 2>&1 &
 DAEMON_PID=$!
 
 # Ready = the API root answers with any HTTP status, and the API key file exists.
