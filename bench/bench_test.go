@@ -20,7 +20,7 @@ const iterations = 10
 // BenchmarkBasic: create → command finished for a cold boot of `base`, and memory per idle
 // sandbox with 10 running (issue: foundation).
 func BenchmarkBasic(b *testing.B) {
-	n := getNode(b, 0)
+	n := getNode(b, 2) // one node for every benchmark of the run; creates here skip the pool
 	ctx := context.Background()
 	fmt.Printf("\n== ember basic (runsc systrap, %d iterations) ==\n", iterations)
 	var cold dist
