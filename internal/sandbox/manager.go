@@ -692,15 +692,23 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry) error {
 	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
 		return err
 	}
-	if err := m.cfg.Driver.Delete(ctx, old.InstanceID); err != nil {
-		m.logger(sb.ID).Warn("delete paused instance", "err", err)
-	}
-	if err := m.cfg.Network.Release(ctx, old.SlotIndex); err != nil {
-		m.logger(sb.ID).Warn("release slot", "err", err)
-	}
-	os.RemoveAll(old.StateDir)
 	m.guestT.close(old.GuestIP)
 	m.logger(sb.ID).Info("sandbox paused", "ms", time.Since(start).Milliseconds())
+	// The checkpoint stopped every process of the instance and the record says paused: what is
+	// left (runsc's state, the network slot, the run directory) is released after answering.
+	// A crash before it finishes leaves orphans that reconcile removes at the next start.
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		ctx := context.Background()
+		if err := m.cfg.Driver.Delete(ctx, old.InstanceID); err != nil {
+			m.logger(sb.ID).Warn("delete paused instance", "err", err)
+		}
+		if err := m.cfg.Network.Release(ctx, old.SlotIndex); err != nil {
+			m.logger(sb.ID).Warn("release slot", "err", err)
+		}
+		os.RemoveAll(old.StateDir)
+	}()
 	return nil
 }
 

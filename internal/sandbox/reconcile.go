@@ -54,6 +54,11 @@ func (m *Manager) reconcile(ctx context.Context) error {
 			}
 			keepDirs[sb.ID] = true
 			m.live[sb.ID] = &entry{sb: sb}
+			// Run directories of the instance it was paused from (release interrupted by a crash).
+			runs, _ := filepath.Glob(filepath.Join(m.sandboxDir(sb.ID), "run-*"))
+			for _, r := range runs {
+				removeTree(r)
+			}
 		default:
 			m.cfg.Store.DeleteSandbox(ctx, sb.ID)
 			os.RemoveAll(m.sandboxDir(sb.ID))

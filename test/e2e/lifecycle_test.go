@@ -20,7 +20,9 @@ func TestDaemonCrashAndRestart(t *testing.T) {
 	if code := d.api(t, "POST", "/sandboxes/"+p.SandboxID+"/pause", map[string]any{}, nil); code != 204 {
 		t.Fatalf("pause: %d", code)
 	}
-	before := snapshotResources(t)
+	// Pause answers once the sandbox is checkpointed and stopped; its slot and runsc state are
+	// released right after. Wait for that before taking the reference.
+	before := settledResources(t)
 
 	d.crash()
 	if err := d.start(); err != nil {
@@ -60,6 +62,16 @@ func TestPauseResumeKeepsProcessesAndFiles(t *testing.T) {
 	}
 	if code := d.api(t, "POST", "/sandboxes/"+s.SandboxID+"/pause", map[string]any{}, nil); code != 409 {
 		t.Fatalf("second pause: %d, want 409", code)
+	}
+	// Pausing releases the sandbox's processes (and with them its memory) and mounts.
+	released := false
+	for i := 0; i < 50 && !released; i++ {
+		r := snapshotResources(t)
+		released = !strings.Contains(r.procs, s.SandboxID) && !strings.Contains(r.mounts, s.SandboxID)
+		time.Sleep(100 * time.Millisecond)
+	}
+	if !released {
+		t.Fatal("a paused sandbox still has processes or mounts on the host")
 	}
 	var info sbx
 	d.api(t, "GET", "/sandboxes/"+s.SandboxID, nil, &info)

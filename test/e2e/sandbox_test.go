@@ -188,6 +188,24 @@ func TestKillReleasesEverything(t *testing.T) {
 	}
 }
 
+// settledResources waits until the host's ember resources stop changing (at most 10 s).
+func settledResources(t *testing.T) resources {
+	t.Helper()
+	prev := snapshotResources(t)
+	stable := 0
+	for i := 0; i < 100 && stable < 3; i++ {
+		time.Sleep(100 * time.Millisecond)
+		cur := snapshotResources(t)
+		if cur.equal(prev) {
+			stable++
+		} else {
+			stable = 0
+		}
+		prev = cur
+	}
+	return prev
+}
+
 type resources struct {
 	netns, links []string
 	runsc        int
