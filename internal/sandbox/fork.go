@@ -191,7 +191,7 @@ func (m *Manager) forkChild(ctx context.Context, parent *Sandbox, tpl *Template,
 		AutoPause:     parent.AutoPause,
 		AllowInternet: parent.AllowInternet,
 	}
-	if err := m.launch(ctx, child, tpl, image, parent.AccessToken); err != nil {
+	if err := m.launch(ctx, child, tpl, image, parent.AccessToken, false); err != nil {
 		return nil, err
 	}
 	if err := m.cfg.Store.PutSandbox(ctx, child); err != nil {

@@ -373,7 +373,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	switch {
 	case req.Cold || tpl.Image == "":
 		how = "boot"
-		err = m.launch(ctx, sb, tpl, "", "")
+		err = m.launch(ctx, sb, tpl, "", "", false)
 	default:
 		if pe := m.pool.take(tpl, allow && !req.NoPool); pe != nil {
 			how = "pool"
@@ -383,7 +383,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 			if ierr != nil {
 				return nil, ierr
 			}
-			err = m.launch(ctx, sb, tpl, image, tpl.InitToken)
+			err = m.launch(ctx, sb, tpl, image, tpl.InitToken, false)
 		}
 	}
 	if err != nil {
@@ -428,9 +428,10 @@ func (m *Manager) spec(sb *Sandbox, tpl *Template, slot Slot, instance string) r
 }
 
 // launch gives sb a network slot and a runtime instance, booted (image == "") or restored from
-// image, waits for envd and initialises it. On success sb.Runtime describes the placement; on
-// failure everything acquired is released.
-func (m *Manager) launch(ctx context.Context, sb *Sandbox, tpl *Template, image, initToken string) error {
+// image, waits for envd and initialises it (a resume keeps its identity: no /init, and the pause
+// image is consumed). On success sb.Runtime describes the placement; on failure everything
+// acquired is released.
+func (m *Manager) launch(ctx context.Context, sb *Sandbox, tpl *Template, image, initToken string, resume bool) error {
 	var undo cleanup.Stack
 	defer func() { undo.Run() }()
 	t0 := time.Now()
@@ -446,6 +447,7 @@ func (m *Manager) launch(ctx context.Context, sb *Sandbox, tpl *Template, image,
 	}
 	undo.Add(func() error { return os.RemoveAll(spec.StateDir) })
 	t1 := time.Now()
+	spec.ConsumeImage = resume // the pause image is deleted after a resume
 	if image == "" {
 		err = m.cfg.Driver.Start(ctx, spec)
 	} else {
@@ -461,8 +463,10 @@ func (m *Manager) launch(ctx context.Context, sb *Sandbox, tpl *Template, image,
 		return err
 	}
 	t3 := time.Now()
-	if err := m.initEnvd(ctx, base, sb, initToken); err != nil {
-		return err
+	if !resume {
+		if err := m.initEnvd(ctx, base, sb, initToken); err != nil {
+			return err
+		}
 	}
 	m.logger(sb.ID).Debug("launch timings", "restore", image != "",
 		"slot_ms", ms(t1.Sub(t0)), "runtime_ms", ms(t2.Sub(t1)), "envd_ms", ms(t3.Sub(t2)), "init_ms", ms(time.Since(t3)))
@@ -745,7 +749,7 @@ func (m *Manager) Connect(ctx context.Context, id string, timeout time.Duration)
 		return nil, false, err
 	}
 	image := sb.Runtime.Image
-	if err := m.launchResume(ctx, sb, tpl, image); err != nil {
+	if err := m.launch(ctx, sb, tpl, image, "", true); err != nil {
 		return nil, false, fmt.Errorf("resume: %w", err)
 	}
 	sb.State = StateRunning
@@ -756,43 +760,6 @@ func (m *Manager) Connect(ctx context.Context, id string, timeout time.Duration)
 	os.RemoveAll(image)
 	m.logger(id).Info("sandbox resumed", "ms", time.Since(start).Milliseconds())
 	return m.snapshotOf(e), true, nil
-}
-
-// launchResume restores a paused sandbox's own image: same identity, no /init.
-func (m *Manager) launchResume(ctx context.Context, sb *Sandbox, tpl *Template, image string) error {
-	var undo cleanup.Stack
-	defer func() { undo.Run() }()
-	slot, err := m.cfg.Network.Acquire(ctx, sb.AllowInternet)
-	if err != nil {
-		return fmt.Errorf("network slot: %w", err)
-	}
-	undo.Add(func() error { return m.cfg.Network.Release(context.Background(), slot.Index) })
-	inst := instanceID(sb.ID)
-	spec := m.spec(sb, tpl, slot, inst)
-	if err := os.MkdirAll(spec.StateDir, 0o755); err != nil {
-		return err
-	}
-	undo.Add(func() error { return os.RemoveAll(spec.StateDir) })
-	spec.ConsumeImage = true // the pause image is deleted after a resume
-	err = m.cfg.Driver.Restore(ctx, spec, image)
-	undo.Add(func() error { return m.cfg.Driver.Delete(context.Background(), inst) })
-	if err != nil {
-		return err
-	}
-	base := fmt.Sprintf("http://%s", netip.AddrPortFrom(slot.GuestIP, EnvdPort))
-	if err := m.waitEnvd(ctx, base); err != nil {
-		return err
-	}
-	sb.Runtime = Placement{
-		Driver:     m.cfg.Driver.Name(),
-		InstanceID: inst,
-		SlotIndex:  slot.Index,
-		GuestIP:    slot.GuestIP.String(),
-		StateDir:   spec.StateDir,
-	}
-	m.guestT.open(sb.Runtime.GuestIP)
-	undo.Release()
-	return nil
 }
 
 func (m *Manager) templateOf(ctx context.Context, sb *Sandbox) (*Template, error) {
