@@ -9,7 +9,6 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"os/signal"
@@ -18,7 +17,6 @@ import (
 	"strings"
 	"syscall"
 	"text/tabwriter"
-	"time"
 
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
@@ -73,9 +71,14 @@ func envOr(k, d string) string {
 func (g *globals) client() *client {
 	key := g.key
 	if key == "" {
-		for _, p := range []string{envOr("EMBER_DATA_DIR", defaultDataDir()) + "/api-key"} {
-			if b, err := os.ReadFile(p); err == nil {
+		// A local daemon's key: $EMBER_DATA_DIR, then ./data (`make run`), then the default dir.
+		for _, p := range []string{os.Getenv("EMBER_DATA_DIR"), "data", defaultDataDir()} {
+			if p == "" {
+				continue
+			}
+			if b, err := os.ReadFile(filepath.Join(p, "api-key")); err == nil {
 				key = strings.TrimSpace(string(b))
+				break
 			}
 		}
 	}
@@ -215,6 +218,3 @@ func parseKV(list []string) (map[string]string, error) {
 	}
 	return m, nil
 }
-
-var _ io.Writer = os.Stdout
-var _ = time.Second

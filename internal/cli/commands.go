@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"strconv"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -379,5 +378,3 @@ func keysCmd(g *globals) *cobra.Command {
 	c.AddCommand(create, ls, revoke)
 	return c
 }
-
-var _ = strconv.Itoa
