@@ -8,17 +8,20 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/api"
 	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/network"
 	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/runtime/gvisor"
@@ -45,6 +48,10 @@ type Config struct {
 	Templates []string
 	// Snapshot store: local directory by default; S3 when S3.Endpoint is set.
 	S3 snaps3.Config
+	// NodeID names this node. Every node-local name (netns and veth prefix, nftables table,
+	// interface group, cgroup parent) is derived from it, so several nodes can share one host.
+	// Empty = the single-node defaults.
+	NodeID string
 	// Network CIDR for sandbox slots.
 	CIDR   string
 	Mirror string
@@ -98,7 +105,12 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	// --allow-suid: sudo works for the default user, as in E2B's base template (the ID elevation stays
 	// inside the sandbox's own kernel).
-	drv, err := gvisor.New(gvisor.Config{Runsc: cfg.Runsc, Root: filepath.Join(cfg.DataDir, "runsc"), ExtraFlags: []string{"--allow-suid"}, Logger: cfg.Logger})
+	names, err := NodeNames(cfg.NodeID)
+	if err != nil {
+		return nil, err
+	}
+	drv, err := gvisor.New(gvisor.Config{Runsc: cfg.Runsc, Root: filepath.Join(cfg.DataDir, "runsc"), CgroupParent: names.CgroupParent,
+		ExtraFlags: []string{"--allow-suid"}, Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
 	}
@@ -106,7 +118,8 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if cfg.SlotPoolSize < 0 {
 		cfg.SlotPoolSize = 4
 	}
-	ncfg := network.Config{PoolSize: cfg.SlotPoolSize, Logger: cfg.Logger}
+	ncfg := network.Config{PoolSize: cfg.SlotPoolSize, Logger: cfg.Logger,
+		NamePrefix: names.NetPrefix, Table: names.Table, InternetGroup: names.InternetGroup}
 	if cfg.CIDR != "" {
 		p, err := parsePrefix(cfg.CIDR)
 		if err != nil {
@@ -197,6 +210,35 @@ func Serve(ctx context.Context, cfg Config) error {
 		return err
 	}
 	return nil
+}
+
+// Names are the node-local names derived from a node id.
+type Names struct {
+	NetPrefix     string // netns "<prefix>-<i>", host veth "<prefix><i>h"
+	Table         string // nftables table (inet)
+	InternetGroup uint32 // interface group of slots allowed internet
+	CgroupParent  string // cgroup under which runsc puts each instance
+}
+
+var nodeIDRe = regexp.MustCompile(`^[a-z][a-z0-9]{0,5}$`)
+
+// NodeNames derives the node-local names of node id ("" = the single-node defaults).
+func NodeNames(id string) (Names, error) {
+	if id == "" {
+		return Names{NetPrefix: network.DefaultNamePrefix, Table: network.DefaultTable,
+			InternetGroup: network.DefaultInternetGroup, CgroupParent: "ember"}, nil
+	}
+	if !nodeIDRe.MatchString(id) {
+		return Names{}, fmt.Errorf("node_id %q: must be 1-6 lowercase letters and digits, starting with a letter: %w", id, errdefs.ErrInvalid)
+	}
+	h := fnv.New32a()
+	h.Write([]byte(id))
+	return Names{
+		NetPrefix:     "e" + id,
+		Table:         "ember_" + id,
+		InternetGroup: network.DefaultInternetGroup + 1 + h.Sum32()%0xffff,
+		CgroupParent:  "ember-" + id,
+	}, nil
 }
 
 func openImages(cfg Config) (sandbox.ImageStore, error) {

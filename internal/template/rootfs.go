@@ -20,7 +20,7 @@ import (
 
 // DefaultPackages are installed on top of debootstrap's minbase variant.
 var DefaultPackages = []string{
-	"bash", "coreutils", "procps", "python3", "ca-certificates", "git", "curl", "sudo",
+	"bash", "coreutils", "procps", "python3", "python-is-python3", "ca-certificates", "git", "curl", "sudo",
 }
 
 // Builder builds template root filesystems.
