@@ -34,6 +34,42 @@ type Spec struct {
 	// Resource limits; zero means the driver's default.
 	CPUCount int
 	MemoryMB int
+	// DiskMB bounds the instance's writable layer (writes past it fail with ENOSPC inside the
+	// sandbox); 0 = unlimited.
+	DiskMB int
+	// PidsLimit bounds the number of tasks in the sandbox; 0 = the driver's default.
+	PidsLimit int
+}
+
+// ExitReason says why an instance stopped on its own (Driver.Wait).
+type ExitReason string
+
+const (
+	// ExitExited: the init process (envd) exited by itself.
+	ExitExited ExitReason = "exited"
+	// ExitOOM: the instance exceeded its memory limit and was stopped.
+	ExitOOM ExitReason = "out of memory"
+	// ExitKilled: the instance's processes were killed from outside (a signal to the runtime's
+	// host processes), or it was stopped by Kill, Delete or Checkpoint.
+	ExitKilled ExitReason = "killed"
+)
+
+// Exit is what Wait reports.
+type Exit struct {
+	Reason ExitReason
+	// Code is the init process's exit status when known, else -1.
+	Code int
+	// At is when the driver noticed the exit.
+	At time.Time
+	// Detail is a short human-readable explanation ("" when there is none).
+	Detail string
+}
+
+// ImportOptions bound what ImportImage accepts from an untrusted source.
+type ImportOptions struct {
+	// MaxBytes bounds the bytes the unpacked image may occupy (data of regular files, sparse
+	// holes excluded); 0 = no bound.
+	MaxBytes int64
 }
 
 // State of an instance as the driver sees it.
@@ -95,6 +131,19 @@ type Driver interface {
 	Delete(ctx context.Context, id string) error
 	// List returns the ids of every instance the driver knows, for reconciliation at start-up.
 	List(ctx context.Context) ([]string, error)
+	// Wait blocks until the instance stops, or ctx is done (then it returns ctx's error), and
+	// reports why. It works for instances started by an earlier process of the daemon (adopted
+	// after a restart) as well. An unknown or already stopped instance returns at once.
+	Wait(ctx context.Context, id string) (Exit, error)
+	// ExportImage writes the image in imageDir (written by Checkpoint) into dstDir (existing,
+	// empty) as a flat set of regular files, for a content-addressed store to keep. The image
+	// format is the driver's own; imageDir is left unchanged.
+	ExportImage(ctx context.Context, imageDir, dstDir string) error
+	// ImportImage turns the files ExportImage wrote (srcDir; untrusted: they may come from a
+	// shared bucket) back into an image directory at imageDir (must not exist). It never writes
+	// outside imageDir, never follows a symlink while writing, creates no device nodes and no
+	// setuid/setgid files, and refuses input over opts.MaxBytes. On error imageDir is absent.
+	ImportImage(ctx context.Context, srcDir, imageDir string, opts ImportOptions) error
 	// Exec runs a command inside a running instance out of band (not through envd) and returns
 	// its combined output and exit code. For diagnostics, tests and template builds. Processes
 	// it leaves in the background may not survive Restore (gVisor kills them): long-lived
