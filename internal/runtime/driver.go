@@ -141,8 +141,8 @@ type Driver interface {
 	ExportImage(ctx context.Context, imageDir, dstDir string) error
 	// ImportImage turns the files ExportImage wrote (srcDir; untrusted: they may come from a
 	// shared bucket) back into an image directory at imageDir (must not exist). It never writes
-	// outside imageDir, never follows a symlink while writing, creates no device nodes and no
-	// setuid/setgid files, and refuses input over opts.MaxBytes. On error imageDir is absent.
+	// outside imageDir, never follows a symlink while writing, creates no device nodes (overlay
+	// whiteouts excepted), and refuses input over opts.MaxBytes. On error imageDir is absent.
 	ImportImage(ctx context.Context, srcDir, imageDir string, opts ImportOptions) error
 	// Exec runs a command inside a running instance out of band (not through envd) and returns
 	// its combined output and exit code. For diagnostics, tests and template builds. Processes
