@@ -4,9 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"sync"
 
 	"github.com/ember-sandbox/ember/internal/network"
@@ -66,65 +63,16 @@ func (a *builderAdapter) BuildRootFS(ctx context.Context, dest string, progress 
 	return a.b.BuildRootFS(ctx, dest, progress)
 }
 
-// imageAdapter stores checkpoint images in the snapshot store. An image may hold the instance's
-// writable layer (an overlayfs upper: symlinks, whiteout devices, xattrs, owners), which the
-// chunk store does not represent file by file: the layer travels as one tar file, chunked and
-// deduplicated like the memory image.
+// imageAdapter stores exported checkpoint images (flat directories of regular files, in the
+// driver's format) in the snapshot store.
 type imageAdapter struct{ s *snapshot.Store }
 
-const layerTar = "layer.tar"
-
 func (a *imageAdapter) Save(ctx context.Context, id, dir string) error {
-	layer := filepath.Join(dir, "layer")
-	if _, err := os.Stat(layer); err != nil {
-		_, err := a.s.Save(ctx, id, dir)
-		return err
-	}
-	stage, err := os.MkdirTemp(filepath.Dir(dir), "."+filepath.Base(dir)+".stage-")
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(stage)
-	entries, err := os.ReadDir(dir)
-	if err != nil {
-		return err
-	}
-	for _, e := range entries {
-		if e.Type().IsRegular() {
-			if err := os.Link(filepath.Join(dir, e.Name()), filepath.Join(stage, e.Name())); err != nil {
-				return err
-			}
-		}
-	}
-	out, err := exec.CommandContext(ctx, "tar", "--xattrs", "--xattrs-include=*", "--numeric-owner",
-		"-C", layer, "-cf", filepath.Join(stage, layerTar), "upper").CombinedOutput()
-	if err != nil {
-		return fmt.Errorf("pack layer: %v: %s", err, out)
-	}
-	_, err = a.s.Save(ctx, id, stage)
+	_, err := a.s.Save(ctx, id, dir)
 	return err
 }
 
-func (a *imageAdapter) Load(ctx context.Context, id, dir string) error {
-	if err := a.s.Load(ctx, id, dir); err != nil {
-		return err
-	}
-	tarPath := filepath.Join(dir, layerTar)
-	if _, err := os.Stat(tarPath); err != nil {
-		return nil
-	}
-	layer := filepath.Join(dir, "layer")
-	if err := os.MkdirAll(layer, 0o755); err != nil {
-		return err
-	}
-	out, err := exec.CommandContext(ctx, "tar", "--xattrs", "--xattrs-include=*", "--numeric-owner",
-		"-xpf", tarPath, "-C", layer).CombinedOutput()
-	if err != nil {
-		os.RemoveAll(dir)
-		return fmt.Errorf("unpack layer: %v: %s", err, out)
-	}
-	return os.Remove(tarPath)
-}
+func (a *imageAdapter) Load(ctx context.Context, id, dir string) error { return a.s.Load(ctx, id, dir) }
 
 func (a *imageAdapter) Delete(ctx context.Context, id string) error { return a.s.Delete(ctx, id) }
 

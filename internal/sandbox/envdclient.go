@@ -15,7 +15,7 @@ import (
 // returns the exit code and output; without, it returns once the process started (it keeps
 // running: disconnecting does not stop it). Commands must go through envd, not the driver's
 // out-of-band Exec: gVisor kills exec'd processes on restore, while envd's children survive.
-func (m *Manager) envdCommand(ctx context.Context, base, cmdline string, wait bool) (int, string, error) {
+func (m *Manager) envdCommand(ctx context.Context, base, token, cmdline string, wait bool) (int, string, error) {
 	pc := processconnect.NewProcessClient(m.client, base)
 	no := false
 	req := connect.NewRequest(&process.StartRequest{
@@ -23,6 +23,9 @@ func (m *Manager) envdCommand(ctx context.Context, base, cmdline string, wait bo
 		Stdin:   &no,
 	})
 	req.Header().Set("Authorization", "Basic cm9vdDo=") // root:
+	if token != "" {
+		req.Header().Set("X-Access-Token", token)
+	}
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	stream, err := pc.Start(sctx, req)

@@ -30,21 +30,28 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 	if snapID == "" {
 		snapID = "snap-" + randomHex(6)
 	}
-	if _, err := m.cfg.Store.GetTemplate(ctx, snapID); err == nil {
-		return nil, fmt.Errorf("snapshot or template %q already exists: %w", snapID, errdefs.ErrConflict)
+	ctx, done, err := m.op(ctx)
+	if err != nil {
+		return nil, err
 	}
+	defer done()
 	e, err := m.entry(id)
 	if err != nil {
 		return nil, err
 	}
+	release, err := m.reserveName(snapID, false)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	e.mu.Lock()
-	if e.sb.State != StateRunning {
+	if err := runningLocked(e); err != nil {
 		e.mu.Unlock()
-		return nil, fmt.Errorf("sandbox %q is %s: %w", id, e.sb.State, errdefs.ErrConflict)
+		return nil, err
 	}
 	sb := m.snapshotOf(e)
 	image := filepath.Join(m.cfg.DataDir, "images", snapID)
-	if err := os.MkdirAll(image, 0o755); err != nil {
+	if err := os.MkdirAll(image, 0o700); err != nil {
 		e.mu.Unlock()
 		return nil, err
 	}
@@ -75,7 +82,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 		Names:         []string{snapID},
 	}
 	if m.cfg.Images != nil {
-		if err := m.cfg.Images.Save(ctx, snapID, image); err != nil {
+		if err := m.saveImage(ctx, snapID, image); err != nil {
 			os.RemoveAll(image)
 			return nil, fmt.Errorf("store snapshot: %w", err)
 		}
@@ -118,18 +125,23 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	if timeout == 0 {
 		timeout = DefaultTimeout
 	}
+	ctx, done, err := m.op(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
 	e, err := m.entry(id)
 	if err != nil {
 		return nil, err
 	}
 	e.mu.Lock()
-	if e.sb.State != StateRunning {
+	if err := runningLocked(e); err != nil {
 		e.mu.Unlock()
-		return nil, fmt.Errorf("sandbox %q is %s: %w", id, e.sb.State, errdefs.ErrConflict)
+		return nil, err
 	}
 	parent := m.snapshotOf(e)
 	image := filepath.Join(m.cfg.DataDir, "images", "fork-"+randomHex(6))
-	if err := os.MkdirAll(image, 0o755); err != nil {
+	if err := os.MkdirAll(image, 0o700); err != nil {
 		e.mu.Unlock()
 		return nil, err
 	}
@@ -191,16 +203,18 @@ func (m *Manager) forkChild(ctx context.Context, parent *Sandbox, tpl *Template,
 		AutoPause:     parent.AutoPause,
 		AllowInternet: parent.AllowInternet,
 	}
-	if err := m.launch(ctx, child, tpl, image, parent.AccessToken, false); err != nil {
+	p, err := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, image: image, init: child, initToken: parent.AccessToken,
+		cpu: child.CPUCount, memMB: child.MemoryMB, diskMB: child.DiskSizeMB, allowInternet: child.AllowInternet})
+	if err != nil {
+		m.removeSandboxDir(child.ID)
 		return nil, err
 	}
-	if err := m.cfg.Store.PutSandbox(ctx, child); err != nil {
-		m.destroy(context.Background(), child)
+	child.Runtime = p
+	e, err := m.register(ctx, child)
+	if err != nil {
 		return nil, err
 	}
-	m.mu.Lock()
-	m.live[child.ID] = &entry{sb: child}
-	m.mu.Unlock()
-	c := *child
-	return &c, nil
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return m.snapshotOf(e), nil
 }

@@ -1,11 +1,11 @@
 package sandbox
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"net/http"
 	"sync"
-	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
@@ -17,13 +17,13 @@ import (
 type guestTransports struct {
 	mu     sync.Mutex
 	byAddr map[string]*http.Transport
-	dialer *net.Dialer
+	dial   func(ctx context.Context, network, addr string) (net.Conn, error)
 }
 
-func newGuestTransports() *guestTransports {
+func newGuestTransports(dial func(ctx context.Context, network, addr string) (net.Conn, error)) *guestTransports {
 	return &guestTransports{
 		byAddr: map[string]*http.Transport{},
-		dialer: &net.Dialer{Timeout: 3 * time.Second, KeepAlive: 30 * time.Second},
+		dial:   dial,
 	}
 }
 
@@ -37,7 +37,7 @@ func (g *guestTransports) open(addr string) {
 	// No keep-alive: a fresh connection per request costs a fraction of a millisecond over the
 	// veth, and no connection ever outlives the request it was made for.
 	g.byAddr[addr] = &http.Transport{
-		DialContext:        g.dialer.DialContext,
+		DialContext:        g.dial,
 		DisableKeepAlives:  true,
 		DisableCompression: true,
 	}

@@ -1,14 +1,10 @@
 package sandbox
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -16,12 +12,10 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
-	"sort"
 	"strconv"
 	"sync"
 	"time"
 
-	"github.com/ember-sandbox/ember/internal/cleanup"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
@@ -84,6 +78,16 @@ type Config struct {
 	CPUCount int
 	MemoryMB int
 	DiskMB   int
+	// DrainTimeout bounds how long Close waits for operations in flight before it cancels them
+	// (default 10 s).
+	DrainTimeout time.Duration
+	// TombstoneTTL is how long a sandbox that ended stays known, so that calls to it say why it
+	// is gone (default 10 minutes).
+	TombstoneTTL time.Duration
+	// Dial reaches envd inside sandboxes (default: a net.Dialer). Tests over fake drivers set it.
+	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
+	// Fail, when set, is asked at named points of a launch whether to fail there (tests).
+	Fail func(point string) error
 }
 
 // Manager owns every sandbox on this node. It implements Service.
@@ -94,12 +98,26 @@ type Manager struct {
 	guestT *guestTransports
 
 	mu   sync.Mutex
-	live map[string]*entry // sandboxes by id (running and paused)
+	live map[string]*entry // sandboxes by id: running, paused, and recently ended (tombstones)
 
-	pool *pool
+	pool   *pool
+	faults *faults
+	names  map[string]bool        // template and snapshot names being written (reserveName)
+	loads  map[string]*sync.Mutex // stored images being loaded into the node cache
 
-	stop chan struct{}
-	wg   sync.WaitGroup
+	// bg is the context of background work (pool, watchers, reaper); Close cancels it.
+	bg       context.Context
+	cancelBG context.CancelFunc
+	stop     chan struct{}
+	wg       sync.WaitGroup
+
+	// Operations in flight (ops) and the context that aborts them once Close's drain bound
+	// passes.
+	opMu    sync.RWMutex
+	closing bool
+	ops     sync.WaitGroup
+	abort   context.Context
+	abortFn context.CancelFunc
 }
 
 // entry is the in-memory state of one sandbox; mu serialises lifecycle operations on it.
@@ -131,25 +149,44 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	if cfg.DiskMB == 0 {
 		cfg.DiskMB = 2048
 	}
+	if cfg.DrainTimeout == 0 {
+		cfg.DrainTimeout = 10 * time.Second
+	}
+	if cfg.TombstoneTTL == 0 {
+		cfg.TombstoneTTL = 10 * time.Minute
+	}
+	// The data directory holds every sandbox's files and memory images: root only.
+	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(cfg.DataDir, 0o700); err != nil {
+		return nil, err
+	}
 	for _, d := range []string{"sandboxes", "templates", "images"} {
-		if err := os.MkdirAll(filepath.Join(cfg.DataDir, d), 0o755); err != nil {
+		if err := os.MkdirAll(filepath.Join(cfg.DataDir, d), 0o700); err != nil {
 			return nil, err
 		}
 	}
-	dialer := &net.Dialer{Timeout: 3 * time.Second, KeepAlive: 30 * time.Second}
-	guestT := newGuestTransports()
+	if cfg.Dial == nil {
+		cfg.Dial = (&net.Dialer{Timeout: 3 * time.Second, KeepAlive: 30 * time.Second}).DialContext
+	}
 	m := &Manager{
 		cfg: cfg,
 		log: cfg.Logger,
 		// envd health and /init calls: no keep-alive, so a connection to a slot's address never
 		// outlives the sandbox that had it (slots and their addresses are reused).
-		client: &http.Client{Transport: &http.Transport{DialContext: dialer.DialContext, DisableKeepAlives: true}},
-		guestT: guestT,
+		client: &http.Client{Transport: &http.Transport{DialContext: cfg.Dial, DisableKeepAlives: true}},
+		guestT: newGuestTransports(cfg.Dial),
 		live:   map[string]*entry{},
 		stop:   make(chan struct{}),
+		faults: &faults{fail: cfg.Fail},
 	}
+	m.bg, m.cancelBG = context.WithCancel(context.Background())
+	m.abort, m.abortFn = context.WithCancel(context.Background())
 	m.pool = newPool(m)
 	if err := m.reconcile(ctx); err != nil {
+		m.cancelBG()
+		m.wg.Wait()
 		return nil, fmt.Errorf("reconcile: %w", err)
 	}
 	m.wg.Add(1)
@@ -158,11 +195,55 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	return m, nil
 }
 
-// Close stops background work. Sandboxes keep running; a new Manager re-adopts them.
+// Close stops the Manager gracefully: no new operations are accepted, those in flight get
+// DrainTimeout to finish (then they are cancelled and roll back), background work stops,
+// unassigned pool instances are destroyed, and running and paused sandboxes are left for the
+// next start to adopt.
 func (m *Manager) Close() {
+	m.opMu.Lock()
+	m.closing = true
+	m.opMu.Unlock()
+	drained := make(chan struct{})
+	go func() { m.ops.Wait(); close(drained) }()
+	select {
+	case <-drained:
+	case <-time.After(m.cfg.DrainTimeout):
+		m.log.Warn("shutdown: operations still in flight after the drain bound; cancelling them", "bound", m.cfg.DrainTimeout)
+		m.abortFn()
+		<-drained
+	}
 	close(m.stop)
-	m.pool.close()
+	m.cancelBG()
+	pooled := m.pool.close()
 	m.wg.Wait()
+	m.abortFn()
+	running, paused := 0, 0
+	m.mu.Lock()
+	for _, e := range m.live {
+		switch e.sb.State {
+		case StateRunning:
+			running++
+		case StatePaused:
+			paused++
+		}
+	}
+	m.mu.Unlock()
+	m.log.Info("shutdown: left sandboxes for the next start", "running", running, "paused", paused, "pool_instances_destroyed", pooled)
+}
+
+// op registers an operation in flight. It fails once Close has begun; the returned context is
+// cancelled when Close gives up waiting. Call done when the operation ends.
+func (m *Manager) op(ctx context.Context) (context.Context, func(), error) {
+	m.opMu.RLock()
+	if m.closing {
+		m.opMu.RUnlock()
+		return nil, nil, fmt.Errorf("ember is shutting down: %w", errdefs.ErrUnavailable)
+	}
+	m.ops.Add(1)
+	m.opMu.RUnlock()
+	ctx, cancel := context.WithCancel(ctx)
+	stop := context.AfterFunc(m.abort, cancel)
+	return ctx, func() { stop(); cancel(); m.ops.Done() }, nil
 }
 
 func randomHex(n int) string {
@@ -221,6 +302,26 @@ func (m *Manager) entry(id string) (*entry, error) {
 	return e, nil
 }
 
+// goneErr is the error for calls to a sandbox that ended: it says why and when.
+func goneErr(sb *Sandbox) error {
+	reason := sb.EndReason
+	if reason == "" {
+		reason = "killed"
+	}
+	return fmt.Errorf("sandbox %q is not running: %s at %s: %w", sb.ID, reason, sb.EndedAt.Format(time.RFC3339), errdefs.ErrNotFound)
+}
+
+// runningLocked returns nil if e's sandbox runs, else the error a caller gets.
+func runningLocked(e *entry) error {
+	switch e.sb.State {
+	case StateRunning:
+		return nil
+	case StateKilled:
+		return goneErr(e.sb)
+	}
+	return fmt.Errorf("sandbox %q is %s: %w", e.sb.ID, e.sb.State, errdefs.ErrConflict)
+}
+
 func (m *Manager) snapshotOf(e *entry) *Sandbox {
 	c := *e.sb
 	c.Metadata = copyMap(e.sb.Metadata)
@@ -228,7 +329,7 @@ func (m *Manager) snapshotOf(e *entry) *Sandbox {
 	return &c
 }
 
-// Get returns a sandbox.
+// Get returns a sandbox. A sandbox that ended answers ErrNotFound with the reason.
 func (m *Manager) Get(ctx context.Context, id string) (*Sandbox, error) {
 	e, err := m.entry(id)
 	if err != nil {
@@ -237,537 +338,9 @@ func (m *Manager) Get(ctx context.Context, id string) (*Sandbox, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.sb.State == StateKilled {
-		return nil, fmt.Errorf("sandbox %q: %w", id, errdefs.ErrNotFound)
+		return nil, goneErr(e.sb)
 	}
 	return m.snapshotOf(e), nil
-}
-
-// List returns the sandboxes matching f, newest first.
-func (m *Manager) List(ctx context.Context, f ListFilter) ([]*Sandbox, error) {
-	m.mu.Lock()
-	entries := make([]*entry, 0, len(m.live))
-	for _, e := range m.live {
-		entries = append(entries, e)
-	}
-	m.mu.Unlock()
-	states := f.States
-	if len(states) == 0 {
-		states = []State{StateRunning, StatePaused}
-	}
-	var out []*Sandbox
-	for _, e := range entries {
-		e.mu.Lock()
-		sb := m.snapshotOf(e)
-		e.mu.Unlock()
-		if !matches(sb, f, states) {
-			continue
-		}
-		out = append(out, sb)
-	}
-	sort.Slice(out, func(i, j int) bool {
-		if out[i].StartedAt.Equal(out[j].StartedAt) {
-			return out[i].ID > out[j].ID
-		}
-		return out[i].StartedAt.After(out[j].StartedAt)
-	})
-	return out, nil
-}
-
-func matches(sb *Sandbox, f ListFilter, states []State) bool {
-	ok := false
-	for _, s := range states {
-		if sb.State == s {
-			ok = true
-		}
-	}
-	if !ok {
-		return false
-	}
-	for k, v := range f.Metadata {
-		if sb.Metadata[k] != v {
-			return false
-		}
-	}
-	if f.TemplateID != "" && sb.TemplateID != f.TemplateID && sb.Alias != f.TemplateID {
-		return false
-	}
-	if !f.StartedAfter.IsZero() && !sb.StartedAt.After(f.StartedAfter) {
-		return false
-	}
-	return true
-}
-
-// ---- create ----
-
-func (m *Manager) resolveTemplate(ctx context.Context, id string) (*Template, error) {
-	if id == "" {
-		id = "base"
-	}
-	if !nameRe.MatchString(id) {
-		return nil, fmt.Errorf("template %q: %w", id, errdefs.ErrNotFound)
-	}
-	t, err := m.cfg.Store.GetTemplate(ctx, id)
-	if err == nil {
-		return t, nil
-	}
-	if !errors.Is(err, errdefs.ErrNotFound) {
-		return nil, err
-	}
-	all, lerr := m.cfg.Store.ListTemplates(ctx)
-	if lerr != nil {
-		return nil, lerr
-	}
-	for _, t := range all {
-		for _, a := range append(t.Aliases, t.Names...) {
-			if a == id {
-				return t, nil
-			}
-		}
-	}
-	return nil, fmt.Errorf("template %q not found: %w", id, errdefs.ErrNotFound)
-}
-
-// Create starts a new sandbox from a template: an assignment from the warm pool when one is
-// ready, else a restore of the template's checkpoint, else (no checkpoint, or req.Cold) a boot.
-func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) {
-	if req.Timeout < 0 || req.Timeout > MaxTimeout {
-		return nil, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
-	}
-	tpl, err := m.resolveTemplate(ctx, req.TemplateID)
-	if err != nil {
-		return nil, err
-	}
-	if !tpl.Ready {
-		return nil, fmt.Errorf("template %q is still building: %w", tpl.ID, errdefs.ErrUnavailable)
-	}
-	timeout := req.Timeout
-	if timeout == 0 {
-		timeout = DefaultTimeout
-	}
-	allow := true
-	if req.AllowInternet != nil {
-		allow = *req.AllowInternet
-	}
-	now := time.Now().UTC()
-	sb := &Sandbox{
-		ID:            newID(),
-		TemplateID:    tpl.ID,
-		State:         StateRunning,
-		Metadata:      copyMap(req.Metadata),
-		EnvVars:       copyMap(req.EnvVars),
-		AccessToken:   randomHex(16),
-		StartedAt:     now,
-		EndAt:         now.Add(timeout),
-		CPUCount:      orDefault(tpl.CPUCount, m.cfg.CPUCount),
-		MemoryMB:      orDefault(tpl.MemoryMB, m.cfg.MemoryMB),
-		DiskSizeMB:    orDefault(tpl.DiskMB, m.cfg.DiskMB),
-		AutoPause:     req.AutoPause,
-		AllowInternet: allow,
-	}
-	if len(tpl.Aliases) > 0 {
-		sb.Alias = tpl.Aliases[0]
-	}
-	log := m.logger(sb.ID)
-	started := time.Now()
-	how := "restore"
-	switch {
-	case req.Cold || tpl.Image == "":
-		how = "boot"
-		err = m.launch(ctx, sb, tpl, "", "", false)
-	default:
-		if pe := m.pool.take(tpl, allow && !req.NoPool); pe != nil {
-			how = "pool"
-			err = m.assign(ctx, sb, pe, tpl.InitToken)
-		} else {
-			image, ierr := m.templateImage(ctx, tpl)
-			if ierr != nil {
-				return nil, ierr
-			}
-			err = m.launch(ctx, sb, tpl, image, tpl.InitToken, false)
-		}
-	}
-	if err != nil {
-		log.Error("create failed", "template_id", tpl.ID, "how", how, "err", err)
-		return nil, err
-	}
-	sb.StartedAt = time.Now().UTC()
-	sb.EndAt = sb.StartedAt.Add(timeout)
-	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
-		m.destroy(context.Background(), sb)
-		return nil, err
-	}
-	m.mu.Lock()
-	m.live[sb.ID] = &entry{sb: sb}
-	m.mu.Unlock()
-	log.Info("sandbox created", "template_id", tpl.ID, "how", how, "ms", time.Since(started).Milliseconds())
-	c := *sb
-	return &c, nil
-}
-
-func orDefault(v, d int) int {
-	if v > 0 {
-		return v
-	}
-	return d
-}
-
-// spec builds the runtime spec of an instance of sb on slot.
-func (m *Manager) spec(sb *Sandbox, tpl *Template, slot Slot, instance string) runtime.Spec {
-	return runtime.Spec{
-		ID:        instance,
-		RootFS:    tpl.RootFS,
-		StateDir:  filepath.Join(m.sandboxDir(sb.ID), "run-"+instance[len(instance)-4:]),
-		NetNSPath: slot.NetNSPath,
-		Hostname:  "sandbox",
-		Args:      []string{m.cfg.EnvdPath},
-		Env:       []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root"},
-		Cwd:       "/",
-		CPUCount:  sb.CPUCount,
-		MemoryMB:  sb.MemoryMB,
-	}
-}
-
-// launch gives sb a network slot and a runtime instance, booted (image == "") or restored from
-// image, waits for envd and initialises it (a resume keeps its identity: no /init, and the pause
-// image is consumed). On success sb.Runtime describes the placement; on failure everything
-// acquired is released.
-func (m *Manager) launch(ctx context.Context, sb *Sandbox, tpl *Template, image, initToken string, resume bool) error {
-	var undo cleanup.Stack
-	defer func() { undo.Run() }()
-	t0 := time.Now()
-	slot, err := m.cfg.Network.Acquire(ctx, sb.AllowInternet)
-	if err != nil {
-		return fmt.Errorf("network slot: %w", err)
-	}
-	undo.Add(func() error { return m.cfg.Network.Release(context.Background(), slot.Index) })
-	inst := instanceID(sb.ID)
-	spec := m.spec(sb, tpl, slot, inst)
-	if err := os.MkdirAll(spec.StateDir, 0o755); err != nil {
-		return err
-	}
-	undo.Add(func() error { return os.RemoveAll(spec.StateDir) })
-	t1 := time.Now()
-	spec.ConsumeImage = resume // the pause image is deleted after a resume
-	if image == "" {
-		err = m.cfg.Driver.Start(ctx, spec)
-	} else {
-		err = m.cfg.Driver.Restore(ctx, spec, image)
-	}
-	undo.Add(func() error { return m.cfg.Driver.Delete(context.Background(), inst) })
-	if err != nil {
-		return fmt.Errorf("start instance: %w", err)
-	}
-	t2 := time.Now()
-	base := fmt.Sprintf("http://%s", netip.AddrPortFrom(slot.GuestIP, EnvdPort))
-	if err := m.waitEnvd(ctx, base); err != nil {
-		return err
-	}
-	t3 := time.Now()
-	if !resume {
-		if err := m.initEnvd(ctx, base, sb, initToken); err != nil {
-			return err
-		}
-	}
-	m.logger(sb.ID).Debug("launch timings", "restore", image != "",
-		"slot_ms", ms(t1.Sub(t0)), "runtime_ms", ms(t2.Sub(t1)), "envd_ms", ms(t3.Sub(t2)), "init_ms", ms(time.Since(t3)))
-	sb.Runtime = Placement{
-		Driver:     m.cfg.Driver.Name(),
-		InstanceID: inst,
-		SlotIndex:  slot.Index,
-		GuestIP:    slot.GuestIP.String(),
-		StateDir:   spec.StateDir,
-	}
-	m.guestT.open(sb.Runtime.GuestIP)
-	undo.Release()
-	return nil
-}
-
-// waitEnvd polls envd's /health until it answers.
-func (m *Manager) waitEnvd(ctx context.Context, base string) error {
-	ctx, cancel := context.WithTimeout(ctx, m.cfg.EnvdTimeout)
-	defer cancel()
-	delay := 2 * time.Millisecond
-	var last error
-	for {
-		// A short bound per attempt: a lost first SYN on a fresh veth would otherwise cost the
-		// kernel's 1 s retransmit.
-		actx, acancel := context.WithTimeout(ctx, 250*time.Millisecond)
-		req, _ := http.NewRequestWithContext(actx, http.MethodGet, base+"/health", nil)
-		resp, err := m.client.Do(req)
-		acancel()
-		if err == nil {
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode/100 == 2 {
-				return nil
-			}
-			err = fmt.Errorf("status %d", resp.StatusCode)
-		}
-		last = err
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("envd at %s did not come up: %v: %w", base, last, errdefs.ErrUnavailable)
-		case <-time.After(delay):
-		}
-		if delay < 50*time.Millisecond {
-			delay *= 2
-		}
-	}
-}
-
-type initRequest struct {
-	EnvVars        map[string]string `json:"envVars"`
-	AccessToken    string            `json:"accessToken"`
-	DefaultUser    string            `json:"defaultUser"`
-	DefaultWorkdir string            `json:"defaultWorkdir"`
-	Hostname       string            `json:"hostname"`
-	Timestamp      time.Time         `json:"timestamp"`
-}
-
-// initEnvd gives the sandbox its identity: env vars and access token. oldToken authenticates
-// against an envd that already holds one (restored snapshot or fork).
-func (m *Manager) initEnvd(ctx context.Context, base string, sb *Sandbox, oldToken string) error {
-	body, _ := json.Marshal(initRequest{
-		EnvVars:        sb.EnvVars,
-		AccessToken:    sb.AccessToken,
-		DefaultUser:    "user",
-		DefaultWorkdir: "/home/user",
-		Hostname:       "sandbox",
-		Timestamp:      time.Now().UTC(),
-	})
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, base+"/init", bytes.NewReader(body))
-	req.Header.Set("Content-Type", "application/json")
-	if oldToken != "" {
-		req.Header.Set("X-Access-Token", oldToken)
-	}
-	resp, err := m.client.Do(req)
-	if err != nil {
-		return fmt.Errorf("envd init: %w", err)
-	}
-	defer resp.Body.Close()
-	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-	if resp.StatusCode/100 != 2 {
-		return fmt.Errorf("envd init: status %d: %s", resp.StatusCode, msg)
-	}
-	return nil
-}
-
-// destroy releases everything a running sandbox holds. Best effort; errors are logged.
-func (m *Manager) destroy(ctx context.Context, sb *Sandbox) {
-	log := m.logger(sb.ID)
-	if sb.Runtime.InstanceID != "" {
-		if err := m.cfg.Driver.Delete(ctx, sb.Runtime.InstanceID); err != nil {
-			log.Warn("delete instance", "err", err)
-		}
-	}
-	if sb.Runtime.GuestIP != "" {
-		if err := m.cfg.Network.Release(ctx, sb.Runtime.SlotIndex); err != nil {
-			log.Warn("release slot", "err", err)
-		}
-	}
-	if sb.Runtime.StateDir != "" {
-		os.RemoveAll(sb.Runtime.StateDir)
-	}
-	m.guestT.close(sb.Runtime.GuestIP)
-	if err := os.RemoveAll(m.sandboxDir(sb.ID)); err != nil {
-		log.Warn("remove sandbox dir", "err", err)
-	}
-}
-
-// ---- kill, timeout ----
-
-// Kill stops a sandbox and releases everything it holds.
-func (m *Manager) Kill(ctx context.Context, id string) error {
-	e, err := m.entry(id)
-	if err != nil {
-		return err
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.sb.State == StateKilled {
-		return fmt.Errorf("sandbox %q: %w", id, errdefs.ErrNotFound)
-	}
-	m.killLocked(ctx, e)
-	return nil
-}
-
-func (m *Manager) killLocked(ctx context.Context, e *entry) {
-	sb := e.sb
-	m.destroy(ctx, sb)
-	sb.State = StateKilled
-	if err := m.cfg.Store.DeleteSandbox(ctx, sb.ID); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
-		m.logger(sb.ID).Warn("delete record", "err", err)
-	}
-	m.mu.Lock()
-	delete(m.live, sb.ID)
-	m.mu.Unlock()
-	m.logger(sb.ID).Info("sandbox killed")
-}
-
-// SetTimeout sets a running sandbox's end to now + d. Paused sandboxes answer not found, as
-// E2B does (old SDKs rely on it to fall back to resume).
-func (m *Manager) SetTimeout(ctx context.Context, id string, d time.Duration) error {
-	if d < 0 || d > MaxTimeout {
-		return fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
-	}
-	e, err := m.entry(id)
-	if err != nil {
-		return err
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.sb.State != StateRunning {
-		return fmt.Errorf("sandbox %q is not running: %w", id, errdefs.ErrNotFound)
-	}
-	e.sb.EndAt = time.Now().UTC().Add(d)
-	return m.cfg.Store.PutSandbox(ctx, e.sb)
-}
-
-// reaper kills (or pauses) sandboxes whose end has passed.
-func (m *Manager) reaper() {
-	defer m.wg.Done()
-	t := time.NewTicker(500 * time.Millisecond)
-	defer t.Stop()
-	for {
-		select {
-		case <-m.stop:
-			return
-		case <-t.C:
-		}
-		now := time.Now()
-		m.mu.Lock()
-		var due []*entry
-		for _, e := range m.live {
-			due = append(due, e)
-		}
-		m.mu.Unlock()
-		for _, e := range due {
-			e.mu.Lock()
-			if e.sb.State == StateRunning && now.After(e.sb.EndAt) {
-				ctx := context.Background()
-				if e.sb.AutoPause {
-					if err := m.pauseLocked(ctx, e); err != nil {
-						m.logger(e.sb.ID).Error("auto-pause failed; killing", "err", err)
-						m.killLocked(ctx, e)
-					}
-				} else {
-					m.logger(e.sb.ID).Info("timeout reached")
-					m.killLocked(ctx, e)
-				}
-			}
-			e.mu.Unlock()
-		}
-	}
-}
-
-// ---- pause, resume ----
-
-// Pause checkpoints a running sandbox and releases its processes, memory and network slot.
-func (m *Manager) Pause(ctx context.Context, id string) error {
-	e, err := m.entry(id)
-	if err != nil {
-		return err
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	switch e.sb.State {
-	case StatePaused:
-		return fmt.Errorf("sandbox %q is already paused: %w", id, errdefs.ErrConflict)
-	case StateKilled:
-		return fmt.Errorf("sandbox %q: %w", id, errdefs.ErrNotFound)
-	}
-	return m.pauseLocked(ctx, e)
-}
-
-func (m *Manager) pauseLocked(ctx context.Context, e *entry) error {
-	sb := e.sb
-	start := time.Now()
-	image := filepath.Join(m.sandboxDir(sb.ID), "image-"+randomHex(3))
-	if err := os.MkdirAll(image, 0o755); err != nil {
-		return err
-	}
-	if err := m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, runtime.CheckpointOptions{}); err != nil {
-		os.RemoveAll(image)
-		return fmt.Errorf("checkpoint: %w", err)
-	}
-	old := sb.Runtime
-	sb.State = StatePaused
-	sb.Runtime = Placement{Image: image, SlotIndex: -1}
-	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
-		return err
-	}
-	m.guestT.close(old.GuestIP)
-	m.logger(sb.ID).Info("sandbox paused", "ms", time.Since(start).Milliseconds())
-	// The checkpoint stopped every process of the instance and the record says paused: what is
-	// left (runsc's state, the network slot, the run directory) is released after answering.
-	// A crash before it finishes leaves orphans that reconcile removes at the next start.
-	m.wg.Add(1)
-	go func() {
-		defer m.wg.Done()
-		ctx := context.Background()
-		if err := m.cfg.Driver.Delete(ctx, old.InstanceID); err != nil {
-			m.logger(sb.ID).Warn("delete paused instance", "err", err)
-		}
-		if err := m.cfg.Network.Release(ctx, old.SlotIndex); err != nil {
-			m.logger(sb.ID).Warn("release slot", "err", err)
-		}
-		os.RemoveAll(old.StateDir)
-	}()
-	return nil
-}
-
-// Connect resumes a paused sandbox, or extends a running one's timeout.
-func (m *Manager) Connect(ctx context.Context, id string, timeout time.Duration) (*Sandbox, bool, error) {
-	if timeout < 0 || timeout > MaxTimeout {
-		return nil, false, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
-	}
-	if timeout == 0 {
-		timeout = DefaultTimeout
-	}
-	e, err := m.entry(id)
-	if err != nil {
-		return nil, false, err
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	sb := e.sb
-	switch sb.State {
-	case StateRunning:
-		if end := time.Now().UTC().Add(timeout); end.After(sb.EndAt) {
-			sb.EndAt = end
-			if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
-				return nil, false, err
-			}
-		}
-		return m.snapshotOf(e), false, nil
-	case StateKilled:
-		return nil, false, fmt.Errorf("sandbox %q: %w", id, errdefs.ErrNotFound)
-	}
-	start := time.Now()
-	tpl, err := m.templateOf(ctx, sb)
-	if err != nil {
-		return nil, false, err
-	}
-	image := sb.Runtime.Image
-	if err := m.launch(ctx, sb, tpl, image, "", true); err != nil {
-		return nil, false, fmt.Errorf("resume: %w", err)
-	}
-	sb.State = StateRunning
-	sb.EndAt = time.Now().UTC().Add(timeout)
-	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
-		return nil, false, err
-	}
-	os.RemoveAll(image)
-	m.logger(id).Info("sandbox resumed", "ms", time.Since(start).Milliseconds())
-	return m.snapshotOf(e), true, nil
-}
-
-func (m *Manager) templateOf(ctx context.Context, sb *Sandbox) (*Template, error) {
-	tpl, err := m.cfg.Store.GetTemplate(ctx, sb.TemplateID)
-	if err != nil {
-		return nil, fmt.Errorf("template %q of sandbox %q: %w", sb.TemplateID, sb.ID, err)
-	}
-	return tpl, nil
 }
 
 // ---- guest access, metrics ----
@@ -783,8 +356,8 @@ func (m *Manager) GuestURL(ctx context.Context, id string, port int) (string, er
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.sb.State != StateRunning {
-		return "", fmt.Errorf("sandbox %q is %s: %w", id, e.sb.State, errdefs.ErrConflict)
+	if err := runningLocked(e); err != nil {
+		return "", err
 	}
 	return "http://" + net.JoinHostPort(e.sb.Runtime.GuestIP, strconv.Itoa(port)), nil
 }
@@ -801,7 +374,10 @@ func (m *Manager) Metrics(ctx context.Context, id string) ([]Metric, error) {
 	e.mu.Lock()
 	sb := m.snapshotOf(e)
 	e.mu.Unlock()
-	if sb.State != StateRunning {
+	switch sb.State {
+	case StateKilled:
+		return nil, goneErr(sb)
+	case StatePaused:
 		return []Metric{}, nil
 	}
 	st, err := m.cfg.Driver.Stats(ctx, sb.Runtime.InstanceID)

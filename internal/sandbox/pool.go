@@ -2,18 +2,17 @@ package sandbox
 
 import (
 	"context"
-	"fmt"
-	"net/netip"
-	"os"
-	"path/filepath"
 	"sync"
 	"time"
 )
 
-// pool keeps, per template, up to Config.PoolSize sandboxes restored from the template's
+// pool keeps, per template, up to Config.PoolSize instances restored from the template's
 // checkpoint but not yet assigned, so that Create is an assignment plus envd /init. It refills
-// in the background. Pooled instances have internet access enabled (the default); a create
-// that asks for none restores normally.
+// in the background. Each pool instance is launched for the sandbox id it will have (its owner),
+// so its state already lives where the sandbox's will: assigning it moves nothing. Pool
+// instances have internet access enabled (the default); a create that asks otherwise restores
+// normally. Pool instances are never persisted: after a crash, reconcile finds them without a
+// record and removes them.
 type pool struct {
 	m     *Manager
 	mu    sync.Mutex
@@ -24,10 +23,10 @@ type pool struct {
 }
 
 type pooled struct {
+	owner    string // the sandbox id it is assigned with
 	buildID  string
-	instance string
-	slot     Slot
-	stateDir string
+	cpu, mem int
+	place    Placement
 }
 
 func newPool(m *Manager) *pool {
@@ -50,50 +49,51 @@ func (p *pool) poke() {
 	}
 }
 
-func (p *pool) close() {
+// close stops refilling and destroys every unassigned instance; it returns how many.
+func (p *pool) close() int {
 	close(p.stop)
 	p.wg.Wait()
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	n := 0
 	for id, list := range p.ready {
 		for _, pe := range list {
 			p.discard(pe)
+			n++
 		}
 		delete(p.ready, id)
 	}
+	return n
 }
 
 func (p *pool) discard(pe *pooled) {
-	ctx := context.Background()
-	p.m.cfg.Driver.Delete(ctx, pe.instance)
-	p.m.cfg.Network.Release(ctx, pe.slot.Index)
-	os.RemoveAll(pe.stateDir)
+	p.m.teardown(context.Background(), pe.owner, pe.place)
+	p.m.removeSandboxDir(pe.owner)
 }
 
-// take returns a ready sandbox of tpl's current build, or nil.
-func (p *pool) take(tpl *Template, allowInternet bool) *pooled {
+// take returns a ready instance of tpl's current build with the given resources, or nil.
+func (p *pool) take(tpl *Template, allowInternet bool, cpu, mem int) *pooled {
 	if p.m.cfg.PoolSize <= 0 || !allowInternet || tpl.Kind != "template" {
 		return nil
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	defer p.poke()
 	list := p.ready[tpl.ID]
-	for len(list) > 0 {
-		pe := list[0]
-		list = list[1:]
-		if pe.buildID == tpl.BuildID {
-			p.ready[tpl.ID] = list
-			p.poke()
-			return pe
+	for i, pe := range list {
+		if pe.buildID != tpl.BuildID {
+			continue
 		}
-		go p.discard(pe)
+		if pe.cpu != cpu || pe.mem != mem {
+			continue
+		}
+		p.ready[tpl.ID] = append(list[:i:i], list[i+1:]...)
+		return pe
 	}
-	p.ready[tpl.ID] = list
-	p.poke()
 	return nil
 }
 
-// templateChanged drops pooled sandboxes of a rebuilt or deleted template.
+// templateChanged drops pooled instances of a rebuilt or deleted template.
 func (p *pool) templateChanged(tpl *Template) {
 	p.mu.Lock()
 	list := p.ready[tpl.ID]
@@ -121,7 +121,7 @@ func (p *pool) loop() {
 }
 
 func (p *pool) fill() {
-	ctx := context.Background()
+	ctx := p.m.bg
 	tpls, err := p.m.cfg.Store.ListTemplates(ctx)
 	if err != nil {
 		return
@@ -137,14 +137,29 @@ func (p *pool) fill() {
 			default:
 			}
 			p.mu.Lock()
-			n := len(p.ready[tpl.ID])
+			n, stale := 0, []*pooled{}
+			keep := p.ready[tpl.ID][:0]
+			for _, pe := range p.ready[tpl.ID] {
+				if pe.buildID == tpl.BuildID {
+					keep = append(keep, pe)
+					n++
+				} else {
+					stale = append(stale, pe)
+				}
+			}
+			p.ready[tpl.ID] = keep
 			p.mu.Unlock()
+			for _, pe := range stale {
+				p.discard(pe)
+			}
 			if n >= p.m.cfg.PoolSize {
 				break
 			}
 			pe, err := p.restore(ctx, tpl)
 			if err != nil {
-				p.m.log.Warn("pool refill failed", "template_id", tpl.ID, "err", err)
+				if ctx.Err() == nil {
+					p.m.log.Warn("pool refill failed", "template_id", tpl.ID, "err", err)
+				}
 				break
 			}
 			p.mu.Lock()
@@ -156,44 +171,14 @@ func (p *pool) fill() {
 
 func (p *pool) restore(ctx context.Context, tpl *Template) (*pooled, error) {
 	m := p.m
-	slot, err := m.cfg.Network.Acquire(ctx, true)
+	pe := &pooled{owner: newID(), buildID: tpl.BuildID,
+		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), mem: orDefault(tpl.MemoryMB, m.cfg.MemoryMB)}
+	place, err := m.launch(ctx, launchSpec{owner: pe.owner, tpl: tpl, image: tpl.Image,
+		cpu: pe.cpu, memMB: pe.mem, diskMB: orDefault(tpl.DiskMB, m.cfg.DiskMB), allowInternet: true})
 	if err != nil {
+		m.removeSandboxDir(pe.owner)
 		return nil, err
 	}
-	sb := &Sandbox{ID: "p" + newID()[1:], CPUCount: orDefault(tpl.CPUCount, m.cfg.CPUCount), MemoryMB: orDefault(tpl.MemoryMB, m.cfg.MemoryMB)}
-	inst := instanceID(sb.ID)
-	spec := m.spec(sb, tpl, slot, inst)
-	spec.StateDir = filepath.Join(m.cfg.DataDir, "pool", inst)
-	pe := &pooled{buildID: tpl.BuildID, instance: inst, slot: slot, stateDir: spec.StateDir}
-	if err := os.MkdirAll(spec.StateDir, 0o755); err != nil {
-		p.discard(pe)
-		return nil, err
-	}
-	if err := m.cfg.Driver.Restore(ctx, spec, tpl.Image); err != nil {
-		p.discard(pe)
-		return nil, err
-	}
-	if err := m.waitEnvd(ctx, fmt.Sprintf("http://%s", netip.AddrPortFrom(slot.GuestIP, EnvdPort))); err != nil {
-		p.discard(pe)
-		return nil, err
-	}
+	pe.place = place
 	return pe, nil
-}
-
-// assign makes a pooled instance sandbox sb: /init gives it sb's identity.
-func (m *Manager) assign(ctx context.Context, sb *Sandbox, pe *pooled, initToken string) error {
-	base := fmt.Sprintf("http://%s", netip.AddrPortFrom(pe.slot.GuestIP, EnvdPort))
-	if err := m.initEnvd(ctx, base, sb, initToken); err != nil {
-		m.pool.discard(pe)
-		return err
-	}
-	sb.Runtime = Placement{
-		Driver:     m.cfg.Driver.Name(),
-		InstanceID: pe.instance,
-		SlotIndex:  pe.slot.Index,
-		GuestIP:    pe.slot.GuestIP.String(),
-		StateDir:   pe.stateDir,
-	}
-	m.guestT.open(sb.Runtime.GuestIP)
-	return nil
 }

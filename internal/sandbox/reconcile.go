@@ -2,110 +2,261 @@ package sandbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
-// reconcile makes the in-memory state match the store and the store match what really runs:
-// running sandboxes whose instance still runs are re-adopted, the others are released and
-// forgotten; paused sandboxes stay resumable; instances, network slots and directories that no
-// record owns (leftovers of a crash) are removed.
+// reconcile makes the in-memory state match the store, and the node match the store, at
+// start-up. It is total: every instance the driver knows is either adopted (it belongs to a
+// running sandbox whose layer is intact) or killed and deleted; a directory is removed only
+// after the instance that used it is gone; pool instances and template warm-ups of an earlier
+// run (which have no record) are discarded; mounts, network slots and firewall elements that
+// nothing owns are removed. It logs one line per thing adopted or removed.
 func (m *Manager) reconcile(ctx context.Context) error {
 	sbs, err := m.cfg.Store.ListSandboxes(ctx)
 	if err != nil {
 		return err
 	}
-	keepSlots := []int{}
-	keepInstances := map[string]bool{}
-	keepDirs := map[string]bool{}
-	for _, sb := range sbs {
-		log := m.logger(sb.ID)
-		switch sb.State {
-		case StateRunning:
-			st, err := m.cfg.Driver.State(ctx, sb.Runtime.InstanceID)
-			if err == nil && st.State == runtime.StateRunning {
-				if _, err := m.cfg.Network.Adopt(sb.Runtime.SlotIndex, sb.AllowInternet); err == nil {
-					keepSlots = append(keepSlots, sb.Runtime.SlotIndex)
-					keepInstances[sb.Runtime.InstanceID] = true
-					keepDirs[sb.ID] = true
-					m.live[sb.ID] = &entry{sb: sb}
-					m.guestT.open(sb.Runtime.GuestIP)
-					log.Info("re-adopted running sandbox")
-					continue
-				} else {
-					log.Warn("network slot of running sandbox is gone", "err", err)
-				}
-			}
-			log.Warn("sandbox no longer runs; releasing it", "state_err", err)
-			m.destroy(ctx, sb)
-			m.cfg.Store.DeleteSandbox(ctx, sb.ID)
-		case StatePaused:
-			if _, err := os.Stat(sb.Runtime.Image); err != nil {
-				log.Warn("paused sandbox lost its image; forgetting it", "err", err)
-				m.cfg.Store.DeleteSandbox(ctx, sb.ID)
-				os.RemoveAll(m.sandboxDir(sb.ID))
-				continue
-			}
-			keepDirs[sb.ID] = true
-			m.live[sb.ID] = &entry{sb: sb}
-			// Run directories of the instance it was paused from (release interrupted by a crash).
-			runs, _ := filepath.Glob(filepath.Join(m.sandboxDir(sb.ID), "run-*"))
-			for _, r := range runs {
-				removeTree(r)
-			}
-		default:
-			m.cfg.Store.DeleteSandbox(ctx, sb.ID)
-			os.RemoveAll(m.sandboxDir(sb.ID))
-		}
-	}
 	ids, err := m.cfg.Driver.List(ctx)
 	if err != nil {
 		return fmt.Errorf("list instances: %w", err)
 	}
+	known := map[string]bool{}
 	for _, id := range ids {
-		if !keepInstances[id] {
-			m.log.Info("removing orphan instance", "instance", id)
-			if err := m.cfg.Driver.Delete(ctx, id); err != nil {
-				m.log.Warn("delete orphan instance", "instance", id, "err", err)
+		known[id] = true
+	}
+	var keepSlots []int
+	adopted := map[string]bool{}  // instance ids
+	keepDirs := map[string]bool{} // sandbox ids whose directory stays
+	keepRun := map[string]bool{}  // instance state dirs that stay
+	var watch []*entry
+	for _, sb := range sbs {
+		log := m.logger(sb.ID)
+		switch sb.State {
+		case StateRunning:
+			why := m.adoptable(ctx, sb, known)
+			if why == "" {
+				if _, err := m.cfg.Network.Adopt(sb.Runtime.SlotIndex, sb.AllowInternet); err != nil {
+					why = "its network slot is gone: " + err.Error()
+				}
 			}
+			if why == "" {
+				keepSlots = append(keepSlots, sb.Runtime.SlotIndex)
+				adopted[sb.Runtime.InstanceID] = true
+				keepDirs[sb.ID] = true
+				keepRun[sb.Runtime.StateDir] = true
+				e := &entry{sb: sb}
+				m.live[sb.ID] = e
+				m.guestT.open(sb.Runtime.GuestIP)
+				watch = append(watch, e)
+				log.Info("reconcile: adopted running sandbox", "instance", sb.Runtime.InstanceID)
+				continue
+			}
+			// Its instance (if any) is deleted with the orphans below, before its directory.
+			log.Warn("reconcile: running sandbox cannot be adopted; it ended", "instance", sb.Runtime.InstanceID, "why", why)
+			m.tombstone(ctx, sb, EndLost)
+		case StatePaused:
+			if _, err := os.Stat(filepath.Join(sb.Runtime.Image)); sb.Runtime.Image == "" || err != nil {
+				log.Warn("reconcile: paused sandbox lost its image; it ended", "image", sb.Runtime.Image)
+				m.tombstone(ctx, sb, "lost: its pause image is missing")
+				continue
+			}
+			keepDirs[sb.ID] = true
+			m.live[sb.ID] = &entry{sb: sb}
+			log.Info("reconcile: kept paused sandbox")
+		case StateKilled:
+			if time.Since(sb.EndedAt) > m.cfg.TombstoneTTL {
+				m.cfg.Store.DeleteSandbox(ctx, sb.ID)
+				continue
+			}
+			m.live[sb.ID] = &entry{sb: sb}
+		default:
+			log.Warn("reconcile: unknown state; forgetting", "state", sb.State)
+			m.cfg.Store.DeleteSandbox(ctx, sb.ID)
 		}
+	}
+	// Instances first: nothing below may remove a directory an instance still uses.
+	for _, id := range ids {
+		if adopted[id] {
+			continue
+		}
+		if err := m.cfg.Driver.Delete(ctx, id); err != nil {
+			m.log.Warn("reconcile: delete orphan instance", "instance", id, "err", err)
+			return fmt.Errorf("delete orphan instance %s: %w", id, err)
+		}
+		m.log.Info("reconcile: removed orphan instance", "instance", id)
 	}
 	if err := m.cfg.Network.Reconcile(ctx, keepSlots); err != nil {
 		return fmt.Errorf("network: %w", err)
 	}
-	entries, _ := os.ReadDir(filepath.Join(m.cfg.DataDir, "sandboxes"))
-	for _, e := range entries {
-		if !keepDirs[e.Name()] {
-			removeTree(filepath.Join(m.cfg.DataDir, "sandboxes", e.Name()))
+	// Directories: whole sandbox directories nobody owns, and inside kept ones every instance
+	// directory but the adopted instance's (a pause or resume interrupted by a crash).
+	root := filepath.Join(m.cfg.DataDir, "sandboxes")
+	entries, _ := os.ReadDir(root)
+	for _, d := range entries {
+		dir := filepath.Join(root, d.Name())
+		if !keepDirs[d.Name()] {
+			m.log.Info("reconcile: removed orphan directory", "dir", dir)
+			removeTree(dir)
+			continue
+		}
+		runs, _ := filepath.Glob(filepath.Join(dir, "run-*"))
+		for _, r := range runs {
+			if !keepRun[r] {
+				m.log.Info("reconcile: removed stale instance directory", "dir", r)
+				removeTree(r)
+			}
+		}
+		// Stage directories of exports and imports interrupted by a crash.
+		stages, _ := filepath.Glob(filepath.Join(dir, ".*"))
+		for _, s := range stages {
+			removeTree(s)
 		}
 	}
-	removeTree(filepath.Join(m.cfg.DataDir, "pool"))
-	// Unfinished fork images are useless after a restart.
+	// Leftovers of earlier layouts and of work a crash interrupted.
+	for _, dir := range []string{filepath.Join(m.cfg.DataDir, "pool")} {
+		if _, err := os.Stat(dir); err == nil {
+			m.log.Info("reconcile: removed orphan directory", "dir", dir)
+			removeTree(dir)
+		}
+	}
+	builds, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "templates", "*", "build-*"))
+	for _, b := range builds {
+		m.log.Info("reconcile: removed orphan directory", "dir", b)
+		removeTree(b)
+	}
 	imgs, _ := os.ReadDir(filepath.Join(m.cfg.DataDir, "images"))
 	for _, e := range imgs {
-		if len(e.Name()) > 5 && e.Name()[:5] == "fork-" {
-			os.RemoveAll(filepath.Join(m.cfg.DataDir, "images", e.Name()))
+		if strings.HasPrefix(e.Name(), "fork-") || strings.HasPrefix(e.Name(), ".") {
+			m.log.Info("reconcile: removed unfinished image", "image", e.Name())
+			removeTree(filepath.Join(m.cfg.DataDir, "images", e.Name()))
 		}
+	}
+	if err := m.unmountOrphans(keepRun); err != nil {
+		return err
+	}
+	for _, e := range watch {
+		m.watch(e, e.sb.Runtime.InstanceID)
 	}
 	return nil
 }
 
-// removeTree unmounts whatever is mounted under dir (a crashed instance's rootfs) and removes it.
-func removeTree(dir string) {
+// adoptable says why a running sandbox's record cannot be adopted ("" = it can): its instance
+// must run, and its layer must be intact (state directory present and its root mounted).
+func (m *Manager) adoptable(ctx context.Context, sb *Sandbox, known map[string]bool) string {
+	inst := sb.Runtime.InstanceID
+	if inst == "" || !known[inst] {
+		return "its instance is gone"
+	}
+	st, err := m.cfg.Driver.State(ctx, inst)
+	if err != nil {
+		if errors.Is(err, errdefs.ErrNotFound) {
+			return "its instance is gone"
+		}
+		return "instance state: " + err.Error()
+	}
+	if st.State != runtime.StateRunning {
+		return "its instance stopped"
+	}
+	if sb.Runtime.StateDir == "" {
+		return "no instance directory recorded"
+	}
+	if fi, err := os.Stat(sb.Runtime.StateDir); err != nil || !fi.IsDir() {
+		return "its instance directory is missing"
+	}
+	return ""
+}
+
+// tombstone records that sb ended (at start-up, with nothing left to release but what the
+// orphan sweeps remove).
+func (m *Manager) tombstone(ctx context.Context, sb *Sandbox, reason string) {
+	sb.State = StateKilled
+	sb.EndReason = reason
+	sb.EndedAt = time.Now().UTC()
+	sb.Runtime = Placement{SlotIndex: noSlot}
+	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
+		m.logger(sb.ID).Warn("record end", "err", err)
+	}
+	m.live[sb.ID] = &entry{sb: sb}
+}
+
+// unmountOrphans unmounts every mount under the data directory that no adopted instance owns.
+func (m *Manager) unmountOrphans(keepRun map[string]bool) error {
+	points := mountsUnder(m.cfg.DataDir)
+	for i := len(points) - 1; i >= 0; i-- {
+		p := points[i]
+		owned := false
+		for dir := range keepRun {
+			if strings.HasPrefix(p, dir+"/") {
+				owned = true
+			}
+		}
+		// runsc keeps a namespace bind mount in its root for its own use.
+		if owned || strings.HasPrefix(p, filepath.Join(m.cfg.DataDir, "runsc")+"/") {
+			continue
+		}
+		if err := unix.Unmount(p, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("unmount orphan %s: %w", p, err)
+		}
+		m.log.Info("reconcile: unmounted orphan mount", "mount", p)
+	}
+	return nil
+}
+
+// mountsUnder lists the mount points below dir, in mount order.
+func mountsUnder(dir string) []string {
 	data, _ := os.ReadFile("/proc/self/mounts")
 	var points []string
 	for _, line := range strings.Split(string(data), "\n") {
 		f := strings.Fields(line)
-		if len(f) > 1 && strings.HasPrefix(f[1], dir+"/") {
-			points = append(points, f[1])
+		if len(f) > 1 && strings.HasPrefix(unescapeMount(f[1]), dir+"/") {
+			points = append(points, unescapeMount(f[1]))
 		}
 	}
+	return points
+}
+
+// unescapeMount undoes /proc/mounts' octal escapes (\040 for a space, ...).
+func unescapeMount(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			var v byte
+			ok := true
+			for j := 1; j <= 3; j++ {
+				c := s[i+j]
+				if c < '0' || c > '7' {
+					ok = false
+					break
+				}
+				v = v*8 + (c - '0')
+			}
+			if ok {
+				b.WriteByte(v)
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+// removeTree unmounts whatever is mounted under dir (a crashed instance's rootfs) and removes it.
+func removeTree(dir string) {
+	points := mountsUnder(dir)
 	for i := len(points) - 1; i >= 0; i-- {
 		unix.Unmount(points[i], unix.MNT_DETACH)
 	}

@@ -4,10 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -26,13 +26,23 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 	if req.From != "" && req.From != "debian:bookworm" {
 		return nil, fmt.Errorf("from %q: only debian:bookworm is supported: %w", req.From, errdefs.ErrInvalid)
 	}
+	ctx, done, err := m.op(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	release, err := m.reserveName(req.Name, true)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	if old, err := m.cfg.Store.GetTemplate(ctx, req.Name); err == nil && old.Kind == "snapshot" {
 		return nil, fmt.Errorf("%q is a snapshot: %w", req.Name, errdefs.ErrConflict)
 	}
 	start := time.Now()
 	buildID := randomHex(4)
 	dir := filepath.Join(m.cfg.DataDir, "templates", req.Name)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
 	rootfs := filepath.Join(dir, "rootfs-"+buildID)
@@ -48,6 +58,7 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 		CPUCount:  req.CPUCount,
 		MemoryMB:  req.MemoryMB,
 		BuildID:   buildID,
+		InitToken: randomHex(16),
 	}
 	progress("[2/3] booting the template with envd")
 	image := filepath.Join(dir, "image-"+buildID)
@@ -66,37 +77,28 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 	return tpl, nil
 }
 
-// warm boots tpl's rootfs, waits for envd, runs the start and ready commands and checkpoints
-// the sandbox into image.
+// warm boots tpl's rootfs, gives its envd the template's token, runs the start and ready
+// commands and checkpoints the instance into image. The instance goes through the one launch
+// path under a throw-away owner id; its directory is removed when warm returns.
 func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, image string, progress func(string)) error {
-	sb := &Sandbox{ID: "t" + newID()[1:], CPUCount: orDefault(tpl.CPUCount, m.cfg.CPUCount), MemoryMB: orDefault(tpl.MemoryMB, m.cfg.MemoryMB)}
-	slot, err := m.cfg.Network.Acquire(ctx, false)
-	if err != nil {
-		return err
-	}
-	defer m.cfg.Network.Release(context.Background(), slot.Index)
-	inst := instanceID(sb.ID)
-	spec := m.spec(sb, tpl, slot, inst)
-	spec.StateDir = filepath.Join(filepath.Dir(image), "build-"+tpl.BuildID)
-	defer os.RemoveAll(spec.StateDir)
-	if err := os.MkdirAll(spec.StateDir, 0o755); err != nil {
-		return err
-	}
+	owner := "t" + newID()[1:]
+	defer m.removeSandboxDir(owner)
 	t0 := time.Now()
-	err = m.cfg.Driver.Start(ctx, spec)
-	defer m.cfg.Driver.Delete(context.Background(), inst)
+	// envd holds a token from its first moments: every instance restored from this image (the
+	// pool's among them) answers only to the daemon until /init gives it its sandbox's token.
+	ident := &Sandbox{ID: owner, AccessToken: tpl.InitToken}
+	p, err := m.launch(ctx, launchSpec{owner: owner, tpl: tpl, init: ident,
+		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), memMB: orDefault(tpl.MemoryMB, m.cfg.MemoryMB)})
 	if err != nil {
 		return err
 	}
-	base := fmt.Sprintf("http://%s", netip.AddrPortFrom(slot.GuestIP, EnvdPort))
-	if err := m.waitEnvd(ctx, base); err != nil {
-		return err
-	}
+	defer m.teardown(context.WithoutCancel(ctx), owner, p)
+	base := envdBase(p.GuestIP)
 	progress(fmt.Sprintf("envd up after %s", time.Since(t0).Round(time.Millisecond)))
 	if req.StartCmd != "" {
 		progress("start command: " + req.StartCmd)
 		cmd := fmt.Sprintf("exec >/tmp/ember-start.log 2>&1; exec /bin/bash -l -c %s", shellQuote(req.StartCmd))
-		if _, _, err := m.envdCommand(ctx, base, cmd, false); err != nil {
+		if _, _, err := m.envdCommand(ctx, base, tpl.InitToken, cmd, false); err != nil {
 			return fmt.Errorf("start command: %w", err)
 		}
 	}
@@ -104,22 +106,26 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 		progress("waiting for ready command: " + req.ReadyCmd)
 		deadline := time.Now().Add(2 * time.Minute)
 		for {
-			code, out, err := m.envdCommand(ctx, base, req.ReadyCmd, true)
+			code, out, err := m.envdCommand(ctx, base, tpl.InitToken, req.ReadyCmd, true)
 			if err == nil && code == 0 {
 				break
 			}
 			if time.Now().After(deadline) {
 				return fmt.Errorf("ready command never succeeded: exit %d: %v: %s", code, err, out)
 			}
-			time.Sleep(500 * time.Millisecond)
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(500 * time.Millisecond):
+			}
 		}
 	}
 	progress("[3/3] checkpointing")
-	if err := os.MkdirAll(image, 0o755); err != nil {
+	if err := os.MkdirAll(image, 0o700); err != nil {
 		return err
 	}
 	t1 := time.Now()
-	if err := m.cfg.Driver.Checkpoint(ctx, inst, image, runtime.CheckpointOptions{}); err != nil {
+	if err := m.cfg.Driver.Checkpoint(ctx, p.InstanceID, image, runtime.CheckpointOptions{}); err != nil {
 		return err
 	}
 	progress(fmt.Sprintf("checkpoint written in %s", time.Since(t1).Round(time.Millisecond)))
@@ -134,22 +140,88 @@ func (m *Manager) ListTemplates(ctx context.Context) ([]*Template, error) {
 }
 
 // templateImage returns the local checkpoint image of tpl, fetching a stored snapshot into the
-// node-local cache (verified) when it is not there.
+// node-local cache (verified) when it is not there. Concurrent creates from one snapshot load
+// it once: the others wait for that load.
 func (m *Manager) templateImage(ctx context.Context, tpl *Template) (string, error) {
 	if !tpl.SnapshotStored || m.cfg.Images == nil {
 		return tpl.Image, nil
 	}
-	if _, err := os.Stat(filepath.Join(tpl.Image, ".complete")); err == nil {
+	complete := filepath.Join(tpl.Image, ".complete")
+	if _, err := os.Stat(complete); err == nil {
 		return tpl.Image, nil
 	}
+	unlock := m.lockLoad(tpl.ID)
+	defer unlock()
+	if _, err := os.Stat(complete); err == nil {
+		return tpl.Image, nil // loaded by the create we waited for
+	}
 	os.RemoveAll(tpl.Image)
-	if err := m.cfg.Images.Load(ctx, tpl.ID, tpl.Image); err != nil {
+	max := int64(2*(orDefault(tpl.DiskMB, m.cfg.DiskMB)+orDefault(tpl.MemoryMB, m.cfg.MemoryMB))) << 20
+	if err := m.loadImage(ctx, tpl.ID, tpl.Image, max); err != nil {
 		return "", fmt.Errorf("snapshot %q: %w", tpl.ID, err)
 	}
-	if err := os.WriteFile(filepath.Join(tpl.Image, ".complete"), nil, 0o644); err != nil {
+	if err := writeFileSync(complete); err != nil {
+		os.RemoveAll(tpl.Image)
 		return "", err
 	}
 	return tpl.Image, nil
+}
+
+// lockLoad serialises loads of one stored image.
+func (m *Manager) lockLoad(id string) (unlock func()) {
+	m.mu.Lock()
+	if m.loads == nil {
+		m.loads = map[string]*sync.Mutex{}
+	}
+	l := m.loads[id]
+	if l == nil {
+		l = &sync.Mutex{}
+		m.loads[id] = l
+	}
+	m.mu.Unlock()
+	l.Lock()
+	return l.Unlock
+}
+
+// saveImage puts the checkpoint image in dir into the image store under id, in the driver's
+// export format.
+func (m *Manager) saveImage(ctx context.Context, id, dir string) error {
+	stage, err := os.MkdirTemp(filepath.Dir(dir), "."+filepath.Base(dir)+".export-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(stage)
+	if err := m.cfg.Driver.ExportImage(ctx, dir, stage); err != nil {
+		return err
+	}
+	return m.cfg.Images.Save(ctx, id, stage)
+}
+
+// loadImage writes the stored image id to dest (which must not exist), verified by the store
+// and unpacked by the driver, which treats it as untrusted input.
+func (m *Manager) loadImage(ctx context.Context, id, dest string, maxBytes int64) error {
+	stage, err := os.MkdirTemp(filepath.Dir(dest), "."+filepath.Base(dest)+".import-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(stage)
+	files := filepath.Join(stage, "files")
+	if err := m.cfg.Images.Load(ctx, id, files); err != nil {
+		return err
+	}
+	return m.cfg.Driver.ImportImage(ctx, files, dest, runtime.ImportOptions{MaxBytes: maxBytes})
+}
+
+func writeFileSync(path string) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }
 
 // DeleteTemplate deletes a template or snapshot. Sandboxes that run from it keep running.
@@ -175,4 +247,29 @@ func (m *Manager) DeleteTemplate(ctx context.Context, id string) error {
 	}
 	// A template's rootfs may still back running or paused sandboxes: it is left in place.
 	return nil
+}
+
+// reserveName keeps a template or snapshot name for one build or snapshot at a time. With
+// existingOK a name already in the store may be reserved (a rebuild); otherwise an existing
+// name is an ErrConflict.
+func (m *Manager) reserveName(name string, existingOK bool) (release func(), err error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.names == nil {
+		m.names = map[string]bool{}
+	}
+	if m.names[name] {
+		return nil, fmt.Errorf("%q is being built or snapshotted right now: %w", name, errdefs.ErrConflict)
+	}
+	if !existingOK {
+		if _, err := m.cfg.Store.GetTemplate(context.Background(), name); err == nil {
+			return nil, fmt.Errorf("snapshot or template %q already exists: %w", name, errdefs.ErrConflict)
+		}
+	}
+	m.names[name] = true
+	return func() {
+		m.mu.Lock()
+		delete(m.names, name)
+		m.mu.Unlock()
+	}, nil
 }

@@ -10,8 +10,9 @@ type State string
 const (
 	StateRunning State = "running"
 	StatePaused  State = "paused"
-	// StateKilled sandboxes are gone; they are kept in the store only briefly for diagnostics
-	// and are never listed or returned by the API (404).
+	// StateKilled sandboxes are gone; they are kept (in memory and the store) for a while as
+	// tombstones, so that calls to them answer 404 with the reason (EndReason), and are listed
+	// only when asked for.
 	StateKilled State = "killed"
 )
 
@@ -46,6 +47,11 @@ type Sandbox struct {
 	// AllowInternet: egress to the internet (NAT); false keeps the sandbox off the network
 	// except for the daemon reaching envd.
 	AllowInternet bool `json:"allowInternet"`
+
+	// EndReason and EndedAt say why and when a sandbox ended (State killed): "killed",
+	// "timeout", "out of memory", "exited", ... (see EndKilled and runtime.ExitReason).
+	EndReason string    `json:"endReason,omitempty"`
+	EndedAt   time.Time `json:"endedAt,omitzero"`
 
 	// Runtime placement: which driver instance and network slot the sandbox uses now.
 	Runtime Placement `json:"runtime"`

@@ -1,0 +1,156 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+)
+
+func (m *Manager) resolveTemplate(ctx context.Context, id string) (*Template, error) {
+	if id == "" {
+		id = "base"
+	}
+	if !nameRe.MatchString(id) {
+		return nil, fmt.Errorf("template %q: %w", id, errdefs.ErrNotFound)
+	}
+	t, err := m.cfg.Store.GetTemplate(ctx, id)
+	if err == nil {
+		return t, nil
+	}
+	if !errors.Is(err, errdefs.ErrNotFound) {
+		return nil, err
+	}
+	all, lerr := m.cfg.Store.ListTemplates(ctx)
+	if lerr != nil {
+		return nil, lerr
+	}
+	for _, t := range all {
+		for _, a := range append(t.Aliases, t.Names...) {
+			if a == id {
+				return t, nil
+			}
+		}
+	}
+	return nil, fmt.Errorf("template %q not found: %w", id, errdefs.ErrNotFound)
+}
+
+// Create starts a new sandbox from a template: an assignment from the warm pool when one is
+// ready, else a restore of the template's checkpoint, else (no checkpoint, or req.Cold) a boot.
+func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) {
+	if req.Timeout < 0 || req.Timeout > MaxTimeout {
+		return nil, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
+	}
+	ctx, done, err := m.op(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	tpl, err := m.resolveTemplate(ctx, req.TemplateID)
+	if err != nil {
+		return nil, err
+	}
+	if !tpl.Ready {
+		return nil, fmt.Errorf("template %q is still building: %w", tpl.ID, errdefs.ErrUnavailable)
+	}
+	timeout := req.Timeout
+	if timeout == 0 {
+		timeout = DefaultTimeout
+	}
+	allow := true
+	if req.AllowInternet != nil {
+		allow = *req.AllowInternet
+	}
+	now := time.Now().UTC()
+	sb := &Sandbox{
+		ID:            newID(),
+		TemplateID:    tpl.ID,
+		State:         StateRunning,
+		Metadata:      copyMap(req.Metadata),
+		EnvVars:       copyMap(req.EnvVars),
+		AccessToken:   randomHex(16),
+		StartedAt:     now,
+		EndAt:         now.Add(timeout),
+		CPUCount:      orDefault(tpl.CPUCount, m.cfg.CPUCount),
+		MemoryMB:      orDefault(tpl.MemoryMB, m.cfg.MemoryMB),
+		DiskSizeMB:    orDefault(tpl.DiskMB, m.cfg.DiskMB),
+		AutoPause:     req.AutoPause,
+		AllowInternet: allow,
+	}
+	if len(tpl.Aliases) > 0 {
+		sb.Alias = tpl.Aliases[0]
+	}
+	started := time.Now()
+	how := ""
+	if !req.Cold && tpl.Image != "" && !req.NoPool {
+		if pe := m.pool.take(tpl, allow, sb.CPUCount, sb.MemoryMB); pe != nil {
+			// The pool instance already lives under the id it was made for: the sandbox takes it.
+			sb.ID = pe.owner
+			if err := m.initEnvd(ctx, envdBase(pe.place.GuestIP), sb, tpl.InitToken); err == nil {
+				sb.Runtime = pe.place
+				how = "pool"
+			} else {
+				m.logger(pe.owner).Warn("pool instance did not take its identity; restoring instead", "err", err)
+				m.teardown(context.WithoutCancel(ctx), pe.owner, pe.place)
+				m.removeSandboxDir(pe.owner)
+				sb.ID = newID()
+			}
+		}
+	}
+	if how == "" {
+		spec := launchSpec{owner: sb.ID, tpl: tpl, init: sb, initToken: tpl.InitToken,
+			cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, allowInternet: allow}
+		how = "restore"
+		if req.Cold || tpl.Image == "" {
+			how, spec.initToken = "boot", ""
+		} else if spec.image, err = m.templateImage(ctx, tpl); err != nil {
+			return nil, err
+		}
+		if sb.Runtime, err = m.launch(ctx, spec); err != nil {
+			m.removeSandboxDir(sb.ID)
+			m.logger(sb.ID).Error("create failed", "template_id", tpl.ID, "how", how, "err", err)
+			return nil, err
+		}
+	}
+	sb.StartedAt = time.Now().UTC()
+	sb.EndAt = sb.StartedAt.Add(timeout)
+	e, err := m.register(ctx, sb)
+	if err != nil {
+		return nil, err
+	}
+	m.logger(sb.ID).Info("sandbox created", "template_id", tpl.ID, "how", how, "instance", sb.Runtime.InstanceID, "ms", time.Since(started).Milliseconds())
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return m.snapshotOf(e), nil
+}
+
+// register makes a launched sandbox known: persisted first (a crash after this point finds
+// the record and re-adopts the instance), then live, then watched. On failure the sandbox is
+// torn down.
+func (m *Manager) register(ctx context.Context, sb *Sandbox) (*entry, error) {
+	err := m.faults.hit("register")
+	if err == nil {
+		err = m.cfg.Store.PutSandbox(ctx, sb)
+	}
+	if err != nil {
+		m.teardown(context.WithoutCancel(ctx), sb.ID, sb.Runtime)
+		m.removeSandboxDir(sb.ID)
+		return nil, err
+	}
+	e := &entry{sb: sb}
+	m.mu.Lock()
+	m.live[sb.ID] = e
+	m.mu.Unlock()
+	m.guestT.open(sb.Runtime.GuestIP)
+	m.watch(e, sb.Runtime.InstanceID)
+	return e, nil
+}
+
+func orDefault(v, d int) int {
+	if v > 0 {
+		return v
+	}
+	return d
+}

@@ -1,0 +1,283 @@
+package sandbox
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/runtime"
+)
+
+// The one launch path. Every runtime instance ember runs — a sandbox created from a
+// checkpoint or by a boot, a pool instance, a fork child, a resumed sandbox, a template being
+// warmed up — is started by launch and released by teardown, and its state lives where
+// instanceDir says: under the directory of the sandbox that owns it. A pool instance is owned
+// by the sandbox id it will have once assigned, so an assigned sandbox's layer is already
+// where every later start-up expects it, and nothing is ever moved under a running instance.
+
+// launchSpec says what to launch.
+type launchSpec struct {
+	// owner is the id of the sandbox the instance belongs to (for pool instances the id it will
+	// be assigned; for template warm-ups a throw-away id).
+	owner string
+	tpl   *Template
+	// image to restore; "" boots the template's rootfs.
+	image string
+	// consume: the image is not used again (resume): the driver may move its contents.
+	consume bool
+	// init gives the instance sb's identity through envd /init; initToken authenticates against
+	// an image whose envd already holds a token.
+	init      *Sandbox
+	initToken string
+	// Resources and network.
+	cpu, memMB, diskMB int
+	allowInternet      bool
+}
+
+// instanceDir is the one place that decides where an instance's state lives.
+func (m *Manager) instanceDir(owner, instance string) string {
+	return filepath.Join(m.sandboxDir(owner), "run-"+instance[len(instance)-4:])
+}
+
+// noSlot marks a Placement without a network slot.
+const noSlot = -1
+
+// launch starts an instance as spec says: a network slot, a runtime instance booted or
+// restored, envd up, and (with spec.init) /init. It returns the placement; on failure
+// everything it acquired is released by teardown before it returns.
+func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err error) {
+	p = Placement{Driver: m.cfg.Driver.Name(), SlotIndex: noSlot}
+	defer func() {
+		if err != nil {
+			m.teardown(context.WithoutCancel(ctx), spec.owner, p)
+			p = Placement{SlotIndex: noSlot}
+		}
+	}()
+	if err := m.faults.hit("launch.start"); err != nil {
+		return p, err
+	}
+	t0 := time.Now()
+	slot, err := m.cfg.Network.Acquire(ctx, spec.allowInternet)
+	if err != nil {
+		return p, fmt.Errorf("network slot: %w", err)
+	}
+	p.SlotIndex, p.GuestIP = slot.Index, slot.GuestIP.String()
+	if err := m.faults.hit("launch.slot"); err != nil {
+		return p, err
+	}
+	inst := instanceID(spec.owner)
+	rs := runtime.Spec{
+		ID:           inst,
+		RootFS:       spec.tpl.RootFS,
+		StateDir:     m.instanceDir(spec.owner, inst),
+		NetNSPath:    slot.NetNSPath,
+		Hostname:     "sandbox",
+		Args:         []string{m.cfg.EnvdPath},
+		Env:          []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root"},
+		Cwd:          "/",
+		CPUCount:     spec.cpu,
+		MemoryMB:     spec.memMB,
+		DiskMB:       spec.diskMB,
+		ConsumeImage: spec.consume,
+	}
+	p.StateDir = rs.StateDir
+	if err := os.MkdirAll(rs.StateDir, 0o700); err != nil {
+		return p, err
+	}
+	t1 := time.Now()
+	p.InstanceID = inst // from here on teardown deletes the instance, whatever state it reached
+	if spec.image == "" {
+		err = m.cfg.Driver.Start(ctx, rs)
+	} else {
+		err = m.cfg.Driver.Restore(ctx, rs, spec.image)
+	}
+	if err != nil {
+		return p, fmt.Errorf("start instance: %w", err)
+	}
+	if err := m.faults.hit("launch.runtime"); err != nil {
+		return p, err
+	}
+	t2 := time.Now()
+	base := envdBase(p.GuestIP)
+	if err := m.waitEnvd(ctx, base); err != nil {
+		return p, err
+	}
+	t3 := time.Now()
+	if spec.init != nil {
+		if err := m.initEnvd(ctx, base, spec.init, spec.initToken); err != nil {
+			return p, err
+		}
+	}
+	if err := m.faults.hit("launch.envd"); err != nil {
+		return p, err
+	}
+	m.logger(spec.owner).Debug("launch timings", "instance", inst, "restore", spec.image != "",
+		"slot_ms", ms(t1.Sub(t0)), "runtime_ms", ms(t2.Sub(t1)), "envd_ms", ms(t3.Sub(t2)), "init_ms", ms(time.Since(t3)))
+	return p, nil
+}
+
+// teardown releases what placement p holds: the runtime instance, the network slot, the
+// instance's state directory and its guest transport. It copes with partial placements (a
+// launch that failed half-way) and is idempotent, so failure paths, kill, pause, pool discard
+// and reconcile all use it.
+func (m *Manager) teardown(ctx context.Context, owner string, p Placement) {
+	log := m.logger(owner)
+	if p.GuestIP != "" {
+		m.guestT.close(p.GuestIP)
+	}
+	if p.InstanceID != "" {
+		if err := m.cfg.Driver.Delete(ctx, p.InstanceID); err != nil {
+			log.Warn("delete instance", "instance", p.InstanceID, "err", err)
+		}
+	}
+	if p.SlotIndex >= 0 && p.GuestIP != "" {
+		if err := m.cfg.Network.Release(ctx, p.SlotIndex); err != nil {
+			log.Warn("release slot", "slot", p.SlotIndex, "err", err)
+		}
+	}
+	if p.StateDir != "" {
+		// Only after the instance is gone: its layer and mounts live here.
+		if err := os.RemoveAll(p.StateDir); err != nil {
+			log.Warn("remove instance dir", "dir", p.StateDir, "err", err)
+		}
+	}
+}
+
+func envdBase(guestIP string) string {
+	ip, err := netip.ParseAddr(guestIP)
+	if err != nil {
+		return "http://invalid"
+	}
+	return "http://" + netip.AddrPortFrom(ip, EnvdPort).String()
+}
+
+// watch notices when a running sandbox's instance stops by itself (killed from outside, out
+// of memory, envd exited): the sandbox leaves running with the reason, and everything it held
+// is released. It returns when the instance stops or the Manager closes.
+func (m *Manager) watch(e *entry, instance string) {
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		ex, err := m.cfg.Driver.Wait(m.bg, instance)
+		if err != nil {
+			if m.bg.Err() == nil {
+				m.log.Warn("wait for instance", "instance", instance, "err", err)
+			}
+			return
+		}
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if e.sb.State != StateRunning || e.sb.Runtime.InstanceID != instance {
+			return // paused, killed or moved on by the Manager itself
+		}
+		reason := string(ex.Reason)
+		if reason == "" {
+			reason = string(runtime.ExitKilled)
+		}
+		m.logger(e.sb.ID).Warn("sandbox stopped by itself", "instance", instance, "reason", reason, "code", ex.Code, "detail", ex.Detail)
+		m.endLocked(context.Background(), e, reason)
+	}()
+}
+
+// ---- envd, from the host ----
+
+// waitEnvd polls envd's /health until it answers.
+func (m *Manager) waitEnvd(ctx context.Context, base string) error {
+	ctx, cancel := context.WithTimeout(ctx, m.cfg.EnvdTimeout)
+	defer cancel()
+	delay := 2 * time.Millisecond
+	var last error
+	for {
+		// A short bound per attempt: a lost first SYN on a fresh veth would otherwise cost the
+		// kernel's 1 s retransmit.
+		actx, acancel := context.WithTimeout(ctx, 250*time.Millisecond)
+		req, _ := http.NewRequestWithContext(actx, http.MethodGet, base+"/health", nil)
+		resp, err := m.client.Do(req)
+		acancel()
+		if err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode/100 == 2 {
+				return nil
+			}
+			err = fmt.Errorf("status %d", resp.StatusCode)
+		}
+		last = err
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("envd at %s did not come up: %v: %w", base, last, errdefs.ErrUnavailable)
+		case <-time.After(delay):
+		}
+		if delay < 50*time.Millisecond {
+			delay *= 2
+		}
+	}
+}
+
+type initRequest struct {
+	EnvVars        map[string]string `json:"envVars"`
+	AccessToken    string            `json:"accessToken"`
+	DefaultUser    string            `json:"defaultUser"`
+	DefaultWorkdir string            `json:"defaultWorkdir"`
+	Hostname       string            `json:"hostname"`
+	Timestamp      time.Time         `json:"timestamp"`
+}
+
+// initTimeout bounds envd's /init (a wedged guest must not hold a create forever).
+const initTimeout = 10 * time.Second
+
+// initEnvd gives the sandbox its identity: env vars and access token. oldToken authenticates
+// against an envd that already holds one (template, pool instance, snapshot or fork).
+func (m *Manager) initEnvd(ctx context.Context, base string, sb *Sandbox, oldToken string) error {
+	ctx, cancel := context.WithTimeout(ctx, initTimeout)
+	defer cancel()
+	body, _ := json.Marshal(initRequest{
+		EnvVars:        sb.EnvVars,
+		AccessToken:    sb.AccessToken,
+		DefaultUser:    "user",
+		DefaultWorkdir: "/home/user",
+		Hostname:       "sandbox",
+		Timestamp:      time.Now().UTC(),
+	})
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, base+"/init", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	if oldToken != "" {
+		req.Header.Set("X-Access-Token", oldToken)
+	}
+	resp, err := m.client.Do(req)
+	if err != nil {
+		return fmt.Errorf("envd init: %w", err)
+	}
+	defer resp.Body.Close()
+	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+	if resp.StatusCode/100 != 2 {
+		return fmt.Errorf("envd init: status %d: %s", resp.StatusCode, msg)
+	}
+	return nil
+}
+
+// ---- fault injection (tests) ----
+
+// faults makes named points of the Manager fail on demand, so unit tests can prove that every
+// step of a launch releases what it acquired. The zero value injects nothing.
+type faults struct {
+	fail func(point string) error
+}
+
+func (f *faults) hit(point string) error {
+	if f == nil || f.fail == nil {
+		return nil
+	}
+	if err := f.fail(point); err != nil {
+		return fmt.Errorf("injected fault at %s: %w", point, err)
+	}
+	return nil
+}

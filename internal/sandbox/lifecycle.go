@@ -1,0 +1,207 @@
+package sandbox
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/runtime"
+)
+
+// Reasons a sandbox ended (Sandbox.EndReason), besides the driver's runtime.ExitReason values.
+const (
+	EndKilled  = "killed"
+	EndTimeout = "timeout"
+	EndLost    = "lost: its instance no longer ran when ember restarted"
+)
+
+// removeSandboxDir removes a sandbox's directory (call it only once no instance runs there).
+func (m *Manager) removeSandboxDir(id string) {
+	if err := os.RemoveAll(m.sandboxDir(id)); err != nil {
+		m.logger(id).Warn("remove sandbox dir", "err", err)
+	}
+}
+
+// Kill stops a sandbox and releases everything it holds.
+func (m *Manager) Kill(ctx context.Context, id string) error {
+	ctx, done, err := m.op(ctx)
+	if err != nil {
+		return err
+	}
+	defer done()
+	e, err := m.entry(id)
+	if err != nil {
+		return err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.sb.State == StateKilled {
+		return goneErr(e.sb)
+	}
+	m.endLocked(ctx, e, EndKilled)
+	return nil
+}
+
+// endLocked ends a sandbox for reason: everything it holds is released (its instance, slot,
+// directory and pause image) and it stays known as a tombstone for TombstoneTTL, so calls to
+// it say why it is gone.
+func (m *Manager) endLocked(ctx context.Context, e *entry, reason string) {
+	sb := e.sb
+	ctx = context.WithoutCancel(ctx)
+	m.teardown(ctx, sb.ID, sb.Runtime)
+	m.removeSandboxDir(sb.ID)
+	sb.State = StateKilled
+	sb.EndReason = reason
+	sb.EndedAt = time.Now().UTC()
+	sb.Runtime = Placement{SlotIndex: noSlot}
+	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
+		m.logger(sb.ID).Warn("record end", "err", err)
+	}
+	m.logger(sb.ID).Info("sandbox ended", "reason", reason)
+}
+
+// SetTimeout sets a running sandbox's end to now + d. Paused sandboxes answer not found, as
+// E2B does (old SDKs rely on it to fall back to resume).
+func (m *Manager) SetTimeout(ctx context.Context, id string, d time.Duration) error {
+	if d < 0 || d > MaxTimeout {
+		return fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
+	}
+	e, err := m.entry(id)
+	if err != nil {
+		return err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	switch e.sb.State {
+	case StateKilled:
+		return goneErr(e.sb)
+	case StatePaused:
+		return fmt.Errorf("sandbox %q is not running: %w", id, errdefs.ErrNotFound)
+	}
+	e.sb.EndAt = time.Now().UTC().Add(d)
+	return m.cfg.Store.PutSandbox(ctx, e.sb)
+}
+
+// ---- pause, resume ----
+
+// Pause checkpoints a running sandbox and releases its processes, memory and network slot.
+func (m *Manager) Pause(ctx context.Context, id string) error {
+	ctx, done, err := m.op(ctx)
+	if err != nil {
+		return err
+	}
+	defer done()
+	e, err := m.entry(id)
+	if err != nil {
+		return err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	switch e.sb.State {
+	case StatePaused:
+		return fmt.Errorf("sandbox %q is already paused: %w", id, errdefs.ErrConflict)
+	case StateKilled:
+		return goneErr(e.sb)
+	}
+	return m.pauseLocked(ctx, e)
+}
+
+func (m *Manager) pauseLocked(ctx context.Context, e *entry) error {
+	sb := e.sb
+	start := time.Now()
+	image := filepath.Join(m.sandboxDir(sb.ID), "image-"+randomHex(3))
+	if err := os.MkdirAll(image, 0o700); err != nil {
+		return err
+	}
+	if err := m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, runtime.CheckpointOptions{}); err != nil {
+		os.RemoveAll(image)
+		return fmt.Errorf("checkpoint: %w", err)
+	}
+	old := sb.Runtime
+	sb.State = StatePaused
+	sb.Runtime = Placement{Image: image, SlotIndex: noSlot}
+	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
+		// The instance is stopped and its image complete; keep the sandbox paused in memory.
+		m.logger(sb.ID).Error("record pause", "err", err)
+	}
+	m.guestT.close(old.GuestIP)
+	m.logger(sb.ID).Info("sandbox paused", "ms", time.Since(start).Milliseconds())
+	// The checkpoint stopped every process of the instance and the record says paused: what is
+	// left (runsc's state, the network slot, the run directory) is released after answering.
+	// A crash before it finishes leaves orphans that reconcile removes at the next start.
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		m.teardown(context.Background(), sb.ID, old)
+	}()
+	return nil
+}
+
+// Connect resumes a paused sandbox, or extends a running one's timeout.
+func (m *Manager) Connect(ctx context.Context, id string, timeout time.Duration) (*Sandbox, bool, error) {
+	if timeout < 0 || timeout > MaxTimeout {
+		return nil, false, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
+	}
+	if timeout == 0 {
+		timeout = DefaultTimeout
+	}
+	ctx, done, err := m.op(ctx)
+	if err != nil {
+		return nil, false, err
+	}
+	defer done()
+	e, err := m.entry(id)
+	if err != nil {
+		return nil, false, err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	sb := e.sb
+	switch sb.State {
+	case StateRunning:
+		if end := time.Now().UTC().Add(timeout); end.After(sb.EndAt) {
+			sb.EndAt = end
+			if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
+				return nil, false, err
+			}
+		}
+		return m.snapshotOf(e), false, nil
+	case StateKilled:
+		return nil, false, goneErr(sb)
+	}
+	start := time.Now()
+	tpl, err := m.templateOf(ctx, sb)
+	if err != nil {
+		return nil, false, err
+	}
+	image := sb.Runtime.Image
+	p, err := m.launch(ctx, launchSpec{owner: sb.ID, tpl: tpl, image: image, consume: true,
+		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, allowInternet: sb.AllowInternet})
+	if err != nil {
+		return nil, false, fmt.Errorf("resume: %w", err)
+	}
+	sb.Runtime = p
+	sb.State = StateRunning
+	sb.EndAt = time.Now().UTC().Add(timeout)
+	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
+		m.teardown(context.WithoutCancel(ctx), sb.ID, p)
+		sb.State, sb.Runtime = StatePaused, Placement{Image: image, SlotIndex: noSlot}
+		return nil, false, err
+	}
+	os.RemoveAll(image)
+	m.guestT.open(p.GuestIP)
+	m.watch(e, p.InstanceID)
+	m.logger(id).Info("sandbox resumed", "instance", p.InstanceID, "ms", time.Since(start).Milliseconds())
+	return m.snapshotOf(e), true, nil
+}
+
+func (m *Manager) templateOf(ctx context.Context, sb *Sandbox) (*Template, error) {
+	tpl, err := m.cfg.Store.GetTemplate(ctx, sb.TemplateID)
+	if err != nil {
+		return nil, fmt.Errorf("template %q of sandbox %q: %w", sb.TemplateID, sb.ID, err)
+	}
+	return tpl, nil
+}
