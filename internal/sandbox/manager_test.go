@@ -1,0 +1,516 @@
+package sandbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/runtime"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/sandbox/sandboxtest"
+	"github.com/ember-sandbox/ember/internal/store"
+)
+
+// node is a Manager over the fakes, with what a test needs to restart it on the same state.
+type node struct {
+	t     *testing.T
+	rig   *sandboxtest.Rig
+	store *store.Store
+	dir   string
+	cfg   sandbox.Config
+	m     *sandbox.Manager
+}
+
+func newNode(t *testing.T, mod func(*sandbox.Config)) *node {
+	t.Helper()
+	dir := t.TempDir()
+	st, err := store.Open(filepath.Join(dir, "ember.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rig := sandboxtest.NewRig(64)
+	n := &node{t: t, rig: rig, store: st, dir: dir}
+	n.cfg = sandbox.Config{
+		DataDir:      filepath.Join(dir, "data"),
+		Driver:       rig.Driver,
+		Network:      rig.Network,
+		Store:        st,
+		Builder:      sandboxtest.Builder{},
+		Dial:         rig.Dial,
+		EnvdTimeout:  2 * time.Second,
+		DrainTimeout: 2 * time.Second,
+		Logger:       slog.New(slog.DiscardHandler),
+	}
+	if mod != nil {
+		mod(&n.cfg)
+	}
+	n.start()
+	t.Cleanup(func() {
+		if n.m != nil {
+			n.m.Close()
+		}
+		rig.Driver.Close()
+		st.Close()
+	})
+	return n
+}
+
+func (n *node) start() {
+	n.t.Helper()
+	m, err := sandbox.New(context.Background(), n.cfg)
+	if err != nil {
+		n.t.Fatalf("new manager: %v", err)
+	}
+	n.m = m
+}
+
+// restart closes the Manager gracefully and starts a new one on the same state.
+func (n *node) restart() {
+	n.t.Helper()
+	n.m.Close()
+	n.start()
+}
+
+func (n *node) build(name string) *sandbox.Template {
+	n.t.Helper()
+	tpl, err := n.m.BuildTemplate(context.Background(), sandbox.BuildRequest{Name: name}, nil)
+	if err != nil {
+		n.t.Fatalf("build %s: %v", name, err)
+	}
+	return tpl
+}
+
+func (n *node) create(req sandbox.CreateRequest) *sandbox.Sandbox {
+	n.t.Helper()
+	if req.TemplateID == "" {
+		req.TemplateID = "base"
+	}
+	sb, err := n.m.Create(context.Background(), req)
+	if err != nil {
+		n.t.Fatalf("create: %v", err)
+	}
+	return sb
+}
+
+// guest calls the fake envd of a running sandbox through the Manager's guest transport.
+func (n *node) guest(id, method, path, body string) (int, string) {
+	n.t.Helper()
+	base, err := n.m.GuestURL(context.Background(), id, sandbox.EnvdPort)
+	if err != nil {
+		return 0, err.Error()
+	}
+	sb, err := n.m.Get(context.Background(), id)
+	if err != nil {
+		return 0, err.Error()
+	}
+	req, _ := http.NewRequest(method, base+path, strings.NewReader(body))
+	req.Header.Set("X-Access-Token", sb.AccessToken)
+	resp, err := (&http.Client{Transport: n.m.GuestTransport(), Timeout: 5 * time.Second}).Do(req)
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func (n *node) write(id, path, data string) {
+	n.t.Helper()
+	if code, msg := n.guest(id, http.MethodPut, "/fake/files?path="+path, data); code != http.StatusNoContent {
+		n.t.Fatalf("write %s in %s: %d %s", path, id, code, msg)
+	}
+}
+
+func (n *node) read(id, path string) (string, error) {
+	n.t.Helper()
+	code, body := n.guest(id, http.MethodGet, "/fake/files?path="+path, "")
+	if code != http.StatusOK {
+		return "", fmt.Errorf("read %s: %d %s", path, code, body)
+	}
+	return body, nil
+}
+
+// assertClean checks that nothing but the given sandboxes' instances and slots exists.
+func (n *node) assertHolds(want int) {
+	n.t.Helper()
+	if got := n.rig.Driver.Running(); len(got) != want {
+		n.t.Errorf("running instances: %d %v, want %d", len(got), got, want)
+	}
+	if got := n.rig.Network.InUse(); len(got) != want {
+		n.t.Errorf("slots in use: %v, want %d", got, want)
+	}
+}
+
+func (n *node) sandboxDirs() []string {
+	ents, _ := os.ReadDir(filepath.Join(n.cfg.DataDir, "sandboxes"))
+	var out []string
+	for _, e := range ents {
+		out = append(out, e.Name())
+	}
+	return out
+}
+
+func eventually(t *testing.T, within time.Duration, what string, ok func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !ok() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not within %s: %s", within, what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestCreateFromCheckpointRunsAndKillReleases(t *testing.T) {
+	n := newNode(t, nil)
+	n.build("base")
+	sb := n.create(sandbox.CreateRequest{Metadata: map[string]string{"k": "v"}})
+	if sb.State != sandbox.StateRunning || sb.Runtime.InstanceID == "" {
+		t.Fatalf("created %+v", sb)
+	}
+	// The sandbox's envd got its own token through /init.
+	if got := n.rig.Driver.Token(sb.Runtime.InstanceID); got != sb.AccessToken {
+		t.Fatalf("envd token %q, want the sandbox's %q", got, sb.AccessToken)
+	}
+	n.write(sb.ID, "/a", "1")
+	n.assertHolds(1)
+	if err := n.m.Kill(context.Background(), sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	n.assertHolds(0)
+	if dirs := n.sandboxDirs(); len(dirs) != 0 {
+		t.Fatalf("sandbox dirs left: %v", dirs)
+	}
+	_, err := n.m.Get(context.Background(), sb.ID)
+	if !errors.Is(err, errdefs.ErrNotFound) || !strings.Contains(err.Error(), "killed") {
+		t.Fatalf("get after kill: %v", err)
+	}
+	if err := n.m.Kill(context.Background(), sb.ID); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("second kill: %v", err)
+	}
+}
+
+func TestTemplateEnvdHoldsATokenFromBoot(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 1 })
+	tpl := n.build("base")
+	if tpl.InitToken == "" {
+		t.Fatal("template has no init token")
+	}
+	// The pool instance's envd answers only to that token until it is assigned.
+	eventually(t, 5*time.Second, "pool filled", func() bool { return len(n.rig.Driver.Running()) == 1 })
+	inst := n.rig.Driver.Running()[0]
+	if got := n.rig.Driver.Token(inst); got != tpl.InitToken {
+		t.Fatalf("pooled envd token %q, want the template's", got)
+	}
+}
+
+func TestCreateFromPoolKeepsItsDirectoryAcrossRestart(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 2 })
+	n.build("base")
+	eventually(t, 5*time.Second, "pool filled", func() bool { return len(n.rig.Driver.Running()) == 2 })
+	pooled := n.rig.Driver.Running()
+	sb := n.create(sandbox.CreateRequest{})
+	if !slices.Contains(pooled, sb.Runtime.InstanceID) {
+		t.Fatalf("create restored instead of taking a pool instance")
+	}
+	// The pool instance lived under the sandbox's own id from the start.
+	if !strings.HasPrefix(sb.Runtime.StateDir, filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID)+"/") {
+		t.Fatalf("state dir %s is not under the sandbox's directory", sb.Runtime.StateDir)
+	}
+	n.write(sb.ID, "/keep.txt", "precious")
+	n.restart()
+	if _, err := os.Stat(sb.Runtime.StateDir); err != nil {
+		t.Fatalf("restart removed the running sandbox's state: %v", err)
+	}
+	got, err := n.read(sb.ID, "/keep.txt")
+	if err != nil || got != "precious" {
+		t.Fatalf("after restart: %q %v", got, err)
+	}
+	n.write(sb.ID, "/new.txt", "new")
+	// Graceful stop destroyed the old pool instances; the new Manager refills its own.
+	eventually(t, 5*time.Second, "pool refilled", func() bool { return len(n.rig.Driver.Running()) == 3 })
+}
+
+func TestReconcileAdoptsOnlyWhatTheStoreKnows(t *testing.T) {
+	n := newNode(t, nil)
+	tpl := n.build("base")
+	keep := n.create(sandbox.CreateRequest{})
+	n.write(keep.ID, "/f", "x")
+	paused := n.create(sandbox.CreateRequest{})
+	if err := n.m.Pause(context.Background(), paused.ID); err != nil {
+		t.Fatal(err)
+	}
+	gone := n.create(sandbox.CreateRequest{})
+	n.m.Close()
+	n.m = nil
+	// While the daemon is down: one sandbox's instance dies, and an instance nobody recorded
+	// (a pool instance of the crashed run) is left running with its directory.
+	if err := n.rig.Driver.Crash(gone.Runtime.InstanceID, runtime.ExitKilled); err != nil {
+		t.Fatal(err)
+	}
+	orphanDir := filepath.Join(n.cfg.DataDir, "sandboxes", "orphanaaaaaaaaaaaaaa", "run-abcd")
+	os.MkdirAll(orphanDir, 0o700)
+	slot, _ := n.rig.Network.Acquire(context.Background(), true)
+	if err := n.rig.Driver.Start(context.Background(), runtime.Spec{ID: "orphanaaaaaaaaaaaaaa-abcd", RootFS: tpl.RootFS, StateDir: orphanDir, NetNSPath: slot.NetNSPath, Args: []string{"/usr/local/bin/envd"}}); err != nil {
+		t.Fatal(err)
+	}
+	n.start()
+	if got := n.rig.Driver.Running(); !slices.Equal(got, []string{keep.Runtime.InstanceID}) {
+		t.Fatalf("running after reconcile: %v, want only %s", got, keep.Runtime.InstanceID)
+	}
+	if got := n.rig.Network.InUse(); !slices.Equal(got, []int{keep.Runtime.SlotIndex}) {
+		t.Fatalf("slots after reconcile: %v", got)
+	}
+	if _, err := os.Stat(orphanDir); !os.IsNotExist(err) {
+		t.Fatalf("orphan dir still there: %v", err)
+	}
+	if v, err := n.read(keep.ID, "/f"); err != nil || v != "x" {
+		t.Fatalf("adopted sandbox: %q %v", v, err)
+	}
+	_, err := n.m.Get(context.Background(), gone.ID)
+	if !errors.Is(err, errdefs.ErrNotFound) || !strings.Contains(err.Error(), "lost") {
+		t.Fatalf("dead sandbox after restart: %v", err)
+	}
+	if _, resumed, err := n.m.Connect(context.Background(), paused.ID, 0); err != nil || !resumed {
+		t.Fatalf("resume after restart: %v %v", resumed, err)
+	}
+}
+
+func TestDeadSandboxIsNoticed(t *testing.T) {
+	for _, reason := range []runtime.ExitReason{runtime.ExitKilled, runtime.ExitOOM, runtime.ExitExited} {
+		t.Run(string(reason), func(t *testing.T) {
+			n := newNode(t, nil)
+			n.build("base")
+			sb := n.create(sandbox.CreateRequest{})
+			n.assertHolds(1)
+			n.rig.Driver.Crash(sb.Runtime.InstanceID, reason)
+			eventually(t, 2*time.Second, "sandbox leaves running", func() bool {
+				_, err := n.m.Get(context.Background(), sb.ID)
+				return err != nil
+			})
+			_, err := n.m.Get(context.Background(), sb.ID)
+			if !errors.Is(err, errdefs.ErrNotFound) || !strings.Contains(err.Error(), string(reason)) {
+				t.Fatalf("get: %v, want not found naming %q", err, reason)
+			}
+			if _, err := n.m.GuestURL(context.Background(), sb.ID, sandbox.EnvdPort); !errors.Is(err, errdefs.ErrNotFound) {
+				t.Fatalf("guest url of a dead sandbox: %v", err)
+			}
+			n.assertHolds(0)
+			list, _ := n.m.List(context.Background(), sandbox.ListFilter{States: []sandbox.State{sandbox.StateKilled}})
+			if len(list) != 1 || list[0].EndReason != string(reason) {
+				t.Fatalf("ended sandboxes listed on request: %+v", list)
+			}
+			if list, _ := n.m.List(context.Background(), sandbox.ListFilter{}); len(list) != 0 {
+				t.Fatalf("default listing shows the dead sandbox: %+v", list)
+			}
+		})
+	}
+}
+
+func TestPauseResumeKeepsFiles(t *testing.T) {
+	n := newNode(t, nil)
+	n.build("base")
+	sb := n.create(sandbox.CreateRequest{})
+	n.write(sb.ID, "/p", "kept")
+	if err := n.m.Pause(context.Background(), sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.m.Pause(context.Background(), sb.ID); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("second pause: %v", err)
+	}
+	eventually(t, 2*time.Second, "paused sandbox holds nothing", func() bool {
+		return len(n.rig.Driver.Running()) == 0 && len(n.rig.Network.InUse()) == 0
+	})
+	got, resumed, err := n.m.Connect(context.Background(), sb.ID, time.Minute)
+	if err != nil || !resumed {
+		t.Fatalf("resume: %v %v", resumed, err)
+	}
+	if got.AccessToken != sb.AccessToken || got.ID != sb.ID {
+		t.Fatalf("resume changed identity")
+	}
+	if v, err := n.read(sb.ID, "/p"); err != nil || v != "kept" {
+		t.Fatalf("after resume: %q %v", v, err)
+	}
+	// A resumed sandbox is watched again.
+	n.rig.Driver.Crash(got.Runtime.InstanceID, runtime.ExitOOM)
+	eventually(t, 2*time.Second, "resumed sandbox's death noticed", func() bool {
+		_, err := n.m.Get(context.Background(), sb.ID)
+		return err != nil
+	})
+}
+
+func TestForkChildrenDivergeAndSnapshotRestores(t *testing.T) {
+	n := newNode(t, nil)
+	n.build("base")
+	parent := n.create(sandbox.CreateRequest{})
+	n.write(parent.ID, "/x", "parent")
+	kids, err := n.m.Fork(context.Background(), parent.ID, 3, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids := map[string]bool{parent.ID: true}
+	for _, k := range kids {
+		if k.Err != nil {
+			t.Fatal(k.Err)
+		}
+		if ids[k.Sandbox.ID] || k.Sandbox.AccessToken == parent.AccessToken {
+			t.Fatalf("child shares identity with another sandbox")
+		}
+		ids[k.Sandbox.ID] = true
+		if v, _ := n.read(k.Sandbox.ID, "/x"); v != "parent" {
+			t.Fatalf("child %s sees %q", k.Sandbox.ID, v)
+		}
+	}
+	n.write(kids[0].Sandbox.ID, "/x", "child")
+	if v, _ := n.read(parent.ID, "/x"); v != "parent" {
+		t.Fatalf("parent sees the child's write: %q", v)
+	}
+	if v, _ := n.read(kids[1].Sandbox.ID, "/x"); v != "parent" {
+		t.Fatalf("sibling sees the child's write: %q", v)
+	}
+	n.assertHolds(4)
+	if _, err := n.m.Fork(context.Background(), parent.ID, 0, 0); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("fork count 0: %v", err)
+	}
+
+	snap, err := n.m.Snapshot(context.Background(), parent.ID, "snap1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.m.Snapshot(context.Background(), parent.ID, "snap1"); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("second snapshot of one name: %v", err)
+	}
+	from := n.create(sandbox.CreateRequest{TemplateID: snap.ID})
+	if v, _ := n.read(from.ID, "/x"); v != "parent" {
+		t.Fatalf("sandbox from snapshot sees %q", v)
+	}
+}
+
+func TestConcurrentSnapshotsOfOneNameOneWins(t *testing.T) {
+	n := newNode(t, nil)
+	n.build("base")
+	sb := n.create(sandbox.CreateRequest{})
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			_, errs[i] = n.m.Snapshot(context.Background(), sb.ID, "same")
+		}(i)
+	}
+	wg.Wait()
+	ok := 0
+	for _, err := range errs {
+		if err == nil {
+			ok++
+		} else if !errors.Is(err, errdefs.ErrConflict) {
+			t.Fatalf("snapshot: %v", err)
+		}
+	}
+	if ok != 1 {
+		t.Fatalf("%d snapshots of one name succeeded, want 1", ok)
+	}
+	n.create(sandbox.CreateRequest{TemplateID: "same"})
+}
+
+func TestTimeoutKillsOrPauses(t *testing.T) {
+	n := newNode(t, nil)
+	n.build("base")
+	a := n.create(sandbox.CreateRequest{Timeout: time.Second})
+	b := n.create(sandbox.CreateRequest{Timeout: time.Second, AutoPause: true})
+	eventually(t, 5*time.Second, "timeouts handled", func() bool {
+		_, errA := n.m.Get(context.Background(), a.ID)
+		sbB, _ := n.m.Get(context.Background(), b.ID)
+		return errA != nil && sbB != nil && sbB.State == sandbox.StatePaused
+	})
+	if _, err := n.m.Get(context.Background(), a.ID); !strings.Contains(err.Error(), "timeout") {
+		t.Fatalf("timed-out sandbox: %v", err)
+	}
+}
+
+// TestLaunchFailuresReleaseEverything injects a failure at every step of a launch (and of the
+// registration after it) and checks that nothing is left: no instance, no slot, no directory.
+func TestLaunchFailuresReleaseEverything(t *testing.T) {
+	points := []string{"launch.start", "launch.slot", "launch.runtime", "launch.envd", "register"}
+	for _, point := range points {
+		t.Run(point, func(t *testing.T) {
+			var fail sync.Map
+			n := newNode(t, func(c *sandbox.Config) {
+				c.Fail = func(p string) error {
+					if _, ok := fail.Load(p); ok {
+						return errors.New("boom")
+					}
+					return nil
+				}
+			})
+			n.build("base")
+			n.assertHolds(0)
+			fail.Store(point, true)
+			if _, err := n.m.Create(context.Background(), sandbox.CreateRequest{TemplateID: "base"}); err == nil {
+				t.Fatal("create succeeded despite the fault")
+			}
+			n.assertHolds(0)
+			if dirs := n.sandboxDirs(); len(dirs) != 0 {
+				t.Fatalf("directories left: %v", dirs)
+			}
+			if list, _ := n.m.List(context.Background(), sandbox.ListFilter{}); len(list) != 0 {
+				t.Fatalf("sandboxes listed: %v", list)
+			}
+			fail.Delete(point)
+			n.create(sandbox.CreateRequest{})
+		})
+	}
+	t.Run("driver restore fails", func(t *testing.T) {
+		n := newNode(t, nil)
+		n.build("base")
+		n.rig.Driver.Fail = func(op, id string) error {
+			if op == "Restore" {
+				return fmt.Errorf("restore refused: %w", errdefs.ErrUnavailable)
+			}
+			return nil
+		}
+		if _, err := n.m.Create(context.Background(), sandbox.CreateRequest{TemplateID: "base"}); !errors.Is(err, errdefs.ErrUnavailable) {
+			t.Fatalf("create: %v", err)
+		}
+		n.assertHolds(0)
+	})
+	t.Run("no slot", func(t *testing.T) {
+		n := newNode(t, nil)
+		n.build("base")
+		n.rig.Network.FailAcquire = fmt.Errorf("full: %w", errdefs.ErrUnavailable)
+		if _, err := n.m.Create(context.Background(), sandbox.CreateRequest{TemplateID: "base"}); !errors.Is(err, errdefs.ErrUnavailable) {
+			t.Fatalf("create: %v", err)
+		}
+		n.assertHolds(0)
+	})
+}
+
+func TestCloseDrainsAndDestroysPool(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 2 })
+	n.build("base")
+	sb := n.create(sandbox.CreateRequest{NoPool: true})
+	eventually(t, 5*time.Second, "pool filled", func() bool { return len(n.rig.Driver.Running()) == 3 })
+	n.m.Close()
+	if got := n.rig.Driver.Running(); !slices.Equal(got, []string{sb.Runtime.InstanceID}) {
+		t.Fatalf("after close: %v, want only the sandbox's instance", got)
+	}
+	if _, err := n.m.Create(context.Background(), sandbox.CreateRequest{TemplateID: "base"}); !errors.Is(err, errdefs.ErrUnavailable) {
+		t.Fatalf("create after close: %v", err)
+	}
+	n.start()
+	if _, err := n.read(sb.ID, "/nothing"); err == nil || strings.Contains(err.Error(), "not running") {
+		t.Fatalf("sandbox not adopted after close+start: %v", err)
+	}
+}
