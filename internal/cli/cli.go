@@ -45,7 +45,7 @@ func Main(args []string) int {
 		SilenceErrors: true,
 	}
 	root.PersistentFlags().StringVar(&g.url, "url", envOr("EMBER_URL", "http://127.0.0.1:3000"), "daemon URL ($EMBER_URL)")
-	root.PersistentFlags().StringVar(&g.key, "api-key", os.Getenv("E2B_API_KEY"), "API key ($E2B_API_KEY; default: <data-dir>/api-key of a local daemon)")
+	root.PersistentFlags().StringVar(&g.key, "api-key", "", "API key (default: $E2B_API_KEY, else <data-dir>/api-key of a local daemon)")
 	root.PersistentFlags().BoolVar(&g.asJSON, "json", false, "print JSON")
 	root.AddCommand(serveCmd(), sandboxCmd(g), templateCmd(g), keysCmd(g))
 	root.SetArgs(args)
@@ -70,6 +70,10 @@ func envOr(k, d string) string {
 
 func (g *globals) client() *client {
 	key := g.key
+	if key == "" {
+		// Read here, not as the flag's default: --help must never print a key.
+		key = os.Getenv("E2B_API_KEY")
+	}
 	if key == "" {
 		// A local daemon's key: $EMBER_DATA_DIR, then ./data (`make run`), then the default dir.
 		for _, p := range []string{os.Getenv("EMBER_DATA_DIR"), "data", defaultDataDir()} {
@@ -142,6 +146,9 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&cfg.Domain, "domain", "", "sandbox domain for host routing <port>-<id>.<domain> (default localhost:<listen port>)")
 	f.IntVar(&cfg.PoolSize, "pool-size", 2, "restored sandboxes kept ready per template (0 disables)")
 	f.IntVar(&cfg.SlotPoolSize, "slot-pool-size", 4, "network slots made ahead of need (0 disables)")
+	f.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 500, "running sandboxes this node holds at most (pool instances included); creates over it answer 429")
+	f.IntVar(&cfg.MaxBuilds, "max-builds", 2, "concurrent template builds at most")
+	f.IntVar(&cfg.MaxConns, "max-connections", 8192, "concurrent client connections at most")
 	f.StringVar(&templates, "templates", "base", "templates to build at start if missing (comma-separated, empty for none)")
 	f.StringVar(&cfg.CIDR, "cidr", os.Getenv("EMBER_CIDR"), "network for sandbox slots ($EMBER_CIDR; default 10.11.0.0/16)")
 	f.StringVar(&cfg.NodeID, "node-id", os.Getenv("EMBER_NODE_ID"), "node id; node-local names (netns, nftables table, cgroups) derive from it, so several nodes can share a host ($EMBER_NODE_ID)")

@@ -19,6 +19,8 @@ import (
 	"strconv"
 	"time"
 
+	"golang.org/x/net/netutil"
+
 	"github.com/ember-sandbox/ember/internal/api"
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -44,6 +46,9 @@ type Config struct {
 	PoolSize int
 	// SlotPoolSize is the number of network slots made ahead of need (-1 = default 4).
 	SlotPoolSize int
+	// MaxSandboxes and MaxBuilds cap what this node runs at once (0 = the Manager's defaults);
+	// MaxConns caps concurrent client connections (0 = 8192).
+	MaxSandboxes, MaxBuilds, MaxConns int
 	// Templates built at start-up when missing (e.g. "base").
 	Templates []string
 	// Snapshot store: local directory by default; S3 when S3.Endpoint is set.
@@ -84,7 +89,11 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if cfg.Mirror == "" {
 		cfg.Mirror = "http://deb.debian.org/debian"
 	}
-	if err := os.MkdirAll(cfg.DataDir, 0o755); err != nil {
+	// Every sandbox's files and memory images live under the data directory: root only.
+	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(cfg.DataDir, 0o700); err != nil {
 		return nil, err
 	}
 	st, err := store.Open(filepath.Join(cfg.DataDir, "ember.db"))
@@ -145,8 +154,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		Store:    st,
 		Builder:  &builderAdapter{b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
 		Images:   images,
-		Logger:   cfg.Logger,
-		PoolSize: cfg.PoolSize,
+		Logger:       cfg.Logger,
+		PoolSize:     cfg.PoolSize,
+		MaxSandboxes: cfg.MaxSandboxes,
+		MaxBuilds:    cfg.MaxBuilds,
 	})
 	if err != nil {
 		return nil, err
@@ -181,6 +192,10 @@ func Serve(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
+	if cfg.MaxConns <= 0 {
+		cfg.MaxConns = 8192
+	}
+	ln = netutil.LimitListener(ln, cfg.MaxConns)
 	defer ln.Close()
 	if cfg.Domain == "" {
 		// <port>-<id>.localhost:<port> reaches host routing without any DNS set-up.
@@ -191,7 +206,15 @@ func Serve(ctx context.Context, cfg Config) error {
 		return err
 	}
 	defer node.Close()
-	srv := &http.Server{Handler: node.Handler, ReadHeaderTimeout: 30 * time.Second}
+	// Bounds for slow or idle clients. No whole-request read or write timeout: sandbox-plane
+	// streams (commands, watches, uploads) legitimately last as long as the sandbox.
+	srv := &http.Server{
+		Handler:           node.Handler,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		MaxHeaderBytes:    64 << 10,
+		ErrorLog:          slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelWarn),
+	}
 	srv.Protocols = new(http.Protocols)
 	srv.Protocols.SetHTTP1(true)
 	srv.Protocols.SetUnencryptedHTTP2(true)
@@ -204,6 +227,9 @@ func Serve(ctx context.Context, cfg Config) error {
 		return err
 	case <-ctx.Done():
 	}
+	// Graceful stop: stop accepting, let requests in flight finish (bounded), then the Manager
+	// drains its own operations, destroys the pool and leaves sandboxes for the next start.
+	cfg.Logger.Info("shutdown: stopping the API")
 	shutCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := srv.Shutdown(shutCtx); err != nil && !errors.Is(err, context.DeadlineExceeded) {

@@ -55,13 +55,18 @@ const noSlot = -1
 // everything it acquired is released by teardown before it returns.
 func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err error) {
 	p = Placement{Driver: m.cfg.Driver.Name(), SlotIndex: noSlot}
+	inst := instanceID(spec.owner)
 	defer func() {
 		if err != nil {
 			m.teardown(context.WithoutCancel(ctx), spec.owner, p)
+			m.release(inst)
 			p = Placement{SlotIndex: noSlot}
 		}
 	}()
 	if err := m.faults.hit("launch.start"); err != nil {
+		return p, err
+	}
+	if err := m.admit(inst); err != nil {
 		return p, err
 	}
 	t0 := time.Now()
@@ -73,7 +78,6 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 	if err := m.faults.hit("launch.slot"); err != nil {
 		return p, err
 	}
-	inst := instanceID(spec.owner)
 	rs := runtime.Spec{
 		ID:           inst,
 		RootFS:       spec.tpl.RootFS,
@@ -130,6 +134,7 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 // and reconcile all use it.
 func (m *Manager) teardown(ctx context.Context, owner string, p Placement) {
 	log := m.logger(owner)
+	defer m.release(p.InstanceID)
 	if p.GuestIP != "" {
 		m.guestT.close(p.GuestIP)
 	}
@@ -149,6 +154,24 @@ func (m *Manager) teardown(ctx context.Context, owner string, p Placement) {
 			log.Warn("remove instance dir", "dir", p.StateDir, "err", err)
 		}
 	}
+}
+
+// admit counts instance against the node's MaxSandboxes, or refuses it there.
+func (m *Manager) admit(instance string) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.instances) >= m.cfg.MaxSandboxes {
+		return fmt.Errorf("this node runs its maximum of %d sandboxes: %w", m.cfg.MaxSandboxes, errdefs.ErrExhausted)
+	}
+	m.instances[instance] = true
+	return nil
+}
+
+// release stops counting instance (idempotent).
+func (m *Manager) release(instance string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	delete(m.instances, instance)
 }
 
 func envdBase(guestIP string) string {

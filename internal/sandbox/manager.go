@@ -78,6 +78,11 @@ type Config struct {
 	CPUCount int
 	MemoryMB int
 	DiskMB   int
+	// MaxSandboxes caps the running sandboxes (pool instances included) of this node
+	// (default 500); creates, forks and resumes over it fail with ErrExhausted (429).
+	MaxSandboxes int
+	// MaxBuilds caps concurrent template builds (default 2).
+	MaxBuilds int
 	// DrainTimeout bounds how long Close waits for operations in flight before it cancels them
 	// (default 10 s).
 	DrainTimeout time.Duration
@@ -102,8 +107,12 @@ type Manager struct {
 
 	pool   *pool
 	faults *faults
-	names  map[string]bool        // template and snapshot names being written (reserveName)
-	loads  map[string]*sync.Mutex // stored images being loaded into the node cache
+	names  map[string]bool // template and snapshot names being written (reserveName)
+	builds chan struct{}   // one token per concurrent template build
+	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
+	// counted against MaxSandboxes.
+	instances map[string]bool
+	loads     map[string]*sync.Mutex // stored images being loaded into the node cache
 
 	// bg is the context of background work (pool, watchers, reaper); Close cancels it.
 	bg       context.Context
@@ -149,6 +158,12 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	if cfg.DiskMB == 0 {
 		cfg.DiskMB = 2048
 	}
+	if cfg.MaxSandboxes == 0 {
+		cfg.MaxSandboxes = 500
+	}
+	if cfg.MaxBuilds == 0 {
+		cfg.MaxBuilds = 2
+	}
 	if cfg.DrainTimeout == 0 {
 		cfg.DrainTimeout = 10 * time.Second
 	}
@@ -175,11 +190,13 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		log: cfg.Logger,
 		// envd health and /init calls: no keep-alive, so a connection to a slot's address never
 		// outlives the sandbox that had it (slots and their addresses are reused).
-		client: &http.Client{Transport: &http.Transport{DialContext: cfg.Dial, DisableKeepAlives: true}},
-		guestT: newGuestTransports(cfg.Dial),
-		live:   map[string]*entry{},
-		stop:   make(chan struct{}),
-		faults: &faults{fail: cfg.Fail},
+		client:    &http.Client{Transport: &http.Transport{DialContext: cfg.Dial, DisableKeepAlives: true}},
+		guestT:    newGuestTransports(cfg.Dial),
+		live:      map[string]*entry{},
+		stop:      make(chan struct{}),
+		faults:    &faults{fail: cfg.Fail},
+		builds:    make(chan struct{}, cfg.MaxBuilds),
+		instances: map[string]bool{},
 	}
 	m.bg, m.cancelBG = context.WithCancel(context.Background())
 	m.abort, m.abortFn = context.WithCancel(context.Background())

@@ -514,3 +514,24 @@ func TestCloseDrainsAndDestroysPool(t *testing.T) {
 		t.Fatalf("sandbox not adopted after close+start: %v", err)
 	}
 }
+
+func TestNodeCapacityIsEnforced(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.MaxSandboxes = 2 })
+	n.build("base")
+	a := n.create(sandbox.CreateRequest{})
+	n.create(sandbox.CreateRequest{})
+	if _, err := n.m.Create(context.Background(), sandbox.CreateRequest{TemplateID: "base"}); !errors.Is(err, errdefs.ErrExhausted) {
+		t.Fatalf("create over the cap: %v", err)
+	}
+	if _, err := n.m.Fork(context.Background(), a.ID, 1, 0); !errors.Is(err, errdefs.ErrExhausted) {
+		t.Fatalf("fork over the cap: %v", err)
+	}
+	if err := n.m.Kill(context.Background(), a.ID); err != nil {
+		t.Fatal(err)
+	}
+	n.create(sandbox.CreateRequest{}) // the killed sandbox's place is free again
+	n.restart()                       // adopted sandboxes count after a restart
+	if _, err := n.m.Create(context.Background(), sandbox.CreateRequest{TemplateID: "base"}); !errors.Is(err, errdefs.ErrExhausted) {
+		t.Fatalf("create over the cap after restart: %v", err)
+	}
+}

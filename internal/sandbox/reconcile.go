@@ -51,6 +51,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 			}
 			if why == "" {
 				keepSlots = append(keepSlots, sb.Runtime.SlotIndex)
+				m.instances[sb.Runtime.InstanceID] = true
 				adopted[sb.Runtime.InstanceID] = true
 				keepDirs[sb.ID] = true
 				keepRun[sb.Runtime.StateDir] = true

@@ -31,6 +31,12 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 		return nil, err
 	}
 	defer done()
+	select {
+	case m.builds <- struct{}{}:
+		defer func() { <-m.builds }()
+	default:
+		return nil, fmt.Errorf("%d template builds are running; try again later: %w", cap(m.builds), errdefs.ErrExhausted)
+	}
 	release, err := m.reserveName(req.Name, true)
 	if err != nil {
 		return nil, err
