@@ -148,12 +148,12 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	mgr, err := sandbox.New(ctx, sandbox.Config{
-		DataDir:  cfg.DataDir,
-		Driver:   drv,
-		Network:  &netAdapter{m: nm, slots: map[int]*network.Slot{}},
-		Store:    st,
-		Builder:  &builderAdapter{b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
-		Images:   images,
+		DataDir:      cfg.DataDir,
+		Driver:       drv,
+		Network:      &netAdapter{m: nm, slots: map[int]*network.Slot{}},
+		Store:        st,
+		Builder:      &builderAdapter{b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
+		Images:       images,
 		Logger:       cfg.Logger,
 		PoolSize:     cfg.PoolSize,
 		MaxSandboxes: cfg.MaxSandboxes,
