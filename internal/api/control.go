@@ -57,8 +57,10 @@ func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params)
 		Timeout:       timeout,
 		Metadata:      req.Metadata,
 		EnvVars:       req.EnvVars,
-		AutoPause:     req.AutoPause != nil && *req.AutoPause,
-		AllowInternet: req.AllowInternetAccess,
+		AutoPause:       req.AutoPause != nil && *req.AutoPause,
+		AutoPauseMemory: req.AutoPauseMemory,
+		AutoResume:      autoResume(req.AutoResume),
+		AllowInternet:   req.AllowInternetAccess,
 	})
 	if err != nil {
 		return err
@@ -196,7 +198,7 @@ func (s *server) pause(w http.ResponseWriter, r *http.Request, p params) error {
 	if err := s.decodeJSON(w, r, &req, false); err != nil {
 		return err
 	}
-	if err := s.svc.Pause(r.Context(), id); err != nil {
+	if err := s.svc.PauseWith(r.Context(), id, sandbox.PauseOptions{KeepMemory: req.Memory == nil || *req.Memory}); err != nil {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
@@ -216,6 +218,13 @@ func (s *server) connectV2(w http.ResponseWriter, r *http.Request, p params) err
 	return s.connect(w, r, p, false)
 }
 
+func autoResume(a *autoResumeJSON) *bool {
+	if a == nil {
+		return nil
+	}
+	return a.Enabled
+}
+
 // connect resumes a paused sandbox (201) or extends a running one (200).
 func (s *server) connect(w http.ResponseWriter, r *http.Request, p params, bodyRequired bool) error {
 	id, err := sandboxIDParam(p)
@@ -230,7 +239,7 @@ func (s *server) connect(w http.ResponseWriter, r *http.Request, p params, bodyR
 	if err != nil {
 		return err
 	}
-	sbx, resumed, err := s.svc.Connect(r.Context(), id, d)
+	sbx, resumed, err := s.svc.ConnectWith(r.Context(), id, sandbox.ConnectOptions{Timeout: d, Reboot: req.Memory != nil && !*req.Memory})
 	if err != nil {
 		return err
 	}

@@ -301,3 +301,11 @@ type testWriter struct{ t testing.TB }
 func (w testWriter) Write(b []byte) (int, error) { w.t.Log(string(b)); return len(b), nil }
 
 var _ sandbox.Service = (*fakeService)(nil)
+
+func (f *fakeService) PauseWith(ctx context.Context, id string, _ sandbox.PauseOptions) error {
+	return f.Pause(ctx, id)
+}
+
+func (f *fakeService) ConnectWith(ctx context.Context, id string, o sandbox.ConnectOptions) (*sandbox.Sandbox, bool, error) {
+	return f.Connect(ctx, id, o.Timeout)
+}

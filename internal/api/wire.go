@@ -16,7 +16,13 @@ type newSandboxRequest struct {
 	EnvVars             map[string]string `json:"envVars"`
 	AllowInternetAccess *bool             `json:"allow_internet_access"`
 	AutoPause           *bool             `json:"autoPause"`
+	AutoPauseMemory     *bool             `json:"autoPauseMemory"`
+	AutoResume          *autoResumeJSON   `json:"autoResume"`
 	Secure              *bool             `json:"secure"`
+}
+
+type autoResumeJSON struct {
+	Enabled *bool `json:"enabled"`
 }
 
 type sandboxJSON struct {
@@ -160,7 +166,7 @@ func (s *server) toDetail(sb *sandbox.Sandbox) sandboxDetailJSON {
 		Domain:              s.cfg.Domain,
 		AllowInternetAccess: &allow,
 		Network:             map[string]any{},
-		Lifecycle:           lifecycleJSON{OnTimeout: onTimeout},
+		Lifecycle:           lifecycleJSON{OnTimeout: onTimeout, AutoResume: sb.AutoResume},
 	}
 }
 

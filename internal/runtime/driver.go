@@ -28,6 +28,11 @@ type Spec struct {
 	Args []string
 	Env  []string
 	Cwd  string
+	// LayerFrom, for Start, names an image directory written by Checkpoint with FilesOnly (or
+	// any checkpoint image): the instance boots on that image's writable layer instead of an
+	// empty one (a filesystem-only resume: new boot, same files). With ConsumeImage the layer
+	// is moved out of the image, else cloned.
+	LayerFrom string
 	// ConsumeImage tells Restore that the image is not used again (resume of a paused sandbox):
 	// the driver may move its contents instead of copying them.
 	ConsumeImage bool
@@ -102,6 +107,10 @@ type CheckpointOptions struct {
 	// LeaveRunning keeps the instance running after the image is written (fork, snapshot).
 	// Without it the instance stops (pause).
 	LeaveRunning bool
+	// FilesOnly keeps the instance's writable layer but not its memory: the instance is stopped
+	// and its layer moved into imageDir; no memory image is written (a filesystem-only pause;
+	// resume with Start and Spec.LayerFrom). Not combined with LeaveRunning.
+	FilesOnly bool
 }
 
 // Driver runs sandboxes. Every method is safe for concurrent use on different ids.

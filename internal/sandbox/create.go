@@ -43,6 +43,16 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	if req.Timeout < 0 || req.Timeout > MaxTimeout {
 		return nil, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
 	}
+	keepMemory := req.AutoPauseMemory == nil || *req.AutoPauseMemory
+	autoResume := req.AutoResume != nil && *req.AutoResume
+	switch {
+	case req.AutoPauseMemory != nil && !req.AutoPause:
+		return nil, fmt.Errorf("%s: %w", msgKeepMemoryNeedsPause, errdefs.ErrInvalid)
+	case autoResume && !req.AutoPause:
+		return nil, fmt.Errorf("%s: %w", msgAutoResumeNeedsPause, errdefs.ErrInvalid)
+	case autoResume && !keepMemory:
+		return nil, fmt.Errorf("%s: %w", msgAutoResumeNeedsMemory, errdefs.ErrInvalid)
+	}
 	ctx, done, err := m.op(ctx)
 	if err != nil {
 		return nil, err
@@ -76,8 +86,11 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		CPUCount:      orDefault(tpl.CPUCount, m.cfg.CPUCount),
 		MemoryMB:      orDefault(tpl.MemoryMB, m.cfg.MemoryMB),
 		DiskSizeMB:    orDefault(tpl.DiskMB, m.cfg.DiskMB),
-		AutoPause:     req.AutoPause,
-		AllowInternet: allow,
+		AutoPause:        req.AutoPause,
+		PauseDropsMemory: req.AutoPause && !keepMemory,
+		AutoResume:       autoResume,
+		Timeout:          timeout,
+		AllowInternet:    allow,
 	}
 	if len(tpl.Aliases) > 0 {
 		sb.Alias = tpl.Aliases[0]

@@ -31,6 +31,8 @@ type launchSpec struct {
 	tpl   *Template
 	// image to restore; "" boots the template's rootfs.
 	image string
+	// layerFrom boots (image "") on the writable layer of this image (filesystem-only resume).
+	layerFrom string
 	// consume: the image is not used again (resume): the driver may move its contents.
 	consume bool
 	// init gives the instance sb's identity through envd /init; initToken authenticates against
@@ -91,6 +93,7 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 		MemoryMB:     spec.memMB,
 		DiskMB:       spec.diskMB,
 		ConsumeImage: spec.consume,
+		LayerFrom:    spec.layerFrom,
 	}
 	p.StateDir = rs.StateDir
 	if err := os.MkdirAll(rs.StateDir, 0o700); err != nil {

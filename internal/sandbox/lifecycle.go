@@ -89,6 +89,12 @@ func (m *Manager) SetTimeout(ctx context.Context, id string, d time.Duration) er
 
 // Pause checkpoints a running sandbox and releases its processes, memory and network slot.
 func (m *Manager) Pause(ctx context.Context, id string) error {
+	return m.PauseWith(ctx, id, PauseOptions{KeepMemory: true})
+}
+
+// PauseWith pauses a sandbox; with opts.KeepMemory false only its filesystem is kept and a
+// resume boots it again on its files.
+func (m *Manager) PauseWith(ctx context.Context, id string, opts PauseOptions) error {
 	ctx, done, err := m.op(ctx)
 	if err != nil {
 		return err
@@ -106,29 +112,30 @@ func (m *Manager) Pause(ctx context.Context, id string) error {
 	case StateKilled:
 		return goneErr(e.sb)
 	}
-	return m.pauseLocked(ctx, e)
+	return m.pauseLocked(ctx, e, opts.KeepMemory)
 }
 
-func (m *Manager) pauseLocked(ctx context.Context, e *entry) error {
+func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory bool) error {
 	sb := e.sb
 	start := time.Now()
 	image := filepath.Join(m.sandboxDir(sb.ID), "image-"+randomHex(3))
 	if err := os.MkdirAll(image, 0o700); err != nil {
 		return err
 	}
-	if err := m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, runtime.CheckpointOptions{}); err != nil {
+	if err := m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, runtime.CheckpointOptions{FilesOnly: !keepMemory}); err != nil {
 		os.RemoveAll(image)
 		return fmt.Errorf("checkpoint: %w", err)
 	}
 	old := sb.Runtime
 	sb.State = StatePaused
+	sb.PausedFilesOnly = !keepMemory
 	sb.Runtime = Placement{Image: image, SlotIndex: noSlot}
 	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
 		// The instance is stopped and its image complete; keep the sandbox paused in memory.
 		m.logger(sb.ID).Error("record pause", "err", err)
 	}
 	m.guestT.close(old.GuestIP)
-	m.logger(sb.ID).Info("sandbox paused", "ms", time.Since(start).Milliseconds())
+	m.logger(sb.ID).Info("sandbox paused", "memory", keepMemory, "ms", time.Since(start).Milliseconds())
 	// The checkpoint stopped every process of the instance and the record says paused: what is
 	// left (runsc's state, the network slot, the run directory) is released after answering.
 	// A crash before it finishes leaves orphans that reconcile removes at the next start.
@@ -142,6 +149,12 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry) error {
 
 // Connect resumes a paused sandbox, or extends a running one's timeout.
 func (m *Manager) Connect(ctx context.Context, id string, timeout time.Duration) (*Sandbox, bool, error) {
+	return m.ConnectWith(ctx, id, ConnectOptions{Timeout: timeout})
+}
+
+// ConnectWith resumes a paused sandbox (resumed=true) or extends a running one's timeout.
+func (m *Manager) ConnectWith(ctx context.Context, id string, opts ConnectOptions) (*Sandbox, bool, error) {
+	timeout := opts.Timeout
 	if timeout < 0 || timeout > MaxTimeout {
 		return nil, false, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
 	}
@@ -172,30 +185,47 @@ func (m *Manager) Connect(ctx context.Context, id string, timeout time.Duration)
 	case StateKilled:
 		return nil, false, goneErr(sb)
 	}
+	if err := m.resumeLocked(ctx, e, timeout, opts.Reboot); err != nil {
+		return nil, false, err
+	}
+	return m.snapshotOf(e), true, nil
+}
+
+// resumeLocked brings a paused sandbox back: a restore of its pause image, or (a filesystem-only
+// pause, or reboot) a new boot on its files with the same identity.
+func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Duration, reboot bool) error {
+	sb := e.sb
 	start := time.Now()
 	tpl, err := m.templateOf(ctx, sb)
 	if err != nil {
-		return nil, false, err
+		return err
 	}
 	image := sb.Runtime.Image
-	p, err := m.launch(ctx, launchSpec{owner: sb.ID, tpl: tpl, image: image, consume: true,
-		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, allowInternet: sb.AllowInternet})
+	spec := launchSpec{owner: sb.ID, tpl: tpl, image: image, consume: true,
+		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, allowInternet: sb.AllowInternet}
+	boot := sb.PausedFilesOnly || reboot
+	if boot {
+		// A fresh envd: it learns the sandbox's identity (the same id, token and env vars) again.
+		spec.image, spec.layerFrom, spec.init = "", image, sb
+	}
+	p, err := m.launch(ctx, spec)
 	if err != nil {
-		return nil, false, fmt.Errorf("resume: %w", err)
+		return fmt.Errorf("resume: %w", err)
 	}
 	sb.Runtime = p
 	sb.State = StateRunning
+	sb.PausedFilesOnly = false
 	sb.EndAt = time.Now().UTC().Add(timeout)
 	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
 		m.teardown(context.WithoutCancel(ctx), sb.ID, p)
-		sb.State, sb.Runtime = StatePaused, Placement{Image: image, SlotIndex: noSlot}
-		return nil, false, err
+		sb.State, sb.PausedFilesOnly, sb.Runtime = StatePaused, boot, Placement{Image: image, SlotIndex: noSlot}
+		return err
 	}
 	os.RemoveAll(image)
 	m.guestT.open(p.GuestIP)
 	m.watch(e, p.InstanceID)
-	m.logger(id).Info("sandbox resumed", "instance", p.InstanceID, "ms", time.Since(start).Milliseconds())
-	return m.snapshotOf(e), true, nil
+	m.logger(sb.ID).Info("sandbox resumed", "instance", p.InstanceID, "boot", boot, "ms", time.Since(start).Milliseconds())
+	return nil
 }
 
 func (m *Manager) templateOf(ctx context.Context, sb *Sandbox) (*Template, error) {

@@ -373,6 +373,21 @@ func (m *Manager) GuestURL(ctx context.Context, id string, port int) (string, er
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if e.sb.State == StatePaused && e.sb.AutoResume && !e.sb.PausedFilesOnly {
+		// Traffic wakes a sandbox created with autoResume.
+		ctx, done, err := m.op(ctx)
+		if err != nil {
+			return "", err
+		}
+		defer done()
+		timeout := e.sb.Timeout
+		if timeout <= 0 {
+			timeout = DefaultTimeout
+		}
+		if err := m.resumeLocked(ctx, e, timeout, false); err != nil {
+			return "", err
+		}
+	}
 	if err := runningLocked(e); err != nil {
 		return "", err
 	}

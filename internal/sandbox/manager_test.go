@@ -535,3 +535,111 @@ func TestNodeCapacityIsEnforced(t *testing.T) {
 		t.Fatalf("create over the cap after restart: %v", err)
 	}
 }
+
+func (n *node) putMem(id, key, v string) {
+	n.t.Helper()
+	if code, msg := n.guest(id, http.MethodPut, "/fake/mem?path="+key, v); code != http.StatusNoContent {
+		n.t.Fatalf("put mem: %d %s", code, msg)
+	}
+}
+
+func TestFilesystemOnlyPauseKeepsFilesNotMemory(t *testing.T) {
+	n := newNode(t, nil)
+	n.build("base")
+	sb := n.create(sandbox.CreateRequest{})
+	n.write(sb.ID, "/f", "file")
+	n.putMem(sb.ID, "proc", "running")
+	if err := n.m.PauseWith(context.Background(), sb.ID, sandbox.PauseOptions{KeepMemory: false}); err != nil {
+		t.Fatal(err)
+	}
+	got, resumed, err := n.m.Connect(context.Background(), sb.ID, time.Minute)
+	if err != nil || !resumed {
+		t.Fatalf("resume: %v %v", resumed, err)
+	}
+	if got.AccessToken != sb.AccessToken {
+		t.Fatal("a filesystem-only resume changed the access token")
+	}
+	if v, err := n.read(sb.ID, "/f"); err != nil || v != "file" {
+		t.Fatalf("file after resume: %q %v", v, err)
+	}
+	if code, _ := n.guest(sb.ID, http.MethodGet, "/fake/mem?path=proc", ""); code != http.StatusNotFound {
+		t.Fatalf("memory survived a filesystem-only pause (status %d)", code)
+	}
+	// A memory pause keeps both.
+	n.putMem(sb.ID, "proc", "running")
+	n.m.Pause(context.Background(), sb.ID)
+	n.m.Connect(context.Background(), sb.ID, time.Minute)
+	if code, _ := n.guest(sb.ID, http.MethodGet, "/fake/mem?path=proc", ""); code != http.StatusOK {
+		t.Fatalf("memory lost by a memory pause (status %d)", code)
+	}
+	// Reboot drops memory even from a memory pause.
+	n.m.Pause(context.Background(), sb.ID)
+	if _, _, err := n.m.ConnectWith(context.Background(), sb.ID, sandbox.ConnectOptions{Reboot: true}); err != nil {
+		t.Fatal(err)
+	}
+	if code, _ := n.guest(sb.ID, http.MethodGet, "/fake/mem?path=proc", ""); code != http.StatusNotFound {
+		t.Fatalf("memory survived a reboot (status %d)", code)
+	}
+	if v, _ := n.read(sb.ID, "/f"); v != "file" {
+		t.Fatalf("file lost by a reboot: %q", v)
+	}
+}
+
+func TestLifecycleOptions(t *testing.T) {
+	n := newNode(t, nil)
+	n.build("base")
+	yes, no := true, false
+	for _, c := range []struct {
+		name string
+		req  sandbox.CreateRequest
+		msg  string
+	}{
+		{"keepMemory with kill", sandbox.CreateRequest{AutoPauseMemory: &no}, "keepMemory is only allowed"},
+		{"autoResume with kill", sandbox.CreateRequest{AutoResume: &yes}, "autoResume can only be true"},
+		{"autoResume without memory", sandbox.CreateRequest{AutoPause: true, AutoPauseMemory: &no, AutoResume: &yes}, "filesystem-only snapshot cannot be auto-resumed"},
+	} {
+		c.req.TemplateID = "base"
+		_, err := n.m.Create(context.Background(), c.req)
+		if !errors.Is(err, errdefs.ErrInvalid) || !strings.Contains(err.Error(), c.msg) {
+			t.Errorf("%s: %v", c.name, err)
+		}
+	}
+	// onTimeout pause without memory: files kept, memory dropped, only connect wakes it.
+	fs := n.create(sandbox.CreateRequest{Timeout: time.Second, AutoPause: true, AutoPauseMemory: &no})
+	n.write(fs.ID, "/f", "kept")
+	n.putMem(fs.ID, "m", "lost")
+	// autoResume: traffic wakes it.
+	ar := n.create(sandbox.CreateRequest{Timeout: time.Second, AutoPause: true, AutoResume: &yes})
+	n.putMem(ar.ID, "m", "kept")
+	// Neither: only connect wakes it.
+	plain := n.create(sandbox.CreateRequest{Timeout: time.Second, AutoPause: true, AutoResume: &no})
+	eventually(t, 5*time.Second, "all three paused", func() bool {
+		for _, id := range []string{fs.ID, ar.ID, plain.ID} {
+			if sb, err := n.m.Get(context.Background(), id); err != nil || sb.State != sandbox.StatePaused {
+				return false
+			}
+		}
+		return true
+	})
+	if _, err := n.m.GuestURL(context.Background(), plain.ID, 8080); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("traffic to a paused sandbox without autoResume: %v", err)
+	}
+	if _, err := n.m.GuestURL(context.Background(), fs.ID, 8080); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("traffic to a filesystem-only paused sandbox: %v", err)
+	}
+	if _, err := n.m.GuestURL(context.Background(), ar.ID, 8080); err != nil {
+		t.Fatalf("traffic did not wake the autoResume sandbox: %v", err)
+	}
+	if code, v := n.guest(ar.ID, http.MethodGet, "/fake/mem?path=m", ""); code != http.StatusOK || v != "kept" {
+		t.Fatalf("auto-resumed sandbox lost memory: %d %q", code, v)
+	}
+	if _, _, err := n.m.Connect(context.Background(), fs.ID, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if v, _ := n.read(fs.ID, "/f"); v != "kept" {
+		t.Fatalf("files after filesystem-only timeout pause: %q", v)
+	}
+	if code, _ := n.guest(fs.ID, http.MethodGet, "/fake/mem?path=m", ""); code != http.StatusNotFound {
+		t.Fatalf("memory kept by a keepMemory:false pause")
+	}
+}

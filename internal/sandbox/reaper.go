@@ -38,7 +38,7 @@ func (m *Manager) reap(e *entry, now time.Time) {
 	switch {
 	case sb.State == StateRunning && now.After(sb.EndAt):
 		if sb.AutoPause {
-			if err := m.pauseLocked(ctx, e); err == nil {
+			if err := m.pauseLocked(ctx, e, !sb.PauseDropsMemory); err == nil {
 				return
 			} else {
 				m.logger(sb.ID).Error("auto-pause failed; killing", "err", err)

@@ -19,9 +19,13 @@ type Service interface {
 	Kill(ctx context.Context, id string) error
 	SetTimeout(ctx context.Context, id string, d time.Duration) error
 	Pause(ctx context.Context, id string) error
+	// PauseWith pauses with options (a filesystem-only pause with KeepMemory false).
+	PauseWith(ctx context.Context, id string, opts PauseOptions) error
 	// Connect resumes a paused sandbox (resumed=true) or extends a running one's timeout
 	// (only ever extends).
 	Connect(ctx context.Context, id string, timeout time.Duration) (sbx *Sandbox, resumed bool, err error)
+	// ConnectWith is Connect with options (a reboot on the files of a paused sandbox).
+	ConnectWith(ctx context.Context, id string, opts ConnectOptions) (sbx *Sandbox, resumed bool, err error)
 	Snapshot(ctx context.Context, id, name string) (*Template, error)
 	ListSnapshots(ctx context.Context, sandboxID string) ([]*Template, error)
 	DeleteTemplate(ctx context.Context, id string) error

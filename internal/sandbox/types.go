@@ -42,8 +42,16 @@ type Sandbox struct {
 	CPUCount    int               `json:"cpuCount"`
 	MemoryMB    int               `json:"memoryMB"`
 	DiskSizeMB  int               `json:"diskSizeMB"`
-	// AutoPause: on timeout pause instead of kill.
-	AutoPause bool `json:"autoPause"`
+	// AutoPause: on timeout pause instead of kill. PauseDropsMemory makes that pause keep only
+	// the filesystem (E2B's onTimeout {action: 'pause', keepMemory: false}). AutoResume: traffic
+	// to any of its ports wakes a paused sandbox (memory pauses only).
+	AutoPause        bool `json:"autoPause"`
+	PauseDropsMemory bool `json:"pauseDropsMemory,omitempty"`
+	AutoResume       bool `json:"autoResume,omitempty"`
+	// PausedFilesOnly: the current pause kept the filesystem only; resume boots on it.
+	PausedFilesOnly bool `json:"pausedFilesOnly,omitempty"`
+	// Timeout is the lifetime asked for at create (used again by an auto-resume).
+	Timeout time.Duration `json:"timeout,omitempty"`
 	// AllowInternet: egress to the internet (NAT); false keeps the sandbox off the network
 	// except for the daemon reaching envd.
 	AllowInternet bool `json:"allowInternet"`
@@ -75,12 +83,37 @@ type CreateRequest struct {
 	Metadata      map[string]string
 	EnvVars       map[string]string
 	AutoPause     bool
+	// AutoPauseMemory: with AutoPause, whether the pause keeps memory (nil = true).
+	AutoPauseMemory *bool
+	// AutoResume: traffic wakes the sandbox when paused (nil = false).
+	AutoResume    *bool
 	AllowInternet *bool // nil = default (true)
 	// Cold boots the template's rootfs instead of restoring its checkpoint (benchmarks, fallback).
 	Cold bool
 	// NoPool skips the warm pool and restores the template's checkpoint (benchmarks).
 	NoPool bool
 }
+
+// PauseOptions tune a pause.
+type PauseOptions struct {
+	// KeepMemory: checkpoint memory and files (the default); false keeps the filesystem only,
+	// and resume boots the sandbox again on its files.
+	KeepMemory bool
+}
+
+// ConnectOptions tune Connect.
+type ConnectOptions struct {
+	Timeout time.Duration // 0 = DefaultTimeout
+	// Reboot resumes a paused sandbox by booting it on its files, dropping any memory state.
+	Reboot bool
+}
+
+// Messages of the lifecycle combinations E2B refuses (the SDK's own wording).
+const (
+	msgKeepMemoryNeedsPause  = "onTimeout.keepMemory is only allowed when action is 'pause'."
+	msgAutoResumeNeedsPause  = "autoResume can only be true when onTimeout action is 'pause'."
+	msgAutoResumeNeedsMemory = "autoResume: true is not a valid value when keepMemory: false - a filesystem-only snapshot cannot be auto-resumed by traffic and must be resumed explicitly using Sandbox.connect()."
+)
 
 // ListFilter selects sandboxes for List.
 type ListFilter struct {

@@ -167,6 +167,7 @@ type Instance struct {
 	mu    sync.Mutex
 	state runtime.State
 	files map[string]string
+	mem   map[string]string
 	token string
 	ln    net.Listener
 	srv   *http.Server
@@ -177,8 +178,11 @@ type Instance struct {
 // image is what Checkpoint writes.
 type image struct {
 	Files map[string]string `json:"files"`
-	Token string            `json:"token"`
-	Args  []string          `json:"args"`
+	// Mem stands for the instance's memory: kept by checkpoints, lost by a boot.
+	Mem       map[string]string `json:"mem,omitempty"`
+	Token     string            `json:"token"`
+	Args      []string          `json:"args"`
+	FilesOnly bool              `json:"filesOnly,omitempty"`
 }
 
 func (d *Driver) fail(op, id string) error {
@@ -225,7 +229,19 @@ func (d *Driver) Start(ctx context.Context, spec runtime.Spec) error {
 	if err := d.fail("Start", spec.ID); err != nil {
 		return err
 	}
-	return d.run(spec, image{Files: map[string]string{}, Args: spec.Args})
+	img := image{Files: map[string]string{}, Args: spec.Args}
+	if spec.LayerFrom != "" {
+		b, err := os.ReadFile(filepath.Join(spec.LayerFrom, "checkpoint.img"))
+		if err != nil {
+			return fmt.Errorf("fake: layer of %q: %v: %w", spec.LayerFrom, err, errdefs.ErrNotFound)
+		}
+		var from image
+		if err := json.Unmarshal(b, &from); err != nil {
+			return err
+		}
+		img.Files = from.Files // the files, not the memory or envd's token: a new boot
+	}
+	return d.run(spec, img)
 }
 
 // Restore implements runtime.Driver.
@@ -240,6 +256,9 @@ func (d *Driver) Restore(ctx context.Context, spec runtime.Spec, imageDir string
 	var img image
 	if err := json.Unmarshal(b, &img); err != nil {
 		return fmt.Errorf("fake: restore image: %w", err)
+	}
+	if img.FilesOnly {
+		return fmt.Errorf("fake: restore: %s holds no memory image: %w", imageDir, errdefs.ErrInvalid)
 	}
 	if strings.Join(img.Args, " ") != strings.Join(spec.Args, " ") {
 		return fmt.Errorf("fake: restore: args differ: %w", errdefs.ErrInvalid)
@@ -270,7 +289,10 @@ func (d *Driver) run(spec runtime.Spec, img image) error {
 	if img.Files == nil {
 		img.Files = map[string]string{}
 	}
-	in := &Instance{ID: spec.ID, Spec: spec, state: runtime.StateRunning, files: img.Files, token: img.Token, ln: ln, done: make(chan struct{})}
+	if img.Mem == nil {
+		img.Mem = map[string]string{}
+	}
+	in := &Instance{ID: spec.ID, Spec: spec, state: runtime.StateRunning, files: img.Files, mem: img.Mem, token: img.Token, ln: ln, done: make(chan struct{})}
 	in.srv = &http.Server{Handler: http.HandlerFunc(in.serve), ReadHeaderTimeout: 5 * time.Second}
 	go in.srv.Serve(ln)
 	// A marker in the state dir, as a real driver leaves files there.
@@ -299,19 +321,23 @@ func (in *Instance) serve(w http.ResponseWriter, r *http.Request) {
 		json.NewDecoder(r.Body).Decode(&req)
 		in.token = req.AccessToken
 		w.WriteHeader(http.StatusNoContent)
-	case r.URL.Path == "/fake/files":
+	case r.URL.Path == "/fake/files" || r.URL.Path == "/fake/mem":
 		if !authed {
 			http.Error(w, "invalid or missing access token", http.StatusUnauthorized)
 			return
 		}
 		p := r.URL.Query().Get("path")
+		store := in.files
+		if r.URL.Path == "/fake/mem" {
+			store = in.mem
+		}
 		if r.Method == http.MethodPut {
 			b, _ := io.ReadAll(r.Body)
-			in.files[p] = string(b)
+			store[p] = string(b)
 			w.WriteHeader(http.StatusNoContent)
 			return
 		}
-		v, ok := in.files[p]
+		v, ok := store[p]
 		if !ok {
 			http.Error(w, "no such file", http.StatusNotFound)
 			return
@@ -360,11 +386,21 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 		in.mu.Unlock()
 		return fmt.Errorf("fake: %s is not running: %w", id, errdefs.ErrConflict)
 	}
-	files := map[string]string{}
-	for k, v := range in.files {
-		files[k] = v
+	if opts.FilesOnly && opts.LeaveRunning {
+		in.mu.Unlock()
+		return fmt.Errorf("fake: FilesOnly with LeaveRunning: %w", errdefs.ErrInvalid)
 	}
-	b, _ := json.Marshal(image{Files: files, Token: in.token, Args: in.Spec.Args})
+	img := image{Files: map[string]string{}, Token: in.token, Args: in.Spec.Args, FilesOnly: opts.FilesOnly}
+	for k, v := range in.files {
+		img.Files[k] = v
+	}
+	if !opts.FilesOnly {
+		img.Mem = map[string]string{}
+		for k, v := range in.mem {
+			img.Mem[k] = v
+		}
+	}
+	b, _ := json.Marshal(img)
 	in.mu.Unlock()
 	if err := os.WriteFile(filepath.Join(imageDir, "checkpoint.img"), b, 0o600); err != nil {
 		return err
