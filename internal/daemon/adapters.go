@@ -59,8 +59,8 @@ func (a *netAdapter) Reconcile(ctx context.Context, keep []int) error {
 
 type builderAdapter struct{ b *template.Builder }
 
-func (a *builderAdapter) BuildRootFS(ctx context.Context, dest string, progress func(string)) error {
-	return a.b.BuildRootFS(ctx, dest, progress)
+func (a *builderAdapter) BuildRootFS(ctx context.Context, req sandbox.BuildRequest, dest string, progress func(string)) (sandbox.RootFSInfo, error) {
+	return sandbox.RootFSInfo{}, a.b.BuildRootFS(ctx, dest, progress)
 }
 
 // imageAdapter stores exported checkpoint images (flat directories of regular files, in the

@@ -101,7 +101,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		if pe := m.pool.take(tpl, allow, sb.CPUCount, sb.MemoryMB); pe != nil {
 			// The pool instance already lives under the id it was made for: the sandbox takes it.
 			sb.ID = pe.owner
-			if err := m.initEnvd(ctx, envdBase(pe.place.GuestIP), sb, tpl.InitToken); err == nil {
+			if err := m.initEnvd(ctx, envdBase(pe.place.GuestIP), sb, tpl.InitToken, tpl); err == nil {
 				sb.Runtime = pe.place
 				how = "pool"
 			} else {

@@ -119,7 +119,7 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 	}
 	t3 := time.Now()
 	if spec.init != nil {
-		if err := m.initEnvd(ctx, base, spec.init, spec.initToken); err != nil {
+		if err := m.initEnvd(ctx, base, spec.init, spec.initToken, spec.tpl); err != nil {
 			return p, err
 		}
 	}
@@ -262,14 +262,33 @@ const initTimeout = 10 * time.Second
 
 // initEnvd gives the sandbox its identity: env vars and access token. oldToken authenticates
 // against an envd that already holds one (template, pool instance, snapshot or fork).
-func (m *Manager) initEnvd(ctx context.Context, base string, sb *Sandbox, oldToken string) error {
+func (m *Manager) initEnvd(ctx context.Context, base string, sb *Sandbox, oldToken string, tpl *Template) error {
 	ctx, cancel := context.WithTimeout(ctx, initTimeout)
 	defer cancel()
+	user, workdir := "user", "/home/user"
+	env := sb.EnvVars
+	if tpl != nil {
+		if tpl.User != "" {
+			user, workdir = tpl.User, ""
+		}
+		if tpl.Workdir != "" {
+			workdir = tpl.Workdir
+		}
+		if len(tpl.Env) > 0 {
+			env = make(map[string]string, len(tpl.Env)+len(sb.EnvVars))
+			for k, v := range tpl.Env {
+				env[k] = v
+			}
+			for k, v := range sb.EnvVars {
+				env[k] = v
+			}
+		}
+	}
 	body, _ := json.Marshal(initRequest{
-		EnvVars:        sb.EnvVars,
+		EnvVars:        env,
 		AccessToken:    sb.AccessToken,
-		DefaultUser:    "user",
-		DefaultWorkdir: "/home/user",
+		DefaultUser:    user,
+		DefaultWorkdir: workdir,
 		Hostname:       "sandbox",
 		Timestamp:      time.Now().UTC(),
 	})

@@ -49,7 +49,17 @@ type Store interface {
 
 // RootFSBuilder writes template root filesystems (internal/template implements it).
 type RootFSBuilder interface {
-	BuildRootFS(ctx context.Context, dest string, progress func(string)) error
+	// BuildRootFS writes the rootfs req asks for (a Debian suite, an image, ...) to dest and
+	// returns what the source says about running it (an image's config).
+	BuildRootFS(ctx context.Context, req BuildRequest, dest string, progress func(string)) (RootFSInfo, error)
+}
+
+// RootFSInfo is what a rootfs source says about running it.
+type RootFSInfo struct {
+	Env      map[string]string // default environment of every process
+	User     string            // default user ("" = "user")
+	Workdir  string            // default working directory ("" = the user's home)
+	StartCmd string            // start command when the build request gives none
 }
 
 // ImageStore keeps checkpoint images of named snapshots durably (internal/snapshot).

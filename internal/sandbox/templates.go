@@ -53,8 +53,12 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 	}
 	rootfs := filepath.Join(dir, "rootfs-"+buildID)
 	progress(fmt.Sprintf("[1/3] rootfs for %q (build %s)", req.Name, buildID))
-	if err := m.cfg.Builder.BuildRootFS(ctx, rootfs, progress); err != nil {
+	info, err := m.cfg.Builder.BuildRootFS(ctx, req, rootfs, progress)
+	if err != nil {
 		return nil, err
+	}
+	if req.StartCmd == "" {
+		req.StartCmd = info.StartCmd
 	}
 	tpl := &Template{
 		ID:        req.Name,
@@ -65,6 +69,9 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 		MemoryMB:  req.MemoryMB,
 		BuildID:   buildID,
 		InitToken: randomHex(16),
+		Env:       info.Env,
+		User:      info.User,
+		Workdir:   info.Workdir,
 	}
 	progress("[2/3] booting the template with envd")
 	image := filepath.Join(dir, "image-"+buildID)
@@ -92,7 +99,7 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 	t0 := time.Now()
 	// envd holds a token from its first moments: every instance restored from this image (the
 	// pool's among them) answers only to the daemon until /init gives it its sandbox's token.
-	ident := &Sandbox{ID: owner, AccessToken: tpl.InitToken}
+	ident := &Sandbox{ID: owner, AccessToken: tpl.InitToken, EnvVars: tpl.Env}
 	p, err := m.launch(ctx, launchSpec{owner: owner, tpl: tpl, init: ident,
 		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), memMB: orDefault(tpl.MemoryMB, m.cfg.MemoryMB)})
 	if err != nil {

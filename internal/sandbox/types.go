@@ -141,6 +141,11 @@ type Template struct {
 	// SnapshotStored: the image lives in the snapshot store (content-addressed chunks); Image is
 	// then its node-local, verified copy.
 	SnapshotStored bool `json:"snapshotStored,omitempty"`
+	// Env, User and Workdir are the defaults of every sandbox of the template (from an image's
+	// config); empty User means "user", empty Workdir the user's home.
+	Env     map[string]string `json:"env,omitempty"`
+	User    string            `json:"user,omitempty"`
+	Workdir string            `json:"workdir,omitempty"`
 	// BuildID changes on every rebuild.
 	BuildID string `json:"buildId,omitempty"`
 	// SourceSandbox is the sandbox a snapshot was taken from.

@@ -604,6 +604,6 @@ func (d *Driver) Close() {
 type Builder struct{}
 
 // BuildRootFS implements sandbox.RootFSBuilder.
-func (Builder) BuildRootFS(ctx context.Context, dest string, progress func(string)) error {
-	return os.MkdirAll(filepath.Join(dest, "usr", "local", "bin"), 0o755)
+func (Builder) BuildRootFS(ctx context.Context, req sandbox.BuildRequest, dest string, progress func(string)) (sandbox.RootFSInfo, error) {
+	return sandbox.RootFSInfo{}, os.MkdirAll(filepath.Join(dest, "usr", "local", "bin"), 0o755)
 }
