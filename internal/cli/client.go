@@ -9,12 +9,11 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"strconv"
 	"strings"
 
-	"connectrpc.com/connect"
-
-	"github.com/ember-sandbox/ember/api/gen/process"
 	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
+	"github.com/ember-sandbox/ember/internal/envdclient"
 )
 
 // client talks to an ember daemon's API.
@@ -114,7 +113,7 @@ type sandboxTransport struct {
 func (t *sandboxTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	r = r.Clone(r.Context())
 	r.Header.Set("E2b-Sandbox-Id", t.id)
-	r.Header.Set("E2b-Sandbox-Port", "49983")
+	r.Header.Set("E2b-Sandbox-Port", strconv.Itoa(envdclient.Port))
 	if t.token != "" {
 		r.Header.Set("X-Access-Token", t.token)
 	}
@@ -131,38 +130,13 @@ func (c *client) exec(ctx context.Context, id string, args []string, user, cwd s
 		return -1, err
 	}
 	hc := &http.Client{Transport: &sandboxTransport{id: id, token: info.EnvdAccessToken, base: http.DefaultTransport}}
-	pc := processconnect.NewProcessClient(hc, c.base)
-	stdin := false
-	cfg := &process.ProcessConfig{Cmd: "/bin/bash", Args: []string{"-l", "-c", shellJoin(args)}, Envs: envs}
-	if cwd != "" {
-		cfg.Cwd = &cwd
-	}
-	req := connect.NewRequest(&process.StartRequest{Process: cfg, Stdin: &stdin})
-	if user != "" {
-		req.Header().Set("Authorization", "Basic "+basicUser(user))
-	}
-	stream, err := pc.Start(ctx, req)
+	res, err := envdclient.Run(ctx, processconnect.NewProcessClient(hc, c.base),
+		envdclient.Command{Line: shellJoin(args), User: user, Cwd: cwd, Envs: envs, Wait: true},
+		envdclient.Output{Stdout: func(b []byte) { os.Stdout.Write(b) }, Stderr: func(b []byte) { os.Stderr.Write(b) }})
 	if err != nil {
 		return -1, err
 	}
-	defer stream.Close()
-	code := -1
-	for stream.Receive() {
-		ev := stream.Msg().GetEvent()
-		switch {
-		case ev.GetData() != nil:
-			d := ev.GetData()
-			os.Stdout.Write(d.GetStdout())
-			os.Stderr.Write(d.GetStderr())
-			os.Stdout.Write(d.GetPty())
-		case ev.GetEnd() != nil:
-			code = int(ev.GetEnd().GetExitCode())
-		}
-	}
-	if err := stream.Err(); err != nil {
-		return -1, err
-	}
-	return code, nil
+	return res.ExitCode, nil
 }
 
 func shellJoin(args []string) string {

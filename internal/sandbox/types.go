@@ -2,6 +2,8 @@ package sandbox
 
 import (
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/envdclient"
 )
 
 // State of a sandbox as users see it.
@@ -23,7 +25,7 @@ const DefaultTimeout = 300 * time.Second
 const MaxTimeout = 24 * time.Hour
 
 // EnvdPort is where envd listens inside every sandbox.
-const EnvdPort = 49983
+const EnvdPort = envdclient.Port
 
 // EnvdVersion is the envd protocol version ember's envd implements (gates SDK features).
 const EnvdVersion = "0.5.7"
