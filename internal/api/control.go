@@ -31,6 +31,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodDelete, "/templates/{id}", s.deleteTemplate)
 	// ember extras for the CLI.
 	rt.handle(http.MethodPost, "/ember/templates/{name}/build", s.buildTemplate)
+	rt.handle(http.MethodGet, "/ember/pools", s.listPools)
 	rt.handle(http.MethodPost, "/api-keys", s.createAPIKey)
 	rt.handle(http.MethodGet, "/api-keys", s.listAPIKeys)
 	rt.handle(http.MethodDelete, "/api-keys/{id}", s.deleteAPIKey)
@@ -411,6 +412,11 @@ func templateHasName(t *sandbox.Template, name string) bool {
 		}
 	}
 	return false
+}
+
+func (s *server) listPools(w http.ResponseWriter, r *http.Request, _ params) error {
+	writeJSON(w, http.StatusOK, s.svc.Pools(r.Context()))
+	return nil
 }
 
 func (s *server) listTemplates(w http.ResponseWriter, r *http.Request, _ params) error {

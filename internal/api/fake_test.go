@@ -309,3 +309,5 @@ func (f *fakeService) PauseWith(ctx context.Context, id string, _ sandbox.PauseO
 func (f *fakeService) ConnectWith(ctx context.Context, id string, o sandbox.ConnectOptions) (*sandbox.Sandbox, bool, error) {
 	return f.Connect(ctx, id, o.Timeout)
 }
+
+func (f *fakeService) Pools(context.Context) []sandbox.PoolState { return []sandbox.PoolState{} }

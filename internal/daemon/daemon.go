@@ -44,6 +44,8 @@ type Config struct {
 	Envd     string // envd binary copied into templates
 	Domain   string
 	PoolSize int
+	// PoolMax and PoolMemoryMB bound the warm pools (0 = the Manager's defaults).
+	PoolMax, PoolMemoryMB int
 	// SlotPoolSize is the number of network slots made ahead of need (-1 = default 4).
 	SlotPoolSize int
 	// MaxSandboxes and MaxBuilds cap what this node runs at once (0 = the Manager's defaults);
@@ -156,6 +158,8 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		Images:       images,
 		Logger:       cfg.Logger,
 		PoolSize:     cfg.PoolSize,
+		PoolMax:      cfg.PoolMax,
+		PoolMemoryMB: cfg.PoolMemoryMB,
 		MaxSandboxes: cfg.MaxSandboxes,
 		MaxBuilds:    cfg.MaxBuilds,
 	})

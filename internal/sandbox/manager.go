@@ -14,6 +14,7 @@ import (
 	"regexp"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -82,8 +83,13 @@ type Config struct {
 	EnvdPath string // envd inside the rootfs
 	// EnvdTimeout bounds the wait for envd after a boot or restore.
 	EnvdTimeout time.Duration
-	// PoolSize is the number of restored, unassigned sandboxes kept per template (0 disables).
+	// PoolSize is the least number of restored, unassigned sandboxes kept per template
+	// (0 disables the pool). The pool grows above it with demand (the observed create rate
+	// times the time a refill takes), up to PoolMax per template and PoolMemoryMB in all.
 	PoolSize int
+	// PoolMax bounds one template's pool (default 16). PoolMemoryMB bounds the memory all pool
+	// instances may use, counted at PoolInstanceMB each (defaults 1024 and 32).
+	PoolMax, PoolMemoryMB, PoolInstanceMB int
 	// Default resources of a sandbox.
 	CPUCount int
 	MemoryMB int
@@ -132,11 +138,12 @@ type Manager struct {
 
 	// Operations in flight (ops) and the context that aborts them once Close's drain bound
 	// passes.
-	opMu    sync.RWMutex
-	closing bool
-	ops     sync.WaitGroup
-	abort   context.Context
-	abortFn context.CancelFunc
+	opMu     sync.RWMutex
+	closing  bool
+	inflight atomic.Int32
+	ops      sync.WaitGroup
+	abort    context.Context
+	abortFn  context.CancelFunc
 }
 
 // entry is the in-memory state of one sandbox; mu serialises lifecycle operations on it.
@@ -167,6 +174,15 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	}
 	if cfg.DiskMB == 0 {
 		cfg.DiskMB = 2048
+	}
+	if cfg.PoolMax == 0 {
+		cfg.PoolMax = 16
+	}
+	if cfg.PoolMemoryMB == 0 {
+		cfg.PoolMemoryMB = 1024
+	}
+	if cfg.PoolInstanceMB == 0 {
+		cfg.PoolInstanceMB = 32
 	}
 	if cfg.MaxSandboxes == 0 {
 		cfg.MaxSandboxes = 500
@@ -258,6 +274,11 @@ func (m *Manager) Close() {
 	m.log.Info("shutdown: left sandboxes for the next start", "running", running, "paused", paused, "pool_instances_destroyed", pooled)
 }
 
+// busy reports whether a create or other operation is in flight.
+func (m *Manager) busy() bool {
+	return m.inflight.Load() > 0
+}
+
 // op registers an operation in flight. It fails once Close has begun; the returned context is
 // cancelled when Close gives up waiting. Call done when the operation ends.
 func (m *Manager) op(ctx context.Context) (context.Context, func(), error) {
@@ -267,10 +288,16 @@ func (m *Manager) op(ctx context.Context) (context.Context, func(), error) {
 		return nil, nil, fmt.Errorf("ember is shutting down: %w", errdefs.ErrUnavailable)
 	}
 	m.ops.Add(1)
+	m.inflight.Add(1)
 	m.opMu.RUnlock()
 	ctx, cancel := context.WithCancel(ctx)
 	stop := context.AfterFunc(m.abort, cancel)
-	return ctx, func() { stop(); cancel(); m.ops.Done() }, nil
+	return ctx, func() {
+		stop()
+		cancel()
+		m.inflight.Add(-1)
+		m.ops.Done()
+	}, nil
 }
 
 func randomHex(n int) string {

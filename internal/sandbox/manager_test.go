@@ -643,3 +643,31 @@ func TestLifecycleOptions(t *testing.T) {
 		t.Fatalf("memory kept by a keepMemory:false pause")
 	}
 }
+
+func TestPoolFollowsDemandWithinBudget(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 1; c.PoolMax = 6 })
+	n.build("base")
+	eventually(t, 5*time.Second, "pool at its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
+	var ids []string
+	for i := 0; i < 30; i++ {
+		ids = append(ids, n.create(sandbox.CreateRequest{}).ID)
+	}
+	st := n.m.Pools(context.Background())
+	if len(st) != 1 || st[0].Target <= st[0].Min || st[0].Misses == 0 || st[0].Hits == 0 || st[0].CreateRate <= 0 {
+		t.Fatalf("pool state after a burst of creates: %+v", st)
+	}
+	t.Logf("after 30 creates: %+v", st[0])
+	for _, id := range ids {
+		n.m.Kill(context.Background(), id)
+	}
+	eventually(t, 5*time.Second, "pool grew past its minimum", func() bool { return len(n.rig.Driver.Running()) > 1 })
+
+	// The memory budget caps the pool whatever the minimum says.
+	b := newNode(t, func(c *sandbox.Config) { c.PoolSize = 4; c.PoolMemoryMB = 64; c.PoolInstanceMB = 32 })
+	b.build("base")
+	eventually(t, 5*time.Second, "pool filled to its budget", func() bool { return len(b.rig.Driver.Running()) == 2 })
+	time.Sleep(1500 * time.Millisecond)
+	if got := len(b.rig.Driver.Running()); got != 2 {
+		t.Fatalf("pool of %d instances with a budget for 2", got)
+	}
+}

@@ -2,21 +2,28 @@ package sandbox
 
 import (
 	"context"
+	"math"
+	"sort"
 	"sync"
 	"time"
 )
 
-// pool keeps, per template, up to Config.PoolSize instances restored from the template's
-// checkpoint but not yet assigned, so that Create is an assignment plus envd /init. It refills
-// in the background. Each pool instance is launched for the sandbox id it will have (its owner),
-// so its state already lives where the sandbox's will: assigning it moves nothing. Pool
-// instances have internet access enabled (the default); a create that asks otherwise restores
-// normally. Pool instances are never persisted: after a crash, reconcile finds them without a
-// record and removes them.
+// pool keeps, per template, instances restored from the template's checkpoint but not yet
+// assigned, so that Create is an assignment plus envd /init. Each pool instance is launched
+// for the sandbox id it will have (its owner), so its state already lives where the sandbox's
+// will: assigning it moves nothing. Pool instances have internet access enabled (the
+// default); a create that asks otherwise restores normally. They are never persisted: after a
+// crash, reconcile finds them without a record and removes them.
+//
+// The pool follows demand: each template's target is the observed create rate times the time
+// a refill takes (with headroom), at least Config.PoolSize and at most Config.PoolMax, and all
+// pools together stay within Config.PoolMemoryMB. Refills run one at a time and wait while
+// creates are in flight, so they never compete with the requests they are there to serve.
 type pool struct {
 	m     *Manager
 	mu    sync.Mutex
 	ready map[string][]*pooled // by template id
+	stats map[string]*demand   // by template id
 	kick  chan struct{}
 	stop  chan struct{}
 	wg    sync.WaitGroup
@@ -29,12 +36,39 @@ type pooled struct {
 	place    Placement
 }
 
-func newPool(m *Manager) *pool {
-	return &pool{m: m, ready: map[string][]*pooled{}, kick: make(chan struct{}, 1), stop: make(chan struct{})}
+// demand is what the pool observed of one template.
+type demand struct {
+	rate      float64   // creates per second, exponentially weighted
+	last      time.Time // last create
+	refill    float64   // seconds one refill takes, exponentially weighted
+	hits      int       // creates served from the pool
+	misses    int       // creates that found it empty
+	lastMiss  time.Time
+	refilling bool
 }
 
+// PoolState is one template's pool, as the API and CLI show it.
+type PoolState struct {
+	TemplateID string  `json:"templateID"`
+	Ready      int     `json:"ready"`
+	Target     int     `json:"target"`
+	Min        int     `json:"min"`
+	Max        int     `json:"max"`
+	CreateRate float64 `json:"createsPerSecond"`
+	RefillMs   float64 `json:"refillMs"`
+	Hits       int     `json:"hits"`
+	Misses     int     `json:"misses"`
+	Refilling  bool    `json:"refilling"`
+}
+
+func newPool(m *Manager) *pool {
+	return &pool{m: m, ready: map[string][]*pooled{}, stats: map[string]*demand{}, kick: make(chan struct{}, 1), stop: make(chan struct{})}
+}
+
+func (p *pool) enabled() bool { return p.m.cfg.PoolSize > 0 }
+
 func (p *pool) start() {
-	if p.m.cfg.PoolSize <= 0 {
+	if !p.enabled() {
 		return
 	}
 	p.wg.Add(1)
@@ -71,25 +105,85 @@ func (p *pool) discard(pe *pooled) {
 	p.m.removeSandboxDir(pe.owner)
 }
 
+// demandLocked returns the stats of a template, creating them.
+func (p *pool) demandLocked(id string) *demand {
+	d := p.stats[id]
+	if d == nil {
+		d = &demand{}
+		p.stats[id] = d
+	}
+	return d
+}
+
+// observe records a create of template id (for the rate).
+func (d *demand) observe(now time.Time) {
+	if !d.last.IsZero() {
+		gap := now.Sub(d.last).Seconds()
+		if gap < 1e-3 {
+			gap = 1e-3
+		}
+		// An EWMA of the instantaneous rate, weighted towards the last ~8 creates.
+		d.rate = 0.875*d.decayed(now) + 0.125/gap
+	}
+	d.last = now
+}
+
+// decayed is the rate as of now: it falls off when no create came for a while.
+func (d *demand) decayed(now time.Time) float64 {
+	if d.last.IsZero() {
+		return 0
+	}
+	idle := now.Sub(d.last).Seconds()
+	return d.rate * math.Exp(-idle/30)
+}
+
+// targetLocked is how many ready instances template id should have now.
+func (p *pool) targetLocked(id string, now time.Time) int {
+	cfg := p.m.cfg
+	d := p.demandLocked(id)
+	refill := d.refill
+	if refill == 0 {
+		refill = 0.25
+	}
+	// Enough to cover the creates that arrive while one refill runs, twice over.
+	want := int(math.Ceil(2 * d.decayed(now) * refill))
+	if !d.lastMiss.IsZero() && now.Sub(d.lastMiss) < 30*time.Second {
+		want++ // a recent miss: one more than the rate alone says
+	}
+	return max(cfg.PoolSize, min(want, cfg.PoolMax))
+}
+
+// totalLocked counts ready instances of every template.
+func (p *pool) totalLocked() int {
+	n := 0
+	for _, l := range p.ready {
+		n += len(l)
+	}
+	return n
+}
+
 // take returns a ready instance of tpl's current build with the given resources, or nil.
 func (p *pool) take(tpl *Template, allowInternet bool, cpu, mem int) *pooled {
-	if p.m.cfg.PoolSize <= 0 || !allowInternet || tpl.Kind != "template" {
+	if !p.enabled() || !allowInternet || tpl.Kind != "template" {
 		return nil
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	defer p.poke()
+	d := p.demandLocked(tpl.ID)
+	now := time.Now()
+	d.observe(now)
 	list := p.ready[tpl.ID]
 	for i, pe := range list {
-		if pe.buildID != tpl.BuildID {
-			continue
-		}
-		if pe.cpu != cpu || pe.mem != mem {
+		if pe.buildID != tpl.BuildID || pe.cpu != cpu || pe.mem != mem {
 			continue
 		}
 		p.ready[tpl.ID] = append(list[:i:i], list[i+1:]...)
+		d.hits++
 		return pe
 	}
+	d.misses++
+	d.lastMiss = now
 	return nil
 }
 
@@ -105,9 +199,40 @@ func (p *pool) templateChanged(tpl *Template) {
 	p.poke()
 }
 
+// State returns every template's pool.
+func (p *pool) state() []PoolState {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := time.Now()
+	ids := map[string]bool{}
+	for id := range p.ready {
+		ids[id] = true
+	}
+	for id := range p.stats {
+		ids[id] = true
+	}
+	out := make([]PoolState, 0, len(ids))
+	for id := range ids {
+		d := p.demandLocked(id)
+		out = append(out, PoolState{TemplateID: id, Ready: len(p.ready[id]), Target: p.targetLocked(id, now),
+			Min: p.m.cfg.PoolSize, Max: p.m.cfg.PoolMax, CreateRate: d.decayed(now), RefillMs: d.refill * 1000,
+			Hits: d.hits, Misses: d.misses, Refilling: d.refilling})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].TemplateID < out[j].TemplateID })
+	return out
+}
+
+// Pools returns the state of the warm pools (empty when the pool is disabled).
+func (m *Manager) Pools(ctx context.Context) []PoolState {
+	if !m.pool.enabled() {
+		return []PoolState{}
+	}
+	return m.pool.state()
+}
+
 func (p *pool) loop() {
 	defer p.wg.Done()
-	t := time.NewTicker(2 * time.Second)
+	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	for {
 		select {
@@ -120,53 +245,93 @@ func (p *pool) loop() {
 	}
 }
 
+// fill tops every template's pool up to its target, one instance at a time, most needed first.
 func (p *pool) fill() {
 	ctx := p.m.bg
+	for {
+		select {
+		case <-p.stop:
+			return
+		default:
+		}
+		tpl := p.next(ctx)
+		if tpl == nil {
+			return
+		}
+		// Creates in flight go first: a refill competes with them for the CPU.
+		for i := 0; i < 50 && p.m.busy(); i++ {
+			select {
+			case <-p.stop:
+				return
+			case <-time.After(2 * time.Millisecond):
+			}
+		}
+		p.mu.Lock()
+		p.demandLocked(tpl.ID).refilling = true
+		p.mu.Unlock()
+		start := time.Now()
+		pe, err := p.restore(ctx, tpl)
+		p.mu.Lock()
+		d := p.demandLocked(tpl.ID)
+		d.refilling = false
+		if err != nil {
+			p.mu.Unlock()
+			if ctx.Err() == nil {
+				p.m.log.Warn("pool refill failed", "template_id", tpl.ID, "err", err)
+			}
+			return // the ticker tries again
+		}
+		took := time.Since(start).Seconds()
+		if d.refill == 0 {
+			d.refill = took
+		} else {
+			d.refill = 0.75*d.refill + 0.25*took
+		}
+		p.ready[tpl.ID] = append(p.ready[tpl.ID], pe)
+		p.mu.Unlock()
+	}
+}
+
+// next picks the template whose pool is furthest below its target (stale builds discarded),
+// or nil when every pool is full or the memory budget is spent.
+func (p *pool) next(ctx context.Context) *Template {
 	tpls, err := p.m.cfg.Store.ListTemplates(ctx)
 	if err != nil {
-		return
+		return nil
 	}
+	now := time.Now()
+	var stale []*pooled
+	defer func() {
+		for _, pe := range stale {
+			p.discard(pe)
+		}
+	}()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	budget := p.m.cfg.PoolMemoryMB / p.m.cfg.PoolInstanceMB
+	var best *Template
+	bestGap := 0
 	for _, tpl := range tpls {
 		if tpl.Kind != "template" || !tpl.Ready || tpl.Image == "" {
 			continue
 		}
-		for {
-			select {
-			case <-p.stop:
-				return
-			default:
+		keep := p.ready[tpl.ID][:0]
+		for _, pe := range p.ready[tpl.ID] {
+			if pe.buildID == tpl.BuildID {
+				keep = append(keep, pe)
+			} else {
+				stale = append(stale, pe)
 			}
-			p.mu.Lock()
-			n, stale := 0, []*pooled{}
-			keep := p.ready[tpl.ID][:0]
-			for _, pe := range p.ready[tpl.ID] {
-				if pe.buildID == tpl.BuildID {
-					keep = append(keep, pe)
-					n++
-				} else {
-					stale = append(stale, pe)
-				}
-			}
-			p.ready[tpl.ID] = keep
-			p.mu.Unlock()
-			for _, pe := range stale {
-				p.discard(pe)
-			}
-			if n >= p.m.cfg.PoolSize {
-				break
-			}
-			pe, err := p.restore(ctx, tpl)
-			if err != nil {
-				if ctx.Err() == nil {
-					p.m.log.Warn("pool refill failed", "template_id", tpl.ID, "err", err)
-				}
-				break
-			}
-			p.mu.Lock()
-			p.ready[tpl.ID] = append(p.ready[tpl.ID], pe)
-			p.mu.Unlock()
+		}
+		p.ready[tpl.ID] = keep
+		if gap := p.targetLocked(tpl.ID, now) - len(keep); gap > bestGap {
+			best, bestGap = tpl, gap
 		}
 	}
+	if best == nil || p.totalLocked() >= budget {
+		return nil
+	}
+	return best
 }
 
 func (p *pool) restore(ctx context.Context, tpl *Template) (*pooled, error) {

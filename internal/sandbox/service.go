@@ -32,6 +32,8 @@ type Service interface {
 	Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]ForkResult, error)
 	Metrics(ctx context.Context, id string) ([]Metric, error)
 	ListTemplates(ctx context.Context) ([]*Template, error)
+	// Pools reports the warm pools (ready instances, targets, demand).
+	Pools(ctx context.Context) []PoolState
 	// BuildTemplate builds (or rebuilds) a template, writing progress lines to progress.
 	BuildTemplate(ctx context.Context, req BuildRequest, progress func(line string)) (*Template, error)
 	// Transport returns a RoundTripper-ready base URL (http://ip:port) to reach a running

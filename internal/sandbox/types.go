@@ -80,11 +80,11 @@ type Placement struct {
 
 // CreateRequest is what a caller asks for when creating a sandbox.
 type CreateRequest struct {
-	TemplateID    string
-	Timeout       time.Duration // 0 = DefaultTimeout
-	Metadata      map[string]string
-	EnvVars       map[string]string
-	AutoPause     bool
+	TemplateID string
+	Timeout    time.Duration // 0 = DefaultTimeout
+	Metadata   map[string]string
+	EnvVars    map[string]string
+	AutoPause  bool
 	// AutoPauseMemory: with AutoPause, whether the pause keeps memory (nil = true).
 	AutoPauseMemory *bool
 	// AutoResume: traffic wakes the sandbox when paused (nil = false).
