@@ -54,10 +54,10 @@ func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params)
 		return err
 	}
 	sbx, err := s.svc.Create(r.Context(), sandbox.CreateRequest{
-		TemplateID:    req.TemplateID,
-		Timeout:       timeout,
-		Metadata:      req.Metadata,
-		EnvVars:       req.EnvVars,
+		TemplateID:      req.TemplateID,
+		Timeout:         timeout,
+		Metadata:        req.Metadata,
+		EnvVars:         req.EnvVars,
 		AutoPause:       req.AutoPause != nil && *req.AutoPause,
 		AutoPauseMemory: req.AutoPauseMemory,
 		AutoResume:      autoResume(req.AutoResume),
