@@ -38,8 +38,11 @@ lint:
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzControlPlaneDecode -fuzztime $(FUZZTIME) ./internal/api
 
+# The SDK suite runs on the default configuration (warm pool on), then its create and lifecycle
+# files once more with the pool off (every create restores the template's checkpoint).
 sdk: build
 	EMBER_SDK_LIFECYCLE=1 EMBER_READY_TIMEOUT=900 EMBER_BIN=$(CURDIR)/bin/ember EMBER_CACHE_DIR=$(CURDIR)/.cache bash test/sdk/run.sh
+	EMBER_SERVE_FLAGS="--pool-size 0" EMBER_SDK_LIFECYCLE=1 EMBER_READY_TIMEOUT=900 EMBER_BIN=$(CURDIR)/bin/ember EMBER_CACHE_DIR=$(CURDIR)/.cache bash test/sdk/run.sh test/1-sandbox.test.mjs test/4-lifecycle.test.mjs
 
 bench-basic: build
 	EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -run '^$$' -bench 'BenchmarkBasic' -benchtime 1x -timeout 30m ./bench/

@@ -90,6 +90,8 @@ func startNode(runsc string, poolSize int) (*node, error) {
 	}
 	n, err := daemon.Open(context.Background(), daemon.Config{
 		DataDir: dataDir, CacheDir: cache, Runsc: runsc, Envd: envd, PoolSize: poolSize, SlotPoolSize: -1,
+		// Names and addresses of its own, so a benchmark never meets a daemon on this host.
+		NodeID: "bench", CIDR: "10.240.0.0/16",
 		Templates: []string{"base"},
 		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Out:       os.Stderr,
