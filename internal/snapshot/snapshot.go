@@ -37,6 +37,14 @@ type Backend interface {
 	List(ctx context.Context, prefix string) ([]string, error)
 }
 
+// Creator is an optional Backend extension: Create stores key like Put, but only if no object
+// is stored under key, atomically (two concurrent Creates of one key: exactly one succeeds). An
+// existing key is errdefs.ErrConflict. Save writes manifests with it when the backend has it, so
+// two Saves of one id on different nodes cannot both succeed.
+type Creator interface {
+	Create(ctx context.Context, key string, r io.Reader, size int64) error
+}
+
 const (
 	manifestPrefix = "manifests/"
 	manifestSuffix = ".json"
