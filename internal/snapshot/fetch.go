@@ -79,6 +79,9 @@ func (s *Store) Fetch(ctx context.Context, id, destDir string, opts ...FetchOpti
 	if ok, err := fetched(id, dest); ok || err != nil {
 		return err
 	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("snapshot %s: %w", id, err)
+	}
 	var o fetchOptions
 	for _, opt := range opts {
 		opt(&o)

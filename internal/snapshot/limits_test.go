@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -382,5 +383,41 @@ func TestGCWaitsForSave(t *testing.T) {
 	}
 	if err := s.Load(ctx, "s", filepath.Join(t.TempDir(), "out")); err != nil {
 		t.Errorf("Load: %v", err)
+	}
+}
+
+// Fetch removes an incomplete destination before loading it again, but never descends into a
+// filesystem mounted beneath it.
+func TestFetchKeepsMountsBeneathIncompleteDestination(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to mount a tmpfs")
+	}
+	ctx := context.Background()
+	b := newLocal(t)
+	src := t.TempDir()
+	if err := os.WriteFile(filepath.Join(src, "f"), []byte("data"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s := snapshot.New(b)
+	if _, err := s.Save(ctx, "s", src); err != nil {
+		t.Fatal(err)
+	}
+	dest := filepath.Join(t.TempDir(), "img")
+	mnt := filepath.Join(dest, "layer")
+	if err := os.MkdirAll(mnt, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mount("tmpfs", mnt, "tmpfs", 0, "size=1m"); err != nil {
+		t.Skipf("mount tmpfs: %v", err)
+	}
+	t.Cleanup(func() { syscall.Unmount(mnt, syscall.MNT_DETACH) })
+	if err := os.WriteFile(filepath.Join(mnt, "precious"), []byte("keep"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Fetch(ctx, "s", dest); !errors.Is(err, errdefs.ErrConflict) {
+		t.Errorf("Fetch over a mount: %v, want ErrConflict", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(mnt, "precious")); err != nil || string(b) != "keep" {
+		t.Errorf("file on the mount: %q, %v", b, err)
 	}
 }

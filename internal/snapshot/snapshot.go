@@ -4,9 +4,17 @@
 // after verifying every chunk. Backends live in subpackages (local/, s3/) and all pass the shared
 // suite in snapshottest/. It knows nothing of sandboxes, runsc or the metadata store.
 //
+// Everything read from a backend is untrusted: manifests are bounded (chunk size, chunk count
+// against file size, entries, total bytes) before any figure in them is used, and with a
+// signing key (WithSigningKey, LoadOrCreateKey) they are authenticated by an HMAC bound to the
+// snapshot id, so write access to the bucket alone cannot inject or alter a snapshot. Fetch
+// loads a snapshot into a node-local directory once, however many callers want it at once.
+//
 // Layout in a backend:
 //
-//	manifests/<id>.json            written last: a snapshot exists once its manifest does
+//	manifests/<id>.json            written last (create-if-absent where the backend can): a
+//	                               snapshot exists once its manifest does; JSON, then an HMAC
+//	                               trailer line when signed
 //	chunks/<hh>/<sha256 hex>       chunk bytes, <hh> = first two hex digits
 package snapshot
 

@@ -18,6 +18,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -77,9 +78,10 @@ type Store struct {
 	maxFiles      int
 	cfgErr        error
 
-	gcMu  sync.RWMutex
-	bufs  sync.Pool
-	zeros sync.Map // chunk size -> hex sha256 of that many zero bytes
+	gcMu   sync.RWMutex
+	bufs   sync.Pool
+	zeros  sync.Map // chunk size -> hex sha256 of that many zero bytes
+	nzeros atomic.Int64
 
 	mu      sync.Mutex
 	saving  map[string]bool    // ids with a Save in progress
@@ -357,7 +359,13 @@ func (s *Store) Save(ctx context.Context, id, srcDir string) (*Manifest, error) 
 	if c, ok := s.backend.(Creator); ok {
 		err = c.Create(ctx, ManifestKey(id), bytes.NewReader(b), int64(len(b)))
 		if errors.Is(err, errdefs.ErrConflict) {
-			return nil, fmt.Errorf("snapshot %s: saved by someone else meanwhile: %w", id, err)
+			// A client that retried its own successful create also lands here: the stored
+			// manifest is then ours, byte for byte (it records the creation time).
+			if stored, rerr := s.readManifest(ctx, id); rerr == nil && bytes.Equal(stored, b) {
+				err = nil
+			} else {
+				return nil, fmt.Errorf("snapshot %s: saved by someone else meanwhile: %w", id, err)
+			}
 		}
 	} else {
 		err = s.backend.Put(ctx, ManifestKey(id), bytes.NewReader(b), int64(len(b)))
@@ -805,15 +813,30 @@ func (s *Store) GC(ctx context.Context) (GCStats, error) {
 	return st, nil
 }
 
+// zeroHash returns the sha256 of size zero bytes. It hashes from a small shared buffer (a
+// manifest's sizes never decide an allocation) and remembers a bounded number of sizes.
 func (s *Store) zeroHash(size int64) string {
 	if h, ok := s.zeros.Load(size); ok {
 		return h.(string)
 	}
-	sum := sha256.Sum256(make([]byte, size))
-	h := hex.EncodeToString(sum[:])
-	s.zeros.Store(size, h)
-	return h
+	h := sha256.New()
+	for left := size; left > 0; {
+		n := min(left, int64(len(zeroBlock)))
+		h.Write(zeroBlock[:n])
+		left -= n
+	}
+	sum := hex.EncodeToString(h.Sum(nil))
+	if s.nzeros.Add(1) <= maxZeroSizes {
+		s.zeros.Store(size, sum)
+	}
+	return sum
 }
+
+// zeroBlock feeds zeroHash; maxZeroSizes bounds how many sizes it remembers (one per file
+// tail, plus the chunk sizes).
+var zeroBlock [64 << 10]byte
+
+const maxZeroSizes = 1024
 
 func (s *Store) getBuf(n int64) *[]byte {
 	if b, ok := s.bufs.Get().(*[]byte); ok && int64(cap(*b)) >= n {
@@ -849,14 +872,36 @@ func checkEmptyOrMissing(dir string) error {
 }
 
 // removeTree removes dir and everything under it, first undoing restrictive directory modes
-// (a failed load may have applied the snapshot's) so that it can. It follows no symlink.
+// (a failed load may have applied the snapshot's) so that it can. It follows no symlink, and
+// removes nothing if something under dir is on another filesystem (a mount).
 func removeTree(dir string) error {
-	filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-		if err == nil && d.IsDir() {
-			os.Chmod(p, 0o700) // before WalkDir reads it
+	root, err := os.Lstat(dir)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil
 		}
+		return err
+	}
+	dev := func(fi fs.FileInfo) uint64 {
+		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+			return uint64(st.Dev)
+		}
+		return 0
+	}
+	rootDev := dev(root)
+	err = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.IsDir() {
+			return nil
+		}
+		if fi, err := d.Info(); err == nil && dev(fi) != rootDev {
+			return fmt.Errorf("%s is a mount point: %w", p, errdefs.ErrConflict)
+		}
+		os.Chmod(p, 0o700) // before WalkDir reads it
 		return nil
 	})
+	if err != nil {
+		return err
+	}
 	return os.RemoveAll(dir)
 }
 
