@@ -44,6 +44,7 @@ func FetchImport(fn func(ctx context.Context, srcDir, dstDir string) error) Fetc
 
 // flight is one Fetch in progress, shared by every caller that asked for it.
 type flight struct {
+	id     string
 	done   chan struct{}
 	err    error // set before done is closed
 	refs   int   // callers still waiting; guarded by Store.mu
@@ -64,7 +65,8 @@ type flight struct {
 // every waiter gets its error; the next Fetch tries again. Callers sharing a destDir must pass
 // equivalent options (the first caller's are used).
 //
-// A destination holding another snapshot's marker is ErrConflict. Errors are those of Load.
+// A destination holding, or being loaded with, another snapshot is ErrConflict. Errors are
+// otherwise those of Load.
 func (s *Store) Fetch(ctx context.Context, id, destDir string, opts ...FetchOption) error {
 	if s.cfgErr != nil {
 		return s.cfgErr
@@ -87,16 +89,20 @@ func (s *Store) Fetch(ctx context.Context, id, destDir string, opts ...FetchOpti
 		opt(&o)
 	}
 
-	key := id + "\x00" + dest
+	key := dest
 	s.mu.Lock()
 	f := s.flights[key]
+	if f != nil && !f.gone && f.id != id {
+		s.mu.Unlock()
+		return fmt.Errorf("snapshot %s: %s is being loaded with snapshot %s: %w", id, dest, f.id, errdefs.ErrConflict)
+	}
 	if f == nil || f.gone {
 		// The load outlives the caller that started it: it keeps the caller's values (logger)
 		// but stops only when every waiter has gone. It starts after an abandoned one for the
 		// same destination has wound down, so two never work on one destination.
 		prev := f
 		lctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-		f = &flight{done: make(chan struct{}), cancel: cancel}
+		f = &flight{id: id, done: make(chan struct{}), cancel: cancel}
 		s.flights[key] = f
 		go func() {
 			var err error
@@ -163,6 +169,9 @@ func (s *Store) fetch(ctx context.Context, id, dest string, o fetchOptions) erro
 	case !fi.IsDir():
 		return fmt.Errorf("snapshot %s: %s exists and is not a directory: %w", id, dest, errdefs.ErrConflict)
 	default:
+		if ok, err := fetched(id, dest); ok || err != nil {
+			return err // completed meanwhile (by another process)
+		}
 		s.log.Warn("snapshot fetch: removing an incomplete destination", "snapshot_id", id, "dir", dest)
 		if err := removeTree(dest); err != nil {
 			return fmt.Errorf("snapshot %s: remove incomplete %s: %w", id, dest, err)

@@ -421,3 +421,86 @@ func TestFetchKeepsMountsBeneathIncompleteDestination(t *testing.T) {
 		t.Errorf("file on the mount: %q, %v", b, err)
 	}
 }
+
+// A manifest stuffed with millions of empty entries is refused before it is decoded: decoding
+// it would allocate far more than its own size.
+func TestStuffedManifestNotDecoded(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		elem string
+	}{
+		{"numbers as files", `0`},
+		{"empty objects as files", `{}`},
+		{"empty chunk lists", `{"chunks":[]}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b := newLocal(t)
+			var buf bytes.Buffer
+			buf.WriteString(`{"version":1,"id":"s","chunk_size":1048576,"files":[`)
+			buf.WriteString(tc.elem)
+			buf.WriteString(strings.Repeat(","+tc.elem, 1<<20))
+			buf.WriteString(`],"checksum":""}`)
+			if err := b.Put(context.Background(), snapshot.ManifestKey("s"), bytes.NewReader(buf.Bytes()), int64(buf.Len())); err != nil {
+				t.Fatal(err)
+			}
+			size := uint64(buf.Len())
+			buf = bytes.Buffer{}
+			s := snapshot.New(b)
+			var before, after runtime.MemStats
+			runtime.GC()
+			runtime.ReadMemStats(&before)
+			if _, err := s.Stat(context.Background(), "s"); !errors.Is(err, errdefs.ErrCorrupt) {
+				t.Fatalf("Stat error = %v, want ErrCorrupt", err)
+			}
+			runtime.ReadMemStats(&after)
+			// Reading the manifest costs a few times its size (the buffer grows, and -race adds
+			// its own); decoding it cost over 100 times that.
+			if d := after.TotalAlloc - before.TotalAlloc; d > 10*size {
+				t.Errorf("refusing a %d-byte manifest allocated %d bytes", size, d)
+			}
+		})
+	}
+}
+
+// GC keeps the chunks a damaged but readable manifest names, and stops (deleting nothing) at a
+// manifest it cannot safely decode.
+func TestGCWithHostileManifests(t *testing.T) {
+	ctx := context.Background()
+	b := newLocal(t)
+	s := snapshot.New(b, snapshot.WithChunkSize(64*kib))
+	src := t.TempDir()
+	if err := os.WriteFile(filepath.Join(src, "mem"), bytes.Repeat([]byte{5}, int(2*64*kib)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Save(ctx, "good", src); err != nil {
+		t.Fatal(err)
+	}
+	// An orphan chunk GC may remove.
+	orphan := snapshot.ChunkKey(hashN(77))
+	if err := b.Put(ctx, orphan, strings.NewReader("x"), 1); err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	buf.WriteString(`{"version":1,"id":"stuffed","chunk_size":1048576,"files":[`)
+	buf.WriteString(strings.Repeat("0,", 1<<20))
+	buf.WriteString(`0]}`)
+	if err := b.Put(ctx, snapshot.ManifestKey("stuffed"), bytes.NewReader(buf.Bytes()), int64(buf.Len())); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.GC(ctx); !errors.Is(err, errdefs.ErrCorrupt) {
+		t.Errorf("GC with a stuffed manifest: %v, want ErrCorrupt", err)
+	}
+	if ok, _ := b.Exists(ctx, orphan); !ok {
+		t.Error("GC that stopped deleted a chunk")
+	}
+	if err := b.Delete(ctx, snapshot.ManifestKey("stuffed")); err != nil {
+		t.Fatal(err)
+	}
+	st, err := s.GC(ctx)
+	if err != nil || st.RemovedChunks != 1 {
+		t.Errorf("GC = %+v, %v; want the orphan removed", st, err)
+	}
+	if err := s.Load(ctx, "good", filepath.Join(t.TempDir(), "out")); err != nil {
+		t.Errorf("Load after GC: %v", err)
+	}
+}

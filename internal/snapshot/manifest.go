@@ -171,6 +171,9 @@ func decodeManifest(id string, b []byte, key []byte, lim limits) (*Manifest, err
 			return nil, fmt.Errorf("snapshot %s: %w", id, errSignature)
 		}
 	}
+	if err := precheck(id, body, lim); err != nil {
+		return nil, fmt.Errorf("snapshot %s: manifest: %v: %w", id, err, errdefs.ErrCorrupt)
+	}
 	var m Manifest
 	if err := json.Unmarshal(body, &m); err != nil {
 		return nil, fmt.Errorf("snapshot %s: manifest: %v: %w", id, err, errdefs.ErrCorrupt)
@@ -186,6 +189,42 @@ func decodeManifest(id string, b []byte, key []byte, lim limits) (*Manifest, err
 		return nil, fmt.Errorf("snapshot %s: manifest: %v: %w", id, err, errdefs.ErrCorrupt)
 	}
 	return &m, nil
+}
+
+// precheck bounds what decoding body can allocate, before it is decoded: it reads the header
+// fields alone (json skips the rest without allocating), checks the chunk size, and from it
+// and lim bounds how many objects and array elements the body may hold, by counting '{' and
+// ',' (an overcount, since strings may hold them too). Without it, 256 MiB of "[0,0,0,...]"
+// would decode into gigabytes of empty entries.
+func precheck(id string, body []byte, lim limits) error {
+	var h struct {
+		Version   int    `json:"version"`
+		ID        string `json:"id"`
+		ChunkSize int64  `json:"chunk_size"`
+	}
+	if err := json.Unmarshal(body, &h); err != nil {
+		return err
+	}
+	if h.Version != ManifestVersion {
+		return fmt.Errorf("unsupported version %d", h.Version)
+	}
+	if h.ID != id {
+		return fmt.Errorf("records id %q", h.ID)
+	}
+	if h.ChunkSize < MinChunkSize || h.ChunkSize > lim.maxChunkSize {
+		return fmt.Errorf("chunk size %d outside [%d, %d]", h.ChunkSize, MinChunkSize, lim.maxChunkSize)
+	}
+	files := int64(lim.maxFiles)
+	chunks := lim.maxImageBytes/h.ChunkSize + files // every file's last chunk may be short
+	objects := 1 + files + chunks
+	elements := 8 + 4*files + 2*chunks // a file has 3 commas and a separator, a chunk 1 and 1
+	if n := int64(bytes.Count(body, []byte("{"))); n > objects {
+		return fmt.Errorf("%d objects, more than %d entries and chunks within the limits", n, objects)
+	}
+	if n := int64(bytes.Count(body, []byte(","))); n > elements {
+		return fmt.Errorf("%d elements, more than %d entries and chunks within the limits", n, elements)
+	}
+	return nil
 }
 
 // validate checks the structure a loader relies on, so a manifest can never make Load write

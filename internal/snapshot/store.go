@@ -36,7 +36,7 @@ const DefaultChunkSize = 1 << 20
 // chunk size is below MinChunkSize or above the larger of the store's chunk size and
 // DefaultChunkSize (each concurrent transfer holds one chunk in memory).
 const (
-	MinChunkSize = 4 << 10
+	MinChunkSize = 64 << 10
 	MaxChunkSize = 64 << 20
 )
 
@@ -776,8 +776,12 @@ func (s *Store) GC(ctx context.Context) (GCStats, error) {
 		m, err := decodeManifest(id, b, s.signingKey, s.limits())
 		if err != nil {
 			// Keeping chunks is always safe: an unverified manifest may still protect some.
+			// One too large to decode safely stops GC, like one that does not parse.
 			var raw Manifest
 			body, _ := splitTrailer(b)
+			if perr := precheck(id, body, s.limits()); perr != nil {
+				return st, fmt.Errorf("gc: %w", err)
+			}
 			if jerr := json.Unmarshal(body, &raw); jerr != nil {
 				return st, fmt.Errorf("gc: %w", err)
 			}

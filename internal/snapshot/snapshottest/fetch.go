@@ -303,6 +303,30 @@ func testFetch(t *testing.T, newBackend func(t *testing.T) snapshot.Backend) {
 			t.Error("refused Fetch read the backend")
 		}
 		assertSameTree(t, src, dest)
+
+		// Two snapshots into one destination at once: one gets it, the other ErrConflict.
+		parent := t.TempDir()
+		both := filepath.Join(parent, "img")
+		errs := make(chan error, 2)
+		for _, id := range []string{"snap", "other"} {
+			go func() { errs <- s.Fetch(ctx, id, both) }()
+		}
+		var ok, conflict int
+		for _, err := range collect(t, errs, 2) {
+			switch {
+			case err == nil:
+				ok++
+			case errors.Is(err, errdefs.ErrConflict):
+				conflict++
+			default:
+				t.Errorf("Fetch: %v", err)
+			}
+		}
+		if ok != 1 || conflict != 1 {
+			t.Errorf("%d succeeded, %d conflicted; want 1 and 1", ok, conflict)
+		}
+		assertSameTree(t, src, both)
+		assertNoLeftovers(t, parent, "img")
 	})
 
 	t.Run("import runs once", func(t *testing.T) {
