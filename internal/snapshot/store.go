@@ -85,7 +85,7 @@ type Store struct {
 
 	mu      sync.Mutex
 	saving  map[string]bool    // ids with a Save in progress
-	flights map[string]*flight // Fetches in progress, by id and destination
+	flights map[string]*flight // Fetches in progress, by destination
 }
 
 // Option configures a Store.
