@@ -15,7 +15,7 @@ import (
 func TestDecodeManifestRefusesBadStructure(t *testing.T) {
 	hash := strings.Repeat("ab", 32)
 	good := func() *Manifest {
-		return &Manifest{Version: ManifestVersion, ID: "s", ChunkSize: 4, Files: []File{
+		return &Manifest{Version: ManifestVersion, ID: "s", ChunkSize: MinChunkSize, Files: []File{
 			{Path: "d", Mode: fs.ModeDir | 0o755},
 			{Path: "d/f", Mode: 0o644, Size: 4, Chunks: []Chunk{{Hash: hash, Size: 4}}},
 		}}
@@ -34,7 +34,7 @@ func TestDecodeManifestRefusesBadStructure(t *testing.T) {
 		{"duplicate", "s", func(m *Manifest) { m.Files = append(m.Files, m.Files[1]) }, "duplicate"},
 		{"symlink mode", "s", func(m *Manifest) { m.Files[1].Mode |= fs.ModeSymlink }, "unsupported mode"},
 		{"setuid mode", "s", func(m *Manifest) { m.Files[1].Mode |= fs.ModeSetuid }, "unsupported mode"},
-		{"sizes disagree", "s", func(m *Manifest) { m.Files[1].Size = 5 }, "add up"},
+		{"sizes disagree", "s", func(m *Manifest) { m.Files[1].Size = 5 }, "has 4 bytes, want 5"},
 		{"bad hash", "s", func(m *Manifest) { m.Files[1].Chunks[0].Hash = "../../x" }, "bad chunk"},
 		{"directory with data", "s", func(m *Manifest) { m.Files[0].Chunks = m.Files[1].Chunks; m.Files[0].Size = 4 }, "directory with data"},
 		{"other id", "t", func(m *Manifest) {}, "records id"},
@@ -43,11 +43,11 @@ func TestDecodeManifestRefusesBadStructure(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			m := good()
 			tc.mutate(m)
-			b, err := m.seal() // a valid checksum over the bad content
+			b, err := m.seal(nil) // a valid checksum over the bad content
 			if err != nil {
 				t.Fatal(err)
 			}
-			_, err = decodeManifest(tc.id, b)
+			_, err = decodeManifest(tc.id, b, nil, New(nil).limits())
 			if tc.want == "" {
 				if err != nil {
 					t.Fatalf("decodeManifest = %v", err)
@@ -72,5 +72,54 @@ func TestValidateKey(t *testing.T) {
 		if err := ValidateKey(tc.key); (err == nil) != tc.ok {
 			t.Errorf("ValidateKey(%q) = %v, want ok=%v", tc.key, err, tc.ok)
 		}
+	}
+}
+
+// The MAC trailer: verified before the body is parsed, bound to the id, absent without a key.
+func TestManifestSignature(t *testing.T) {
+	key := []byte("0123456789abcdef0123456789abcdef")
+	lim := New(nil).limits()
+	m := &Manifest{Version: ManifestVersion, ID: "s", ChunkSize: MinChunkSize, Files: []File{{Path: "d", Mode: fs.ModeDir | 0o755}}}
+	signed, err := m.seal(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, mac := splitTrailer(signed); mac == nil {
+		t.Fatalf("signed manifest has no trailer:\n%s", signed)
+	}
+	unsigned, err := m.seal(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, mac := splitTrailer(unsigned); mac != nil {
+		t.Fatal("manifest sealed without a key has a trailer")
+	}
+	for _, tc := range []struct {
+		name  string
+		id    string
+		data  []byte
+		key   []byte
+		valid bool
+	}{
+		{"signed, right key", "s", signed, key, true},
+		{"signed, no key configured", "s", signed, nil, true},
+		{"unsigned, key configured", "s", unsigned, key, false},
+		{"wrong key", "s", signed, []byte("fedcba9876543210fedcba9876543210"), false},
+		{"other id", "t", signed, key, false},
+		{"garbage not parsed", "s", []byte(`{"version":`), key, false},
+		{"trailer alone", "s", signed[len(signed)-trailerLen:], key, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := decodeManifest(tc.id, tc.data, tc.key, lim)
+			if tc.valid {
+				if err != nil {
+					t.Fatalf("decodeManifest = %v", err)
+				}
+				return
+			}
+			if !errors.Is(err, errdefs.ErrCorrupt) || !strings.Contains(err.Error(), "manifest signature invalid") {
+				t.Errorf("decodeManifest error = %v, want ErrCorrupt: manifest signature invalid", err)
+			}
+		})
 	}
 }

@@ -4,9 +4,17 @@
 // after verifying every chunk. Backends live in subpackages (local/, s3/) and all pass the shared
 // suite in snapshottest/. It knows nothing of sandboxes, runsc or the metadata store.
 //
+// Everything read from a backend is untrusted: manifests are bounded (chunk size, chunk count
+// against file size, entries, total bytes) before any figure in them is used, and with a
+// signing key (WithSigningKey, LoadOrCreateKey) they are authenticated by an HMAC bound to the
+// snapshot id, so write access to the bucket alone cannot inject or alter a snapshot. Fetch
+// loads a snapshot into a node-local directory once, however many callers want it at once.
+//
 // Layout in a backend:
 //
-//	manifests/<id>.json            written last: a snapshot exists once its manifest does
+//	manifests/<id>.json            written last (create-if-absent where the backend can): a
+//	                               snapshot exists once its manifest does; JSON, then an HMAC
+//	                               trailer line when signed
 //	chunks/<hh>/<sha256 hex>       chunk bytes, <hh> = first two hex digits
 package snapshot
 
@@ -35,6 +43,14 @@ type Backend interface {
 	Delete(ctx context.Context, key string) error
 	// List returns every key that starts with prefix, in no particular order.
 	List(ctx context.Context, prefix string) ([]string, error)
+}
+
+// Creator is an optional Backend extension: Create stores key like Put, but only if no object
+// is stored under key, atomically (two concurrent Creates of one key: exactly one succeeds). An
+// existing key is errdefs.ErrConflict. Save writes manifests with it when the backend has it, so
+// two Saves of one id on different nodes cannot both succeed.
+type Creator interface {
+	Create(ctx context.Context, key string, r io.Reader, size int64) error
 }
 
 const (

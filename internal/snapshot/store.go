@@ -18,6 +18,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -31,26 +32,60 @@ import (
 // pages file is laid out by memory-file offset, so changes overwrite in place and never shift.
 const DefaultChunkSize = 1 << 20
 
+// Bounds on chunk sizes. Save clamps WithChunkSize into them; Load refuses a manifest whose
+// chunk size is below MinChunkSize or above the larger of the store's chunk size and
+// DefaultChunkSize (each concurrent transfer holds one chunk in memory).
+const (
+	MinChunkSize = 64 << 10
+	MaxChunkSize = 64 << 20
+)
+
+// Defaults of WithMaxImageBytes and WithMaxFiles.
+const (
+	DefaultMaxImageBytes = 64 << 30
+	DefaultMaxFiles      = 1 << 16
+)
+
+// MinKeySize is the shortest signing key WithSigningKey accepts.
+const MinKeySize = 16
+
 // maxManifestSize bounds how much of a manifest Stat reads (a 1 TiB snapshot in 1 MiB chunks
 // is about 120 MiB of JSON).
 const maxManifestSize = 256 << 20
 
 // Store saves directories as snapshots into a Backend and loads them back.
 //
-// GC must not run while another Store (another process or node) saves into the same backend:
-// it would delete chunks that the other Save uploaded but has not referenced yet. Within one
-// Store, Save and Load exclude GC.
+// Concurrency guarantees:
+//   - Two Saves of one id at once: exactly one succeeds, the other fails with ErrConflict. Within
+//     one Store this holds for any backend; across Stores (processes, nodes) it holds when the
+//     backend implements Creator (local and s3 do). A Save never deletes anything, so the loser
+//     cannot remove chunks the winner's manifest needs; its unreferenced uploads are left to GC.
+//   - Fetch of one id into one destination by many callers at once does one load.
+//   - GC and Delete never remove a chunk that a manifest being written by the same Store needs:
+//     Save, Load and Fetch hold the GC lock shared for their whole run, GC holds it exclusively.
+//     GC must not run while another Store (another process or node) saves into the same
+//     backend: it would delete chunks that the other Save uploaded (or found already stored)
+//     but has not referenced yet.
 type Store struct {
-	backend     Backend
-	cache       *cache
-	chunkSize   int64
-	concurrency int
-	sync        bool
-	log         *slog.Logger
+	backend       Backend
+	cache         *cache
+	chunkSize     int64
+	concurrency   int
+	sync          bool
+	log           *slog.Logger
+	signingKey    []byte
+	maxImageBytes int64
+	maxFiles      int
+	cfgErr        error
 
-	gcMu  sync.RWMutex
-	bufs  sync.Pool
-	zeros sync.Map // chunk size -> hex sha256 of that many zero bytes
+	gcMu   sync.RWMutex
+	bufs   sync.Pool
+	zeros  sync.Map // chunk size -> hex sha256 of that many zero bytes
+	nzeros atomic.Int64
+
+	mu      sync.Mutex
+	saving  map[string]bool    // ids with a Save in progress
+	flights map[string]*flight // Fetches in progress, by destination
 }
 
 // Option configures a Store.
@@ -61,7 +96,9 @@ type Option func(*Store)
 // again. Use it in front of a remote backend.
 func WithCache(dir string) Option { return func(s *Store) { s.cache = &cache{dir: dir, log: s.log} } }
 
-// WithChunkSize sets the chunk size for Save (default 1 MiB). Load reads any chunk size.
+// WithChunkSize sets the chunk size for Save (default 1 MiB, clamped to [MinChunkSize,
+// MaxChunkSize]). Load reads any chunk size from MinChunkSize up to the larger of this and
+// DefaultChunkSize.
 func WithChunkSize(n int64) Option { return func(s *Store) { s.chunkSize = n } }
 
 // WithConcurrency sets how many chunks are hashed and transferred at once (default
@@ -82,14 +119,38 @@ func WithLogger(l *slog.Logger) Option {
 	}
 }
 
+// WithSigningKey authenticates manifests with HMAC-SHA256 under key (at least MinKeySize
+// bytes; LoadOrCreateKey makes one): Save appends the MAC, and Stat, Load, Fetch refuse a
+// manifest whose MAC is missing or wrong with ErrCorrupt ("manifest signature invalid") before
+// reading any of its fields. The MAC covers the snapshot id, so a manifest copied to another
+// id does not verify. Every node sharing a backend must use the same key, kept outside the
+// backend: then write access to the backend alone cannot inject or alter a snapshot. A shorter
+// key makes every call of the Store fail with ErrInvalid.
+func WithSigningKey(key []byte) Option {
+	return func(s *Store) { s.signingKey = bytes.Clone(key) }
+}
+
+// WithMaxImageBytes bounds the total size of the files of one snapshot (default
+// DefaultMaxImageBytes). Save refuses a larger directory with ErrExhausted; Stat, Load and
+// Fetch refuse a manifest declaring more with ErrCorrupt.
+func WithMaxImageBytes(n int64) Option { return func(s *Store) { s.maxImageBytes = n } }
+
+// WithMaxFiles bounds the number of entries (files and directories) of one snapshot (default
+// DefaultMaxFiles), like WithMaxImageBytes.
+func WithMaxFiles(n int) Option { return func(s *Store) { s.maxFiles = n } }
+
 // New returns a Store over backend.
 func New(backend Backend, opts ...Option) *Store {
 	s := &Store{
-		backend:     backend,
-		chunkSize:   DefaultChunkSize,
-		concurrency: max(4, 2*runtime.GOMAXPROCS(0)),
-		sync:        true,
-		log:         slog.Default(),
+		backend:       backend,
+		chunkSize:     DefaultChunkSize,
+		concurrency:   max(4, 2*runtime.GOMAXPROCS(0)),
+		sync:          true,
+		log:           slog.Default(),
+		maxImageBytes: DefaultMaxImageBytes,
+		maxFiles:      DefaultMaxFiles,
+		saving:        map[string]bool{},
+		flights:       map[string]*flight{},
 	}
 	for _, o := range opts {
 		o(s)
@@ -97,10 +158,24 @@ func New(backend Backend, opts ...Option) *Store {
 	if s.chunkSize <= 0 {
 		s.chunkSize = DefaultChunkSize
 	}
+	s.chunkSize = min(max(s.chunkSize, MinChunkSize), MaxChunkSize)
 	if s.concurrency <= 0 {
 		s.concurrency = 1
 	}
+	if s.maxImageBytes <= 0 {
+		s.maxImageBytes = DefaultMaxImageBytes
+	}
+	if s.maxFiles <= 0 {
+		s.maxFiles = DefaultMaxFiles
+	}
+	if len(s.signingKey) > 0 && len(s.signingKey) < MinKeySize {
+		s.cfgErr = fmt.Errorf("snapshot store: signing key of %d bytes, want at least %d: %w", len(s.signingKey), MinKeySize, errdefs.ErrInvalid)
+	}
 	return s
+}
+
+func (s *Store) limits() limits {
+	return limits{maxChunkSize: max(s.chunkSize, DefaultChunkSize), maxImageBytes: s.maxImageBytes, maxFiles: s.maxFiles}
 }
 
 // Backend returns the store's backend.
@@ -108,12 +183,29 @@ func (s *Store) Backend() Backend { return s.backend }
 
 // Save stores every directory and regular file under srcDir as snapshot id, uploading only the
 // chunks the backend does not hold yet, and writes the manifest last. srcDir must not change
-// while Save runs. An existing id is ErrConflict; symlinks, devices and other special files are
-// ErrInvalid.
+// while Save runs. An existing id, or another Save of id in progress, is ErrConflict (see Store
+// for the guarantee across nodes); symlinks, devices and other special files are ErrInvalid; a
+// directory over the store's limits (WithMaxImageBytes, WithMaxFiles) is ErrExhausted. A file
+// named MarkerName at the top of srcDir (left by Fetch) is not saved.
 func (s *Store) Save(ctx context.Context, id, srcDir string) (*Manifest, error) {
+	if s.cfgErr != nil {
+		return nil, s.cfgErr
+	}
 	if err := ValidateID(id); err != nil {
 		return nil, err
 	}
+	s.mu.Lock()
+	busy := s.saving[id]
+	s.saving[id] = true
+	s.mu.Unlock()
+	if busy {
+		return nil, fmt.Errorf("snapshot %s: another save of this id is in progress: %w", id, errdefs.ErrConflict)
+	}
+	defer func() {
+		s.mu.Lock()
+		delete(s.saving, id)
+		s.mu.Unlock()
+	}()
 	s.gcMu.RLock()
 	defer s.gcMu.RUnlock()
 	start := time.Now()
@@ -125,6 +217,7 @@ func (s *Store) Save(ctx context.Context, id, srcDir string) (*Manifest, error) 
 	}
 
 	m := &Manifest{Version: ManifestVersion, ID: id, Created: time.Now().UTC().Truncate(time.Millisecond), ChunkSize: s.chunkSize}
+	var total int64
 	err := filepath.WalkDir(srcDir, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
@@ -144,11 +237,24 @@ func (s *Store) Save(ctx context.Context, id, srcDir string) (*Manifest, error) 
 			return err
 		}
 		f := File{Path: filepath.ToSlash(rel), Mode: info.Mode() & fs.ModePerm}
+		if f.Path == MarkerName {
+			return nil
+		}
+		if len(m.Files) >= s.maxFiles {
+			return fmt.Errorf("%s: more than %d entries: %w", srcDir, s.maxFiles, errdefs.ErrExhausted)
+		}
+		if !validRelPath(f.Path) {
+			return fmt.Errorf("%s: name cannot be stored: %w", p, errdefs.ErrInvalid)
+		}
 		switch {
 		case d.IsDir():
 			f.Mode |= fs.ModeDir
 		case d.Type().IsRegular():
 			f.Size = info.Size()
+			if f.Size > s.maxImageBytes-total {
+				return fmt.Errorf("%s: more than %d bytes: %w", srcDir, s.maxImageBytes, errdefs.ErrExhausted)
+			}
+			total += f.Size
 			n := (f.Size + s.chunkSize - 1) / s.chunkSize
 			f.Chunks = make([]Chunk, n)
 		default:
@@ -246,11 +352,25 @@ func (s *Store) Save(ctx context.Context, id, srcDir string) (*Manifest, error) 
 	}
 	m.Transfer.Chunks = len(claimed)
 
-	b, err := m.seal()
+	b, err := m.seal(s.signingKey)
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: manifest: %w", id, err)
 	}
-	if err := s.backend.Put(ctx, ManifestKey(id), bytes.NewReader(b), int64(len(b))); err != nil {
+	if c, ok := s.backend.(Creator); ok {
+		err = c.Create(ctx, ManifestKey(id), bytes.NewReader(b), int64(len(b)))
+		if errors.Is(err, errdefs.ErrConflict) {
+			// A client that retried its own successful create also lands here: the stored
+			// manifest is then ours, byte for byte (it records the creation time).
+			if stored, rerr := s.readManifest(ctx, id); rerr == nil && bytes.Equal(stored, b) {
+				err = nil
+			} else {
+				return nil, fmt.Errorf("snapshot %s: saved by someone else meanwhile: %w", id, err)
+			}
+		}
+	} else {
+		err = s.backend.Put(ctx, ManifestKey(id), bytes.NewReader(b), int64(len(b)))
+	}
+	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: manifest: %w", id, err)
 	}
 	s.log.Debug("snapshot saved", "snapshot_id", id, "bytes", m.TotalSize(), "chunks", m.Transfer.Chunks,
@@ -310,6 +430,9 @@ func (s *Store) putChunk(ctx context.Context, hash string, data []byte) (bool, e
 // Stat reads and verifies snapshot id's manifest. A missing snapshot is ErrNotFound, a damaged
 // manifest ErrCorrupt.
 func (s *Store) Stat(ctx context.Context, id string) (*Manifest, error) {
+	if s.cfgErr != nil {
+		return nil, s.cfgErr
+	}
 	if err := ValidateID(id); err != nil {
 		return nil, err
 	}
@@ -317,7 +440,7 @@ func (s *Store) Stat(ctx context.Context, id string) (*Manifest, error) {
 	if err != nil {
 		return nil, err
 	}
-	return decodeManifest(id, b)
+	return decodeManifest(id, b, s.signingKey, s.limits())
 }
 
 func (s *Store) readManifest(ctx context.Context, id string) ([]byte, error) {
@@ -339,33 +462,70 @@ func (s *Store) readManifest(ctx context.Context, id string) ([]byte, error) {
 // Load restores snapshot id into destDir, which must not exist or be empty. Every chunk is
 // verified against its hash; the files are written into a temporary sibling directory that is
 // renamed to destDir only when all of them are complete, so a failed Load leaves nothing
-// behind. A damaged or incomplete snapshot is ErrCorrupt.
+// behind. A damaged or incomplete snapshot is ErrCorrupt. Two Loads into one destDir at once:
+// one succeeds, the other is ErrConflict; use Fetch for a shared cache directory.
 func (s *Store) Load(ctx context.Context, id, destDir string) error {
-	_, err := s.load(ctx, id, destDir)
-	return err
-}
-
-func (s *Store) load(ctx context.Context, id, destDir string) (tr Transfer, err error) {
 	start := time.Now()
 	m, err := s.Stat(ctx, id)
 	if err != nil {
-		return tr, err
+		return err
 	}
-	s.gcMu.RLock()
-	defer s.gcMu.RUnlock()
-
 	destDir = filepath.Clean(destDir)
 	if err := checkEmptyOrMissing(destDir); err != nil {
-		return tr, fmt.Errorf("snapshot %s: %w", id, err)
+		return fmt.Errorf("snapshot %s: %w", id, err)
 	}
 	parent := filepath.Dir(destDir)
 	if err := os.MkdirAll(parent, 0o755); err != nil {
-		return tr, fmt.Errorf("snapshot %s: %w", id, err)
+		return fmt.Errorf("snapshot %s: %w", id, err)
 	}
 	tmp, err := os.MkdirTemp(parent, "."+filepath.Base(destDir)+".loading-")
 	if err != nil {
-		return tr, fmt.Errorf("snapshot %s: %w", id, err)
+		return fmt.Errorf("snapshot %s: %w", id, err)
 	}
+	tr, err := s.loadTree(ctx, m, tmp)
+	if err == nil {
+		err = s.install(ctx, tmp, destDir)
+	}
+	if err != nil {
+		removeTree(tmp)
+		return fmt.Errorf("snapshot %s: %w", id, err)
+	}
+	s.log.Debug("snapshot loaded", "snapshot_id", id, "bytes", m.TotalSize(), "fetched_bytes", tr.FetchedBytes,
+		"cache_hits", tr.CacheHits, "zero_chunks", tr.ZeroChunks, "took", time.Since(start))
+	return nil
+}
+
+// install renames the complete directory tmp to destDir (missing, or an empty directory) and
+// makes the rename durable.
+func (s *Store) install(ctx context.Context, tmp, destDir string) error {
+	if s.sync {
+		if err := syncPath(tmp); err != nil {
+			return err
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	// rename(2) itself, not os.Rename: it also replaces an empty directory, atomically.
+	if err := syscall.Rename(tmp, destDir); err != nil {
+		err = &os.LinkError{Op: "rename", Old: tmp, New: destDir, Err: err}
+		if errors.Is(err, fs.ErrExist) || errors.Is(err, syscall.ENOTEMPTY) {
+			err = fmt.Errorf("%w: %w", err, errdefs.ErrConflict)
+		}
+		return err
+	}
+	if s.sync {
+		return syncPath(filepath.Dir(destDir))
+	}
+	return nil
+}
+
+// loadTree writes m's directories and files into dir (an existing, empty directory that the
+// caller removes on error), verifying every chunk, and gives dir mode 0755. m is validated:
+// nothing here is sized from a figure the limits have not bounded.
+func (s *Store) loadTree(ctx context.Context, m *Manifest, tmp string) (tr Transfer, err error) {
+	s.gcMu.RLock()
+	defer s.gcMu.RUnlock()
 	files := make([]*os.File, len(m.Files))
 	defer func() {
 		for _, f := range files {
@@ -373,27 +533,23 @@ func (s *Store) load(ctx context.Context, id, destDir string) (tr Transfer, err 
 				f.Close()
 			}
 		}
-		if err != nil {
-			makeWritable(tmp, m)
-			os.RemoveAll(tmp)
-		}
 	}()
 
 	for i, f := range m.Files {
 		p := filepath.Join(tmp, filepath.FromSlash(f.Path))
 		if f.IsDir() {
 			if err := os.Mkdir(p, 0o700); err != nil {
-				return tr, fmt.Errorf("snapshot %s: %w", id, err)
+				return tr, err
 			}
 			continue
 		}
 		fh, err := os.OpenFile(p, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 		if err != nil {
-			return tr, fmt.Errorf("snapshot %s: %w", id, err)
+			return tr, err
 		}
 		files[i] = fh
 		if err := fh.Truncate(f.Size); err != nil {
-			return tr, fmt.Errorf("snapshot %s: %w", id, err)
+			return tr, err
 		}
 	}
 
@@ -463,7 +619,7 @@ func (s *Store) load(ctx context.Context, id, destDir string) (tr Transfer, err 
 		})
 	}
 	if err := g.Wait(); err != nil {
-		return tr, fmt.Errorf("snapshot %s: %w", id, err)
+		return tr, err
 	}
 	tr.Chunks = len(seen)
 
@@ -474,11 +630,11 @@ func (s *Store) load(ctx context.Context, id, destDir string) (tr Transfer, err 
 		}
 		if s.sync {
 			if err := fh.Sync(); err != nil {
-				return tr, fmt.Errorf("snapshot %s: %s: %w", id, f.Path, err)
+				return tr, fmt.Errorf("%s: %w", f.Path, err)
 			}
 		}
 		if err := fh.Chmod(f.Mode.Perm()); err != nil {
-			return tr, fmt.Errorf("snapshot %s: %s: %w", id, f.Path, err)
+			return tr, fmt.Errorf("%s: %w", f.Path, err)
 		}
 	}
 	for i := len(m.Files) - 1; i >= 0; i-- { // children before parents
@@ -486,41 +642,18 @@ func (s *Store) load(ctx context.Context, id, destDir string) (tr Transfer, err 
 			p := filepath.Join(tmp, filepath.FromSlash(f.Path))
 			if s.sync {
 				if err := syncPath(p); err != nil {
-					return tr, fmt.Errorf("snapshot %s: %w", id, err)
+					return tr, err
 				}
 			}
 			if err := os.Chmod(p, f.Mode.Perm()); err != nil {
-				return tr, fmt.Errorf("snapshot %s: %w", id, err)
+				return tr, err
 			}
 		}
 	}
-	if s.sync {
-		if err := syncPath(tmp); err != nil {
-			return tr, fmt.Errorf("snapshot %s: %w", id, err)
-		}
-	}
 	if err := ctx.Err(); err != nil {
-		return tr, fmt.Errorf("snapshot %s: %w", id, err)
+		return tr, err
 	}
-	if err := os.Chmod(tmp, 0o755); err != nil {
-		return tr, fmt.Errorf("snapshot %s: %w", id, err)
-	}
-	// rename(2) itself, not os.Rename: it also replaces an empty directory, atomically.
-	if err := syscall.Rename(tmp, destDir); err != nil {
-		err = &os.LinkError{Op: "rename", Old: tmp, New: destDir, Err: err}
-		if errors.Is(err, fs.ErrExist) || errors.Is(err, syscall.ENOTEMPTY) {
-			err = fmt.Errorf("%w: %w", err, errdefs.ErrConflict)
-		}
-		return tr, fmt.Errorf("snapshot %s: %w", id, err)
-	}
-	if s.sync {
-		if err := syncPath(parent); err != nil {
-			return tr, fmt.Errorf("snapshot %s: %w", id, err)
-		}
-	}
-	s.log.Debug("snapshot loaded", "snapshot_id", id, "bytes", m.TotalSize(), "fetched_bytes", tr.FetchedBytes,
-		"cache_hits", tr.CacheHits, "zero_chunks", tr.ZeroChunks, "took", time.Since(start))
-	return tr, nil
+	return tr, os.Chmod(tmp, 0o755)
 }
 
 var (
@@ -620,8 +753,9 @@ type GCStats struct {
 }
 
 // GC deletes every chunk (in the backend and in the cache) that no manifest references. A
-// manifest that fails its checksum still protects the chunks it names; one that cannot be
-// parsed at all stops GC with ErrCorrupt, since its chunks cannot be known.
+// manifest that fails its checksum, signature or limits still protects the chunks it names; one
+// that cannot be parsed at all stops GC with ErrCorrupt, since its chunks cannot be known. See
+// Store for what GC may run alongside.
 func (s *Store) GC(ctx context.Context) (GCStats, error) {
 	s.gcMu.Lock()
 	defer s.gcMu.Unlock()
@@ -639,10 +773,16 @@ func (s *Store) GC(ctx context.Context) (GCStats, error) {
 		if err != nil {
 			return st, fmt.Errorf("gc: %w", err)
 		}
-		m, err := decodeManifest(id, b)
+		m, err := decodeManifest(id, b, s.signingKey, s.limits())
 		if err != nil {
+			// Keeping chunks is always safe: an unverified manifest may still protect some.
+			// One too large to decode safely stops GC, like one that does not parse.
 			var raw Manifest
-			if jerr := json.Unmarshal(b, &raw); jerr != nil {
+			body, _ := splitTrailer(b)
+			if perr := precheck(id, body, s.limits()); perr != nil {
+				return st, fmt.Errorf("gc: %w", err)
+			}
+			if jerr := json.Unmarshal(body, &raw); jerr != nil {
 				return st, fmt.Errorf("gc: %w", err)
 			}
 			s.log.Warn("gc: keeping chunks of a damaged manifest", "snapshot_id", id, "error", err)
@@ -677,15 +817,30 @@ func (s *Store) GC(ctx context.Context) (GCStats, error) {
 	return st, nil
 }
 
+// zeroHash returns the sha256 of size zero bytes. It hashes from a small shared buffer (a
+// manifest's sizes never decide an allocation) and remembers a bounded number of sizes.
 func (s *Store) zeroHash(size int64) string {
 	if h, ok := s.zeros.Load(size); ok {
 		return h.(string)
 	}
-	sum := sha256.Sum256(make([]byte, size))
-	h := hex.EncodeToString(sum[:])
-	s.zeros.Store(size, h)
-	return h
+	h := sha256.New()
+	for left := size; left > 0; {
+		n := min(left, int64(len(zeroBlock)))
+		h.Write(zeroBlock[:n])
+		left -= n
+	}
+	sum := hex.EncodeToString(h.Sum(nil))
+	if s.nzeros.Add(1) <= maxZeroSizes {
+		s.zeros.Store(size, sum)
+	}
+	return sum
 }
+
+// zeroBlock feeds zeroHash; maxZeroSizes bounds how many sizes it remembers (one per file
+// tail, plus the chunk sizes).
+var zeroBlock [64 << 10]byte
+
+const maxZeroSizes = 1024
 
 func (s *Store) getBuf(n int64) *[]byte {
 	if b, ok := s.bufs.Get().(*[]byte); ok && int64(cap(*b)) >= n {
@@ -720,14 +875,38 @@ func checkEmptyOrMissing(dir string) error {
 	return nil
 }
 
-// makeWritable undoes restrictive directory modes so a failed load can be removed.
-func makeWritable(tmp string, m *Manifest) {
-	os.Chmod(tmp, 0o700)
-	for _, f := range m.Files {
-		if f.IsDir() {
-			os.Chmod(filepath.Join(tmp, filepath.FromSlash(f.Path)), 0o700)
+// removeTree removes dir and everything under it, first undoing restrictive directory modes
+// (a failed load may have applied the snapshot's) so that it can. It follows no symlink, and
+// removes nothing if something under dir is on another filesystem (a mount).
+func removeTree(dir string) error {
+	root, err := os.Lstat(dir)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil
 		}
+		return err
 	}
+	dev := func(fi fs.FileInfo) uint64 {
+		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+			return uint64(st.Dev)
+		}
+		return 0
+	}
+	rootDev := dev(root)
+	err = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.IsDir() {
+			return nil
+		}
+		if fi, err := d.Info(); err == nil && dev(fi) != rootDev {
+			return fmt.Errorf("%s is a mount point: %w", p, errdefs.ErrConflict)
+		}
+		os.Chmod(p, 0o700) // before WalkDir reads it
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	return os.RemoveAll(dir)
 }
 
 func syncPath(p string) error {

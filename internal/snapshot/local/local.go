@@ -22,7 +22,10 @@ type Backend struct {
 	root string
 }
 
-var _ snapshot.Backend = (*Backend)(nil)
+var (
+	_ snapshot.Backend = (*Backend)(nil)
+	_ snapshot.Creator = (*Backend)(nil)
+)
 
 // New returns a Backend rooted at dir, creating it if needed.
 func New(dir string) (*Backend, error) {
@@ -50,7 +53,17 @@ func (b *Backend) path(key string) (string, error) {
 }
 
 // Put implements snapshot.Backend.
-func (b *Backend) Put(ctx context.Context, key string, r io.Reader, size int64) (err error) {
+func (b *Backend) Put(ctx context.Context, key string, r io.Reader, size int64) error {
+	return b.put(ctx, key, r, size, false)
+}
+
+// Create implements snapshot.Creator: the complete temporary file is hard-linked into place,
+// which fails if the key exists.
+func (b *Backend) Create(ctx context.Context, key string, r io.Reader, size int64) error {
+	return b.put(ctx, key, r, size, true)
+}
+
+func (b *Backend) put(ctx context.Context, key string, r io.Reader, size int64, exclusive bool) (err error) {
 	p, err := b.path(key)
 	if err != nil {
 		return err
@@ -81,6 +94,17 @@ func (b *Backend) Put(ctx context.Context, key string, r io.Reader, size int64) 
 	}
 	if err := f.Close(); err != nil {
 		return fmt.Errorf("put %s: %w", key, err)
+	}
+	if exclusive {
+		err := os.Link(f.Name(), p)
+		os.Remove(f.Name())
+		if errors.Is(err, fs.ErrExist) {
+			return fmt.Errorf("create %s: already exists: %w", key, errdefs.ErrConflict)
+		}
+		if err != nil {
+			return fmt.Errorf("create %s: %w", key, err)
+		}
+		return syncDir(dir)
 	}
 	if err := os.Rename(f.Name(), p); err != nil {
 		return fmt.Errorf("put %s: %w", key, err)

@@ -72,7 +72,10 @@ type Backend struct {
 	bucketSeen atomic.Bool // the bucket answered once, so a 404 on HEAD means a missing key
 }
 
-var _ snapshot.Backend = (*Backend)(nil)
+var (
+	_ snapshot.Backend = (*Backend)(nil)
+	_ snapshot.Creator = (*Backend)(nil)
+)
 
 // New returns a Backend for cfg. It does not contact the server; see EnsureBucket.
 func New(cfg Config) (*Backend, error) {
@@ -153,21 +156,38 @@ func (b *Backend) object(key string) (string, error) {
 
 // Put implements snapshot.Backend.
 func (b *Backend) Put(ctx context.Context, key string, r io.Reader, size int64) error {
+	return b.put(ctx, key, r, size, false)
+}
+
+// Create implements snapshot.Creator with a conditional PUT (If-None-Match: *), which AWS S3,
+// MinIO and versitygw evaluate atomically; the server's 412 is ErrConflict.
+func (b *Backend) Create(ctx context.Context, key string, r io.Reader, size int64) error {
+	return b.put(ctx, key, r, size, true)
+}
+
+func (b *Backend) put(ctx context.Context, key string, r io.Reader, size int64, exclusive bool) error {
 	name, err := b.object(key)
 	if err != nil {
 		return err
 	}
-	er := &exactReader{r: r, left: size}
-	_, err = b.client.PutObject(ctx, b.bucket, name, er, size, minio.PutObjectOptions{
+	opts := minio.PutObjectOptions{
 		// No Content-MD5: over http minio-go signs every 64 KiB of the body (streaming SigV4),
 		// over https TLS protects it, and Load verifies each chunk's sha256 anyway.
 		ContentType: "application/octet-stream",
-	})
+	}
+	op := "put "
+	if exclusive {
+		opts.SetMatchETagExcept("*")
+		opts.DisableMultipart = true // one request, so the condition covers the whole object
+		op = "create "
+	}
+	er := &exactReader{r: r, left: size}
+	_, err = b.client.PutObject(ctx, b.bucket, name, er, size, opts)
 	if er.err != nil {
-		return fmt.Errorf("put %s: %w", key, er.err)
+		return fmt.Errorf("%s%s: %w", op, key, er.err)
 	}
 	if err != nil {
-		return b.wrap("put "+key, err)
+		return b.wrap(op+key, err)
 	}
 	return nil
 }
@@ -268,12 +288,17 @@ func (b *Backend) wrap(what string, err error) error {
 	case "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
 		"XAdminUserNotFound": // versitygw's answer for an unknown access key
 		return fmt.Errorf("s3 %s: %s: %w", what, resp.Message, errdefs.ErrUnauthorized)
+	case "PreconditionFailed":
+		return fmt.Errorf("s3 %s: already exists: %w", what, errdefs.ErrConflict)
 	case "BadDigest", "IncompleteBody", "InvalidDigest":
 		return fmt.Errorf("s3 %s: %s: %w", what, resp.Message, errdefs.ErrCorrupt)
 	}
 	var ne net.Error
 	if errors.As(err, &ne) || resp.StatusCode == http.StatusServiceUnavailable || resp.StatusCode >= 500 {
 		return fmt.Errorf("s3 %s: %v: %w", what, err, errdefs.ErrUnavailable)
+	}
+	if resp.StatusCode == http.StatusPreconditionFailed {
+		return fmt.Errorf("s3 %s: already exists: %w", what, errdefs.ErrConflict)
 	}
 	if resp.StatusCode == http.StatusNotFound {
 		return fmt.Errorf("s3 %s: %w", what, errdefs.ErrNotFound)

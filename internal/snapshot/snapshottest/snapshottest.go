@@ -1,6 +1,7 @@
 // Package snapshottest is the conformance suite every snapshot Backend passes: the blob
 // contract itself, and the Store on top of it (roundtrip, dedup, corruption and tamper
-// detection, atomic load, delete and GC, the node-local cache). It owns no backend.
+// detection, signed manifests, atomic load, single-flight fetch, concurrent saves, delete and
+// GC, the node-local cache). It owns no backend.
 package snapshottest
 
 import (
@@ -35,6 +36,9 @@ func Run(t *testing.T, newBackend func(t *testing.T) snapshot.Backend) {
 	t.Run("delete and gc", func(t *testing.T) { testDeleteGC(t, newBackend(t)) })
 	t.Run("errors", func(t *testing.T) { testErrors(t, newBackend(t)) })
 	t.Run("cache", func(t *testing.T) { testCache(t, newBackend(t)) })
+	t.Run("signed manifests", func(t *testing.T) { testSigned(t, newBackend) })
+	t.Run("concurrent saves of one id", func(t *testing.T) { testConcurrentSave(t, newBackend(t)) })
+	t.Run("fetch", func(t *testing.T) { testFetch(t, newBackend) })
 }
 
 func testBlobs(t *testing.T, b snapshot.Backend) {
@@ -114,6 +118,43 @@ func testBlobs(t *testing.T, b snapshot.Backend) {
 			if ok, _ := b.Exists(ctx, "sized/"+tc.name); ok {
 				t.Errorf("%s: object exists after failed Put", tc.name)
 			}
+		}
+	})
+	t.Run("create only if absent", func(t *testing.T) {
+		c, ok := b.(snapshot.Creator)
+		if !ok {
+			t.Skip("backend does not implement snapshot.Creator")
+		}
+		if err := c.Create(ctx, "create/new", strings.NewReader("one"), 3); err != nil {
+			t.Fatalf("Create of a new key: %v", err)
+		}
+		if err := c.Create(ctx, "create/new", strings.NewReader("two"), 3); !errors.Is(err, errdefs.ErrConflict) {
+			t.Errorf("Create of an existing key: %v, want ErrConflict", err)
+		}
+		if got := getAll(t, b, "create/new"); string(got) != "one" {
+			t.Errorf("after a refused Create the object is %q, want %q", got, "one")
+		}
+		errs := make(chan error, 8)
+		for i := range 8 {
+			go func() { errs <- c.Create(ctx, "create/race", strings.NewReader(fmt.Sprint(i)), 1) }()
+		}
+		wins := 0
+		for range 8 {
+			switch err := <-errs; {
+			case err == nil:
+				wins++
+			case !errors.Is(err, errdefs.ErrConflict):
+				t.Errorf("losing Create: %v, want ErrConflict", err)
+			}
+		}
+		if wins != 1 {
+			t.Errorf("%d concurrent Creates of one key succeeded, want 1", wins)
+		}
+		if err := c.Create(ctx, "create/short", strings.NewReader("ab"), 5); err == nil {
+			t.Error("Create with a short reader succeeded")
+		}
+		if ok, _ := b.Exists(ctx, "create/short"); ok {
+			t.Error("object exists after a failed Create")
 		}
 	})
 	t.Run("invalid keys", func(t *testing.T) {
@@ -202,7 +243,7 @@ func assertSameTree(t *testing.T, want, got string) {
 				return err
 			}
 			rel, _ := filepath.Rel(root, p)
-			if rel == "." {
+			if rel == "." || rel == snapshot.MarkerName {
 				return nil
 			}
 			info, err := d.Info()
