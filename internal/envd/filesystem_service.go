@@ -38,7 +38,8 @@ func (f *filesystemService) fsAccount(h http.Header) (*account, error) {
 	return acct, nil
 }
 
-// entryInfo describes path (not following a final symlink).
+// entryInfo describes path (not following a final symlink: a link is described as E2B's envd
+// does, see entryFromInfo).
 func entryInfo(path string, names *nameCache) (*pb.EntryInfo, error) {
 	fi, err := os.Lstat(path)
 	if err != nil {
@@ -47,6 +48,12 @@ func entryInfo(path string, names *nameCache) (*pb.EntryInfo, error) {
 	return entryFromInfo(path, fi, names), nil
 }
 
+// entryFromInfo builds the EntryInfo of path from its lstat result. A symlink is reported as
+// E2B's envd reports it: symlink_target is the fully resolved absolute path (a relative link
+// resolves against the link's directory), and type and mode are the target's, because E2B's
+// SDKs know no symlink type on the wire (the Python SDK cannot parse FILE_TYPE_SYMLINK). A
+// dangling link has type UNSPECIFIED (the SDKs skip such entries in listings) and keeps its own
+// path as the target. Name, path, size, permissions, owner and time stay the link's own.
 func entryFromInfo(path string, fi fs.FileInfo, names *nameCache) *pb.EntryInfo {
 	e := &pb.EntryInfo{
 		Name:         fi.Name(),
@@ -55,23 +62,39 @@ func entryFromInfo(path string, fi fs.FileInfo, names *nameCache) *pb.EntryInfo 
 		Mode:         uint32(fi.Mode().Perm()),
 		Permissions:  fi.Mode().String(),
 		ModifiedTime: timestamppb.New(fi.ModTime()),
+		Type:         fileType(fi.Mode()),
 	}
-	switch {
-	case fi.Mode()&fs.ModeSymlink != 0:
-		e.Type = pb.FileType_FILE_TYPE_SYMLINK
-		if target, err := os.Readlink(path); err == nil {
-			e.SymlinkTarget = &target
+	if fi.Mode()&fs.ModeSymlink != 0 {
+		target := path
+		e.Type, e.Mode = pb.FileType_FILE_TYPE_UNSPECIFIED, 0
+		if resolved, err := filepath.EvalSymlinks(path); err == nil {
+			target = resolved
+			if ti, err := os.Stat(resolved); err == nil {
+				e.Type, e.Mode = fileType(ti.Mode()), uint32(ti.Mode().Perm())
+			}
 		}
-	case fi.IsDir():
-		e.Type = pb.FileType_FILE_TYPE_DIRECTORY
-	default:
-		e.Type = pb.FileType_FILE_TYPE_FILE
+		e.SymlinkTarget = &target
 	}
 	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
 		e.Owner = names.user(st.Uid)
 		e.Group = names.group(st.Gid)
 	}
+	e.Metadata = readMetadata(path)
 	return e
+}
+
+// fileType maps a mode to the wire type as E2B's envd does: regular files and directories;
+// anything else (devices, fifos, sockets, a symlink's own mode) is UNSPECIFIED, which the SDKs
+// leave out of listings.
+func fileType(m fs.FileMode) pb.FileType {
+	switch {
+	case m.IsRegular():
+		return pb.FileType_FILE_TYPE_FILE
+	case m.IsDir():
+		return pb.FileType_FILE_TYPE_DIRECTORY
+	default:
+		return pb.FileType_FILE_TYPE_UNSPECIFIED
+	}
 }
 
 func notFound(path string) error {
@@ -215,9 +238,7 @@ func (f *filesystemService) Remove(_ context.Context, req *connect.Request[pb.Re
 		return nil, err
 	}
 	path := acct.resolvePath(req.Msg.GetPath())
-	if _, err := os.Lstat(path); err != nil {
-		return nil, fsError(path, err)
-	}
+	// Removing what is not there succeeds, as E2B's envd does now (os.RemoveAll semantics).
 	if err := os.RemoveAll(path); err != nil {
 		return nil, fsError(path, err)
 	}
