@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"strings"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
@@ -31,6 +32,25 @@ func badRequest(format string, args ...any) error {
 
 func notFound(format string, args ...any) error {
 	return &httpError{status: http.StatusNotFound, msg: fmt.Sprintf(format, args...)}
+}
+
+// sandboxNotFoundAsE2B gives every 404 of a /sandboxes/{id} route E2B's wording, whatever the
+// layer below said (unknown id, killed, not running).
+func sandboxNotFoundAsE2B(h handlerFunc) handlerFunc {
+	return func(w http.ResponseWriter, r *http.Request, p params) error {
+		err := h(w, r, p)
+		if err != nil && statusOf(err) == http.StatusNotFound {
+			return &httpError{status: http.StatusNotFound, msg: sandboxNotFoundMsg(p["id"])}
+		}
+		return err
+	}
+}
+
+// sandboxNotFoundMsg is E2B's 404 message for a sandbox; the id is the one the caller used,
+// without a legacy -clientID suffix.
+func sandboxNotFoundMsg(raw string) string {
+	id, _, _ := strings.Cut(raw, "-")
+	return "Sandbox " + quoteID(id) + " doesn't exist or you don't have access to it"
 }
 
 // statusOf is the one place errors become HTTP statuses.

@@ -23,6 +23,9 @@ type route struct {
 type router struct{ routes []route }
 
 func (rt *router) handle(method, pattern string, h handlerFunc) {
+	if strings.HasPrefix(pattern, "/sandboxes/{id}") || strings.HasPrefix(pattern, "/v2/sandboxes/{id}") {
+		h = sandboxNotFoundAsE2B(h)
+	}
 	rt.routes = append(rt.routes, route{method: method, segs: splitPath(pattern), h: h})
 }
 

@@ -131,7 +131,7 @@ func (s *server) serveSignedFiles(w http.ResponseWriter, r *http.Request, sig st
 			continue
 		}
 		if err := auth.VerifyFileSignature(sig, path, op, user, sbx.AccessToken, exp); err != nil {
-			writeJSONError(w, http.StatusUnauthorized, "signature expired")
+			writeJSONError(w, http.StatusUnauthorized, "signature is already expired") // E2B envd's words
 			return
 		}
 		if sbx.State != sandbox.StateRunning {
