@@ -63,7 +63,7 @@ func (s *Server) filesAccount(r *http.Request) (*account, error) {
 	}
 	acct, err := lookupAccount(name)
 	if err != nil {
-		return nil, httpErrorf(http.StatusUnauthorized, "invalid user '%s'", name)
+		return nil, httpErrorf(http.StatusUnauthorized, "error looking up user '%s': user: unknown user %s", name, name)
 	}
 	return acct, nil
 }

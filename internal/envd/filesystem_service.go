@@ -33,7 +33,7 @@ func (f *filesystemService) fsAccount(h http.Header) (*account, error) {
 	}
 	acct, err := lookupAccount(name)
 	if err != nil {
-		return nil, connect.NewError(connect.CodeUnauthenticated, err)
+		return nil, connect.NewError(connect.CodeUnauthenticated, errorf(errdefs.ErrUnauthorized, "invalid username: '%s'", name))
 	}
 	return acct, nil
 }
@@ -97,13 +97,12 @@ func fileType(m fs.FileMode) pb.FileType {
 	}
 }
 
-func notFound(path string) error {
-	return connect.NewError(connect.CodeNotFound, errorf(errdefs.ErrNotFound, "path '%s' does not exist", path))
-}
-
-func fsError(path string, err error) error {
+// fsError translates a filesystem error; a missing path is not_found with E2B envd's wording for
+// the RPC: what (e.g. "file not found") followed by the OS error ("lstat /x: no such file or
+// directory").
+func fsError(what string, err error) error {
 	if errors.Is(err, os.ErrNotExist) {
-		return notFound(path)
+		return connect.NewError(connect.CodeNotFound, errorf(errdefs.ErrNotFound, "%s: %v", what, err))
 	}
 	return toConnectError(err)
 }
@@ -116,7 +115,7 @@ func (f *filesystemService) Stat(_ context.Context, req *connect.Request[pb.Stat
 	path := acct.resolvePath(req.Msg.GetPath())
 	e, err := entryInfo(path, newNameCache())
 	if err != nil {
-		return nil, fsError(path, err)
+		return nil, fsError("file not found", err)
 	}
 	return connect.NewResponse(&pb.StatResponse{Entry: e}), nil
 }
@@ -150,15 +149,20 @@ func (f *filesystemService) MakeDir(_ context.Context, req *connect.Request[pb.M
 		return nil, err
 	}
 	path := acct.resolvePath(req.Msg.GetPath())
-	if _, err := os.Lstat(path); err == nil {
-		return nil, connect.NewError(connect.CodeAlreadyExists, errorf(errdefs.ErrConflict, "path '%s' already exists", path))
+	// As E2B's envd: an existing directory is already_exists (makeDir() returns false), anything
+	// else in the way is invalid_argument.
+	if fi, err := os.Stat(path); err == nil {
+		if fi.IsDir() {
+			return nil, connect.NewError(connect.CodeAlreadyExists, errorf(errdefs.ErrConflict, "directory already exists: %s", path))
+		}
+		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "path already exists but it is not a directory: %s", path))
 	}
 	if err := mkdirAllAs(path, acct); err != nil {
-		return nil, fsError(path, err)
+		return nil, fsError("parent directory not found", err)
 	}
 	e, err := entryInfo(path, newNameCache())
 	if err != nil {
-		return nil, fsError(path, err)
+		return nil, fsError("directory not found", err)
 	}
 	return connect.NewResponse(&pb.MakeDirResponse{Entry: e}), nil
 }
@@ -171,17 +175,17 @@ func (f *filesystemService) Move(_ context.Context, req *connect.Request[pb.Move
 	src := acct.resolvePath(req.Msg.GetSource())
 	dst := acct.resolvePath(req.Msg.GetDestination())
 	if _, err := os.Lstat(src); err != nil {
-		return nil, fsError(src, err)
+		return nil, fsError("source file not found", err)
 	}
 	if err := mkdirAllAs(filepath.Dir(dst), acct); err != nil {
-		return nil, fsError(filepath.Dir(dst), err)
+		return nil, fsError("destination directory not found", err)
 	}
 	if err := os.Rename(src, dst); err != nil {
-		return nil, fsError(src, err)
+		return nil, fsError("source file not found", err)
 	}
 	e, err := entryInfo(dst, newNameCache())
 	if err != nil {
-		return nil, fsError(dst, err)
+		return nil, fsError("file not found", err)
 	}
 	return connect.NewResponse(&pb.MoveResponse{Entry: e}), nil
 }
@@ -198,10 +202,10 @@ func (f *filesystemService) ListDir(_ context.Context, req *connect.Request[pb.L
 	}
 	fi, err := os.Stat(root) // follows a symlinked directory
 	if err != nil {
-		return nil, fsError(root, err)
+		return nil, fsError("path not found", err)
 	}
 	if !fi.IsDir() {
-		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "path '%s' is not a directory", root))
+		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "path is not a directory: %s", root))
 	}
 	names := newNameCache()
 	var entries []*pb.EntryInfo
@@ -227,7 +231,7 @@ func (f *filesystemService) ListDir(_ context.Context, req *connect.Request[pb.L
 		return nil
 	}
 	if err := walk(root, 1); err != nil {
-		return nil, fsError(root, err)
+		return nil, fsError("path not found", err)
 	}
 	return connect.NewResponse(&pb.ListDirResponse{Entries: entries}), nil
 }
@@ -240,7 +244,7 @@ func (f *filesystemService) Remove(_ context.Context, req *connect.Request[pb.Re
 	path := acct.resolvePath(req.Msg.GetPath())
 	// Removing what is not there succeeds, as E2B's envd does now (os.RemoveAll semantics).
 	if err := os.RemoveAll(path); err != nil {
-		return nil, fsError(path, err)
+		return nil, toConnectError(err)
 	}
 	return connect.NewResponse(&pb.RemoveResponse{}), nil
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -344,3 +345,65 @@ func TestSignatureMessages(t *testing.T) {
 }
 
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }
+
+// TestFilesystemErrorWording: the Connect codes and messages E2B's envd gives, which the SDKs
+// turn into FileNotFoundError, InvalidArgumentError, AuthenticationError or makeDir() = false.
+func TestFilesystemErrorWording(t *testing.T) {
+	h := newHarness(t, envd.Config{})
+	ctx := context.Background()
+	dir := t.TempDir()
+	if err := os.WriteFile(dir+"/f", []byte("f"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	missing := dir + "/missing"
+	cases := []struct {
+		name string
+		call func() error
+		code connect.Code
+		msg  string
+	}{
+		{"stat missing", func() error {
+			_, err := h.fs.Stat(ctx, connect.NewRequest(&fspb.StatRequest{Path: missing}))
+			return err
+		}, connect.CodeNotFound, "file not found: lstat " + missing + ": no such file or directory"},
+		{"list missing", func() error {
+			_, err := h.fs.ListDir(ctx, connect.NewRequest(&fspb.ListDirRequest{Path: missing}))
+			return err
+		}, connect.CodeNotFound, "path not found: stat " + missing + ": no such file or directory"},
+		{"list a file", func() error {
+			_, err := h.fs.ListDir(ctx, connect.NewRequest(&fspb.ListDirRequest{Path: dir + "/f"}))
+			return err
+		}, connect.CodeInvalidArgument, "path is not a directory: " + dir + "/f"},
+		{"makedir existing dir", func() error {
+			_, err := h.fs.MakeDir(ctx, connect.NewRequest(&fspb.MakeDirRequest{Path: dir}))
+			return err
+		}, connect.CodeAlreadyExists, "directory already exists: " + dir},
+		{"makedir over a file", func() error {
+			_, err := h.fs.MakeDir(ctx, connect.NewRequest(&fspb.MakeDirRequest{Path: dir + "/f"}))
+			return err
+		}, connect.CodeInvalidArgument, "path already exists but it is not a directory: " + dir + "/f"},
+		{"move missing", func() error {
+			_, err := h.fs.Move(ctx, connect.NewRequest(&fspb.MoveRequest{Source: missing, Destination: dir + "/x"}))
+			return err
+		}, connect.CodeNotFound, "source file not found: lstat " + missing + ": no such file or directory"},
+		{"watch a file", func() error {
+			_, err := h.fs.CreateWatcher(ctx, connect.NewRequest(&fspb.CreateWatcherRequest{Path: dir + "/f"}))
+			return err
+		}, connect.CodeInvalidArgument, "path " + dir + "/f not a directory"},
+		{"unknown user", func() error {
+			req := connect.NewRequest(&fspb.StatRequest{Path: dir})
+			req.Header().Set("Authorization", basic("no-such-user-xyz"))
+			_, err := h.fs.Stat(ctx, req)
+			return err
+		}, connect.CodeUnauthenticated, "invalid username: 'no-such-user-xyz'"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.call()
+			var ce *connect.Error
+			if !errors.As(err, &ce) || ce.Code() != tc.code || ce.Message() != tc.msg {
+				t.Fatalf("err = %v; want %v %q", err, tc.code, tc.msg)
+			}
+		})
+	}
+}

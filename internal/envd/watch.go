@@ -33,10 +33,10 @@ type dirWatcher struct {
 func newDirWatcher(root string, recursive, includeEntry, allowNetworkMounts bool) (*dirWatcher, error) {
 	fi, err := os.Stat(root)
 	if err != nil {
-		return nil, fsError(root, err)
+		return nil, fsError("path "+root+" not found", err)
 	}
 	if !fi.IsDir() {
-		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "path '%s' is not a directory", root))
+		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "path %s not a directory", root))
 	}
 	// inotify sees only changes made through this kernel: on a network filesystem, changes from
 	// elsewhere never show up. As E2B's envd, refuse unless the caller accepts that (>= 0.6.4).
@@ -53,7 +53,7 @@ func newDirWatcher(root string, recursive, includeEntry, allowNetworkMounts bool
 	}
 	if err := d.add(root); err != nil {
 		w.Close()
-		return nil, fsError(root, err)
+		return nil, fsError("path "+root+" not found", err)
 	}
 	d.wg.Add(1)
 	go d.run()
