@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"regexp"
+	"strconv"
 	"strings"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -52,6 +54,25 @@ func sandboxNotFoundMsg(raw string) string {
 	id, _, _ := strings.Cut(raw, "-")
 	return "Sandbox " + quoteID(id) + " doesn't exist or you don't have access to it"
 }
+
+// templateNotFoundAsE2B gives a create's 404 for an unknown template E2B's wording,
+// "template '<id>' not found"; the id is the one the service's error quotes.
+func templateNotFoundAsE2B(h handlerFunc) handlerFunc {
+	return func(w http.ResponseWriter, r *http.Request, p params) error {
+		err := h(w, r, p)
+		if err == nil || statusOf(err) != http.StatusNotFound {
+			return err
+		}
+		if m := quotedTemplateRe.FindStringSubmatch(err.Error()); m != nil {
+			if id, uerr := strconv.Unquote(`"` + m[1] + `"`); uerr == nil {
+				return &httpError{status: http.StatusNotFound, msg: "template " + quoteTemplate(id) + " not found"}
+			}
+		}
+		return err
+	}
+}
+
+var quotedTemplateRe = regexp.MustCompile(`template "((?:[^"\\]|\\.)*)"`)
 
 // statusOf is the one place errors become HTTP statuses.
 func statusOf(err error) int {

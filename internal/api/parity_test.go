@@ -36,6 +36,8 @@ func TestE2BErrorWording(t *testing.T) {
 		{"metrics unknown", "GET", "/sandboxes/nosuch/metrics", "", 404, notFound("nosuch")},
 		{"snapshot unknown", "POST", "/sandboxes/nosuch/snapshots", `{}`, 404, notFound("nosuch")},
 		{"alias unknown", "GET", "/templates/aliases/nope", "", 404, "template 'nope' not found"},
+		{"create unknown template", "POST", "/v2/sandboxes", `{"templateID":"nope"}`, 404, "template 'nope' not found"},
+		{"create unknown template v1", "POST", "/sandboxes", `{"templateID":"no:pe"}`, 404, "template 'no:pe' not found"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
