@@ -4,7 +4,17 @@
 // ending the streams of other clients.
 import { after, before, describe, test } from 'node:test'
 import assert from 'node:assert/strict'
-import { FilesystemEventType, NotFoundError, Sandbox, SandboxError, Template } from 'e2b'
+import {
+  AuthenticationError,
+  FileNotFoundError,
+  FilesystemEventType,
+  InvalidArgumentError,
+  NotFoundError,
+  Sandbox,
+  SandboxError,
+  SandboxNotFoundError,
+  Template,
+} from 'e2b'
 import {
   COMPAT_CREATE_OPTS,
   HOOK_TIMEOUT,
@@ -138,6 +148,24 @@ describe('parity', { timeout: TEST_TIMEOUT * 16 }, () => {
     const want = (await sbx.commands.run('cat /proc/sys/kernel/random/boot_id')).stdout
     assert.equal(await sbx.files.read('/proc/sys/kernel/random/boot_id'), want)
     assert.match(await sbx.files.read('/proc/self/status'), /^Name:/)
+  })
+
+  test('errors the SDK surfaces carry E2B envd/API codes and messages', { timeout: TEST_TIMEOUT }, async () => {
+    await sbx.files.write('/tmp/errs/file.txt', 'f')
+    assert.equal(await sbx.files.makeDir('/tmp/errs'), false)
+    await assert.rejects(sbx.files.makeDir('/tmp/errs/file.txt'), isError(InvalidArgumentError, (err) =>
+      assert.match(err.message, /path already exists but it is not a directory: \/tmp\/errs\/file.txt/)))
+    await assert.rejects(sbx.files.list('/tmp/errs/file.txt'), isError(InvalidArgumentError, (err) =>
+      assert.match(err.message, /path is not a directory: \/tmp\/errs\/file.txt/)))
+    await assert.rejects(sbx.files.getInfo('/tmp/errs/missing'), isError(FileNotFoundError, (err) =>
+      assert.match(err.message, /file not found: lstat \/tmp\/errs\/missing: no such file or directory/)))
+    await assert.rejects(sbx.commands.run('true', { user: 'no-such-user' }), isError(AuthenticationError, (err) =>
+      assert.match(err.message, /invalid username: 'no-such-user'/)))
+    await assert.rejects(Sandbox.getInfo('nosuchsandbox'), isError(SandboxNotFoundError))
+    await assert.rejects(Sandbox.create('no-such-template', { timeoutMs: 60_000 }), isError(SandboxError, (err) => {
+      assert.equal(err.statusCode, 404)
+      assert.equal(err.message, "404: template 'no-such-template' not found")
+    }))
   })
 
   test('Template.exists: true for base, false for an unknown alias', { timeout: TEST_TIMEOUT }, async () => {
