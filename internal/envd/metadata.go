@@ -171,13 +171,12 @@ func getXattr(path, name string) ([]byte, error) {
 func replaceMetadata(f *os.File, md map[string]string) error {
 	fd := int(f.Fd())
 	existing, err := flistXattrs(fd)
-	if err != nil {
-		if xattrUnsupported(err) {
-			if len(md) == 0 {
-				return nil
-			}
-			return errorf(errdefs.ErrInvalid, "the filesystem of '%s' does not support file metadata (extended attributes)", f.Name())
-		}
+	switch {
+	case err != nil && len(md) == 0:
+		return nil // nothing to set; a file that cannot list xattrs (a device, procfs) has none
+	case err != nil && xattrUnsupported(err):
+		return errorf(errdefs.ErrInvalid, "the filesystem of '%s' does not support file metadata (extended attributes)", f.Name())
+	case err != nil:
 		return fmt.Errorf("list xattrs of %s: %w", f.Name(), err)
 	}
 	for _, name := range existing {
