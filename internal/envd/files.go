@@ -207,14 +207,14 @@ func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
 		}
 	default: // application/octet-stream and anything else: the body is the file
 		if queryPath == "" {
-			writeJSONError(w, http.StatusBadRequest, "path is required for a non-multipart upload")
+			writeJSONError(w, http.StatusBadRequest, "path query parameter is required for raw body upload")
 			return
 		}
 		var body io.Reader = r.Body
 		if strings.EqualFold(r.Header.Get("Content-Encoding"), "gzip") {
 			zr, err := gzip.NewReader(r.Body)
 			if err != nil {
-				writeJSONError(w, http.StatusBadRequest, "invalid gzip body: "+err.Error())
+				writeJSONError(w, http.StatusBadRequest, "error decompressing request body: "+err.Error())
 				return
 			}
 			defer zr.Close()
@@ -238,7 +238,7 @@ func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
 // makes md the file's whole metadata.
 func writeFileAs(acct *account, path string, body io.Reader, md map[string]string) (writeInfo, error) {
 	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
-		return writeInfo{}, httpErrorf(http.StatusBadRequest, "path '%s' is a directory", path)
+		return writeInfo{}, httpErrorf(http.StatusBadRequest, "path is a directory: %s", path)
 	}
 	if err := mkdirAllAs(filepath.Dir(path), acct); err != nil {
 		if errors.Is(err, errdefs.ErrInvalid) {

@@ -407,3 +407,35 @@ func TestFilesystemErrorWording(t *testing.T) {
 		})
 	}
 }
+
+// TestUploadErrorWording: E2B envd's statuses and messages for the uploads the SDK can get wrong.
+func TestUploadErrorWording(t *testing.T) {
+	h := newHarness(t, envd.Config{})
+	dir := t.TempDir()
+	cases := []struct {
+		name   string
+		q      map[string]string
+		hdr    map[string]string
+		body   string
+		status int
+		msg    string
+	}{
+		{"octet stream without path", nil, map[string]string{"Content-Type": "application/octet-stream"}, "x", 400, "path query parameter is required for raw body upload"},
+		{"onto a directory", map[string]string{"path": dir}, map[string]string{"Content-Type": "application/octet-stream"}, "x", 400, "path is a directory: " + dir},
+		{"bad gzip", map[string]string{"path": dir + "/g"}, map[string]string{"Content-Type": "application/octet-stream", "Content-Encoding": "gzip"}, "not a gzip stream", 400, "error decompressing request body: gzip: invalid header"},
+		{"unknown user", map[string]string{"path": dir + "/u", "username": "no-such-user-xyz"}, map[string]string{"Content-Type": "application/octet-stream"}, "x", 401, "error looking up user 'no-such-user-xyz': user: unknown user no-such-user-xyz"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			code, resp, _ := doReq(t, http.MethodPost, filesURL(h.url, tc.q), strings.NewReader(tc.body), tc.hdr)
+			var e struct {
+				Code    int    `json:"code"`
+				Message string `json:"message"`
+			}
+			_ = json.Unmarshal(resp, &e)
+			if code != tc.status || e.Code != tc.status || e.Message != tc.msg {
+				t.Fatalf("%d %s; want %d %q", code, resp, tc.status, tc.msg)
+			}
+		})
+	}
+}
