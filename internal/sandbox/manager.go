@@ -356,13 +356,27 @@ func (m *Manager) entry(id string) (*entry, error) {
 	return e, nil
 }
 
-// goneErr is the error for calls to a sandbox that ended: it says why and when.
+// GoneError is the error for calls to a sandbox that ended: it says why and when. It is an
+// errdefs.ErrNotFound.
+type GoneError struct {
+	ID     string
+	Reason string // EndKilled, EndTimeout, runtime.ExitOOM, ...
+	At     time.Time
+}
+
+func (e *GoneError) Error() string {
+	return fmt.Sprintf("sandbox %q is not running: %s at %s", e.ID, e.Reason, e.At.Format(time.RFC3339))
+}
+
+// Is makes a GoneError an errdefs.ErrNotFound.
+func (e *GoneError) Is(target error) bool { return target == errdefs.ErrNotFound }
+
 func goneErr(sb *Sandbox) error {
 	reason := sb.EndReason
 	if reason == "" {
-		reason = "killed"
+		reason = EndKilled
 	}
-	return fmt.Errorf("sandbox %q is not running: %s at %s: %w", sb.ID, reason, sb.EndedAt.Format(time.RFC3339), errdefs.ErrNotFound)
+	return &GoneError{ID: sb.ID, Reason: reason, At: sb.EndedAt}
 }
 
 // runningLocked returns nil if e's sandbox runs, else the error a caller gets.

@@ -28,7 +28,7 @@ const MaxTimeout = 24 * time.Hour
 const EnvdPort = envdclient.Port
 
 // EnvdVersion is the envd protocol version ember's envd implements (gates SDK features).
-const EnvdVersion = "0.5.7"
+const EnvdVersion = "0.6.4"
 
 // Sandbox is the user-visible record of one sandbox. It is what the store persists.
 type Sandbox struct {
