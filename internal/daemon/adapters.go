@@ -72,7 +72,9 @@ func (a *imageAdapter) Save(ctx context.Context, id, dir string) error {
 	return err
 }
 
-func (a *imageAdapter) Load(ctx context.Context, id, dir string) error { return a.s.Load(ctx, id, dir) }
+func (a *imageAdapter) Fetch(ctx context.Context, id, dir string, unpack func(ctx context.Context, src, dst string) error) error {
+	return a.s.Fetch(ctx, id, dir, snapshot.FetchImport(unpack))
+}
 
 func (a *imageAdapter) Delete(ctx context.Context, id string) error { return a.s.Delete(ctx, id) }
 

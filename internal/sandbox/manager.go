@@ -67,7 +67,10 @@ type RootFSInfo struct {
 // Optional: without it, snapshot images stay in the data directory only.
 type ImageStore interface {
 	Save(ctx context.Context, id, srcDir string) error
-	Load(ctx context.Context, id, destDir string) error
+	// Fetch makes destDir a complete, verified copy of stored image id, loading it only if it
+	// is not one already; concurrent Fetches of one destination share one load. unpack turns
+	// the stored files (srcDir) into the image (dstDir, which it creates).
+	Fetch(ctx context.Context, id, destDir string, unpack func(ctx context.Context, srcDir, dstDir string) error) error
 	Delete(ctx context.Context, id string) error
 }
 
@@ -128,7 +131,6 @@ type Manager struct {
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool
-	loads     map[string]*sync.Mutex // stored images being loaded into the node cache
 
 	// bg is the context of background work (pool, watchers, reaper); Close cancels it.
 	bg       context.Context
