@@ -190,6 +190,7 @@ func (m *Manager) forkChild(ctx context.Context, parent *Sandbox, tpl *Template,
 		DiskSizeMB:    parent.DiskSizeMB,
 		AutoPause:     parent.AutoPause,
 		AllowInternet: parent.AllowInternet,
+		Network:       parent.Network.ForNew(),
 	}
 	if err := m.launch(ctx, child, tpl, image, parent.AccessToken, false); err != nil {
 		return nil, err

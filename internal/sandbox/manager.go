@@ -35,8 +35,8 @@ type Slot struct {
 
 // Network hands out single-use network slots (internal/network implements it).
 type Network interface {
-	Acquire(ctx context.Context, allowInternet bool) (Slot, error)
-	Adopt(index int, allowInternet bool) (Slot, error)
+	Acquire(ctx context.Context, egress Egress) (Slot, error)
+	Adopt(index int, egress Egress) (Slot, error)
 	Release(ctx context.Context, index int) error
 	Reconcile(ctx context.Context, keep []int) error
 }
@@ -363,6 +363,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		DiskSizeMB:    orDefault(tpl.DiskMB, m.cfg.DiskMB),
 		AutoPause:     req.AutoPause,
 		AllowInternet: allow,
+		Network:       req.Network.ForNew(),
 	}
 	if len(tpl.Aliases) > 0 {
 		sb.Alias = tpl.Aliases[0]
@@ -375,7 +376,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		how = "boot"
 		err = m.launch(ctx, sb, tpl, "", "", false)
 	default:
-		if pe := m.pool.take(tpl, allow && !req.NoPool); pe != nil {
+		if pe := m.pool.take(tpl, req.IsDefaultEgress() && !req.NoPool); pe != nil {
 			how = "pool"
 			err = m.assign(ctx, sb, pe, tpl.InitToken)
 		} else {
@@ -435,7 +436,7 @@ func (m *Manager) launch(ctx context.Context, sb *Sandbox, tpl *Template, image,
 	var undo cleanup.Stack
 	defer func() { undo.Run() }()
 	t0 := time.Now()
-	slot, err := m.cfg.Network.Acquire(ctx, sb.AllowInternet)
+	slot, err := m.cfg.Network.Acquire(ctx, sb.Egress())
 	if err != nil {
 		return fmt.Errorf("network slot: %w", err)
 	}

@@ -156,7 +156,7 @@ func (p *pool) fill() {
 
 func (p *pool) restore(ctx context.Context, tpl *Template) (*pooled, error) {
 	m := p.m
-	slot, err := m.cfg.Network.Acquire(ctx, true)
+	slot, err := m.cfg.Network.Acquire(ctx, Egress{AllowInternet: true})
 	if err != nil {
 		return nil, err
 	}

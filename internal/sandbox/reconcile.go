@@ -30,7 +30,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		case StateRunning:
 			st, err := m.cfg.Driver.State(ctx, sb.Runtime.InstanceID)
 			if err == nil && st.State == runtime.StateRunning {
-				if _, err := m.cfg.Network.Adopt(sb.Runtime.SlotIndex, sb.AllowInternet); err == nil {
+				if _, err := m.cfg.Network.Adopt(sb.Runtime.SlotIndex, sb.Egress()); err == nil {
 					keepSlots = append(keepSlots, sb.Runtime.SlotIndex)
 					keepInstances[sb.Runtime.InstanceID] = true
 					keepDirs[sb.ID] = true

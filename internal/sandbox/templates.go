@@ -70,7 +70,7 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 // the sandbox into image.
 func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, image string, progress func(string)) error {
 	sb := &Sandbox{ID: "t" + newID()[1:], CPUCount: orDefault(tpl.CPUCount, m.cfg.CPUCount), MemoryMB: orDefault(tpl.MemoryMB, m.cfg.MemoryMB)}
-	slot, err := m.cfg.Network.Acquire(ctx, false)
+	slot, err := m.cfg.Network.Acquire(ctx, Egress{})
 	if err != nil {
 		return err
 	}

@@ -43,9 +43,11 @@ type Sandbox struct {
 	DiskSizeMB  int               `json:"diskSizeMB"`
 	// AutoPause: on timeout pause instead of kill.
 	AutoPause bool `json:"autoPause"`
-	// AllowInternet: egress to the internet (NAT); false keeps the sandbox off the network
-	// except for the daemon reaching envd.
+	// AllowInternet: egress to the internet (NAT); false denies every address except those in
+	// Network.AllowOut (E2B: as denyOut 0.0.0.0/0). The daemon reaches envd either way.
 	AllowInternet bool `json:"allowInternet"`
+	// Network: egress lists and guest-port controls (E2B's network config; network.go).
+	Network *NetworkConfig `json:"network,omitempty"`
 
 	// Runtime placement: which driver instance and network slot the sandbox uses now.
 	Runtime Placement `json:"runtime"`
@@ -70,6 +72,8 @@ type CreateRequest struct {
 	EnvVars       map[string]string
 	AutoPause     bool
 	AllowInternet *bool // nil = default (true)
+	// Network: egress lists and guest-port controls; nil = E2B's defaults. ValidateNetwork it.
+	Network *NetworkConfig
 	// Cold boots the template's rootfs instead of restoring its checkpoint (benchmarks, fallback).
 	Cold bool
 	// NoPool skips the warm pool and restores the template's checkpoint (benchmarks).
