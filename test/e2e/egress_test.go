@@ -312,6 +312,26 @@ func TestEgressFromSandboxes(t *testing.T) {
 		}
 		reach(t, s, e2ePubB, true)
 	})
+	t.Run("fork children and a restarted daemon keep the rules", func(t *testing.T) {
+		s := d.create(t, map[string]any{"network": map[string]any{"denyOut": []string{e2ePubA}}})
+		var forks []struct {
+			Sandbox *sbx `json:"sandbox"`
+		}
+		if code := d.api(t, "POST", "/sandboxes/"+s.SandboxID+"/fork", map[string]any{"count": 1}, &forks); code != 201 || len(forks) != 1 || forks[0].Sandbox == nil {
+			t.Fatalf("fork: %d %+v\n%s", code, forks, d.logs())
+		}
+		child := *forks[0].Sandbox
+		t.Cleanup(func() { d.api(t, "DELETE", "/sandboxes/"+child.SandboxID, nil, nil) })
+		reach(t, child, e2ePubA, false)
+		reach(t, child, e2ePubB, true)
+		d.crash()
+		if err := d.start(); err != nil {
+			t.Fatalf("restart: %v\n%s", err, d.logs())
+		}
+		reach(t, s, e2ePubA, false)
+		reach(t, s, e2ePubB, true)
+		reach(t, child, e2ePubA, false)
+	})
 	t.Run("bad rules are 400", func(t *testing.T) {
 		for _, body := range []map[string]any{
 			{"templateID": "base", "network": map[string]any{"denyOut": []string{"example.com"}}},
