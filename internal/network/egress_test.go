@@ -587,9 +587,11 @@ func TestEgressUpdate(t *testing.T) {
 	}
 
 	denied := SlotOptions{AllowInternet: true, DenyOut: pfx(t, "203.0.113.0/24")}
+	start := time.Now()
 	if err := m.Update(ctx, s, denied); err != nil {
 		t.Fatal(err)
 	}
+	t.Logf("Update (one nft transaction): %v", time.Since(start))
 	await(2, "after denyOut")
 	if err := echo("after", blockedWait); err == nil {
 		t.Fatal("an open connection to a newly denied address still works")

@@ -3,8 +3,8 @@
 // host namespace, the allocation of those slots (lowest free index, an optional pool of
 // pre-created slots), and the one nftables table that isolates them (no slot-to-slot or
 // slot-to-host traffic, private ranges always denied, masqueraded egress filtered by each
-// slot's allow/deny rules, see egress.go). It must not touch any other nftables table, netns or interface than those carrying
-// its own name prefix, and knows nothing of sandboxes or runtimes.
+// slot's allow/deny rules: egress.go). It must not touch any other nftables table, netns or
+// interface than those carrying its own name prefix, and knows nothing of sandboxes or runtimes.
 //
 // A slot is single-use: gVisor (runsc --network=sandbox) takes over the guest interface and
 // strips its kernel addresses, so Release deletes the namespace and the next sandbox gets a
@@ -62,9 +62,10 @@ type Config struct {
 	// Kept so configurations that set it still load.
 	InternetGroup uint32
 	// Resolvers are the DNS servers sandboxes use (the nameservers of the template rootfs's
-	// /etc/resolv.conf, a copy of the host's). Slots whose rules allow the internet may reach
-	// them on port 53 even when they are in an always-denied range. Nil means the IPv4,
-	// non-loopback nameservers of the host's /etc/resolv.conf.
+	// /etc/resolv.conf, a copy of the host's). A slot reaches them on port 53, even in an
+	// always-denied range, when its own rules would let it reach their address (so: when
+	// internet access is on). Nil means the IPv4, non-loopback nameservers of the host's
+	// /etc/resolv.conf.
 	Resolvers []netip.Addr
 	// Logger receives background events (pool failures); nil means slog.Default().
 	Logger *slog.Logger
@@ -142,6 +143,7 @@ func New(cfg Config) (*Manager, error) {
 	if cfg.Resolvers == nil {
 		cfg.Resolvers = hostResolvers("/etc/resolv.conf")
 	}
+	cfg.Resolvers = slices.Clone(cfg.Resolvers)
 	for i, r := range cfg.Resolvers {
 		if !r.Unmap().Is4() {
 			return nil, fmt.Errorf("network.resolvers: %s: must be an IPv4 address: %w", r, errdefs.ErrInvalid)

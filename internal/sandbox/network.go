@@ -117,15 +117,18 @@ func (n *NetworkConfig) GuestToken(port int) string {
 	return n.TrafficAccessToken
 }
 
-// invalidError is a caller mistake whose message is the whole text (E2B's wording), without
-// the category's suffix.
-type invalidError struct{ msg string }
+// e2bError is an error of category kind whose text is E2B's message, without the category's
+// suffix.
+type e2bError struct {
+	msg  string
+	kind error
+}
 
-func (e *invalidError) Error() string { return e.msg }
-func (e *invalidError) Unwrap() error { return errdefs.ErrInvalid }
+func (e *e2bError) Error() string { return e.msg }
+func (e *e2bError) Unwrap() error { return e.kind }
 
 func invalidf(format string, args ...any) error {
-	return &invalidError{msg: fmt.Sprintf(format, args...)}
+	return &e2bError{msg: fmt.Sprintf(format, args...), kind: errdefs.ErrInvalid}
 }
 
 // parseCIDR parses an IPv4 address or CIDR (host bits cleared).
@@ -250,17 +253,18 @@ func (m *Manager) UpdateNetwork(ctx context.Context, id string, u NetworkUpdate)
 	if err := ValidateEgress(u.AllowOut, u.DenyOut); err != nil {
 		return err
 	}
+	notFound := &e2bError{msg: fmt.Sprintf("Sandbox %q doesn't exist or you don't have access to it", id), kind: errdefs.ErrNotFound}
 	e, err := m.entry(id)
 	if err != nil {
-		return err
+		return notFound
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	switch e.sb.State {
 	case StateKilled:
-		return fmt.Errorf("sandbox %q: %w", id, errdefs.ErrNotFound)
+		return notFound
 	case StatePaused:
-		return fmt.Errorf("sandbox %q is paused: %w", id, errdefs.ErrConflict)
+		return &e2bError{msg: fmt.Sprintf("Sandbox %q is paused", id), kind: errdefs.ErrConflict}
 	}
 	up, ok := m.cfg.Network.(egressUpdater)
 	if !ok {
