@@ -24,6 +24,9 @@ const TrafficAccessTokenHeader = "e2b-traffic-access-token"
 // MaskRequestHostPort is replaced by the guest port in MaskRequestHost.
 const MaskRequestHostPort = "${PORT}"
 
+// MaxEgressEntries bounds allowOut and denyOut (each slot's rules are one nft transaction).
+const MaxEgressEntries = 1024
+
 // ErrMsgDomainsRequireBlockAll is E2B's answer to domains in allowOut without ALL_TRAFFIC denied.
 const ErrMsgDomainsRequireBlockAll = "When specifying allowed domains in allow out, you must include 'ALL_TRAFFIC' in deny out to block all other traffic."
 
@@ -173,6 +176,14 @@ func isIPOrCIDR(s string) bool {
 // accepts them only when denyOut holds ALL_TRAFFIC, so that check comes first) and IPv6
 // entries (sandboxes have no IPv6 egress). Errors wrap errdefs.ErrInvalid.
 func ValidateEgress(allowOut, denyOut []string) error {
+	if len(allowOut) > MaxEgressEntries || len(denyOut) > MaxEgressEntries {
+		return invalidf("allow out and deny out may hold at most %d entries each", MaxEgressEntries)
+	}
+	for _, e := range slices.Concat(allowOut, denyOut) {
+		if h, p, err := net.SplitHostPort(e); err == nil && p != "" && isIPOrCIDR(h) {
+			return invalidf("invalid entry %s: port-specific rules are not supported by this server; give an IP address or CIDR", e)
+		}
+	}
 	for _, d := range denyOut {
 		if !isIPOrCIDR(d) {
 			return invalidf("invalid denied CIDR %s", d)

@@ -28,6 +28,8 @@ func TestValidateEgress(t *testing.T) {
 		{"allow unspecified /8", []string{"0.0.0.0/8"}, nil, "invalid allowed address 0.0.0.0/8"},
 		{"allow ipv6", []string{"2001:db8::/32"}, nil, "invalid allowed address 2001:db8::/32: only IPv4 addresses and CIDRs are supported"},
 		{"domain needs ALL_TRAFFIC", []string{"example.com"}, []string{"8.8.8.8"}, ErrMsgDomainsRequireBlockAll},
+		{"too many", make([]string, MaxEgressEntries+1), nil, "allow out and deny out may hold at most 1024 entries each"},
+		{"port rule", []string{"1.1.1.1:443"}, []string{"0.0.0.0/0"}, "invalid entry 1.1.1.1:443: port-specific rules are not supported…"},
 		{"domain unsupported", []string{"1.1.1.1", "*.example.com"}, []string{"0.0.0.0/0"}, "invalid allowed address *.example.com: domain names in allow out are not supported…"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
