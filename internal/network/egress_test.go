@@ -696,3 +696,68 @@ func TestEgressPool(t *testing.T) {
 		t.Fatal("pooled slot taken with internet off reaches the internet")
 	}
 }
+
+// TestEgressUpdateIsAtomic flips between two rule sets that both allow one address while a
+// client keeps connecting to it: with a window between removing the old rules and adding the
+// new ones, some connections would be dropped.
+func TestEgressUpdateIsAtomic(t *testing.T) {
+	m := newEgressManager(t, 0)
+	up := makeUpstream(t)
+	ctx := context.Background()
+	a := SlotOptions{AllowOut: pfx(t, pubA, pubB)}
+	b := SlotOptions{AllowOut: pfx(t, pubA, pubC), DenyOut: pfx(t, pubB)}
+	s := mustAcquire(t, m, a)
+	target := net.JoinHostPort(pubA, up.port)
+
+	stop := make(chan struct{})
+	type tally struct{ ok, failed int }
+	res := make(chan tally, 1)
+	go func() {
+		runtime.LockOSThread() // stays locked: the thread dies with the goroutine
+		var n tally
+		defer func() { res <- n }()
+		ns, err := netns.GetFromPath(s.NetNSPath)
+		if err != nil {
+			n.failed = -1
+			return
+		}
+		if err := netns.Set(ns); err != nil {
+			n.failed = -1
+			return
+		}
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			c, err := net.DialTimeout("tcp4", target, 500*time.Millisecond)
+			if err != nil {
+				n.failed++
+				continue
+			}
+			c.Close()
+			n.ok++
+		}
+	}()
+	const flips = 40
+	for i := range flips {
+		opts := a
+		if i%2 == 0 {
+			opts = b
+		}
+		if err := m.Update(ctx, s, opts); err != nil {
+			close(stop)
+			t.Fatal(err)
+		}
+	}
+	close(stop)
+	n := <-res
+	t.Logf("%d updates; client connections: %d ok, %d failed", flips, n.ok, n.failed)
+	if n.failed != 0 || n.ok == 0 {
+		t.Fatalf("connections to an address every rule set allows failed during updates: %d ok, %d failed", n.ok, n.failed)
+	}
+	if _, err := dial(t, s.NetNSPath, net.JoinHostPort(pubB, up.port), openWait); err != nil {
+		t.Fatalf("final rules (a) do not allow %s: %v", pubB, err)
+	}
+}
