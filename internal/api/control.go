@@ -25,6 +25,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodPost, "/sandboxes/{id}/resume", s.resume)
 	rt.handle(http.MethodPost, "/sandboxes/{id}/snapshots", s.createSnapshot)
 	rt.handle(http.MethodPost, "/sandboxes/{id}/fork", s.fork)
+	rt.handle(http.MethodPut, "/sandboxes/{id}/network", s.updateNetwork)
 	// Snapshots and templates.
 	rt.handle(http.MethodGet, "/snapshots", s.listSnapshots)
 	rt.handle(http.MethodGet, "/templates", s.listTemplates)
@@ -40,7 +41,10 @@ func (s *server) controlRoutes() *router {
 }
 
 func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params) error {
-	var req newSandboxRequest
+	var req struct {
+		newSandboxRequest
+		Network *networkJSON `json:"network"`
+	}
 	if err := s.decodeJSON(w, r, &req, true); err != nil {
 		return err
 	}
@@ -54,6 +58,10 @@ func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params)
 	if err != nil {
 		return err
 	}
+	network, err := req.Network.toConfig()
+	if err != nil {
+		return err
+	}
 	sbx, err := s.svc.Create(r.Context(), sandbox.CreateRequest{
 		TemplateID:      req.TemplateID,
 		Timeout:         timeout,
@@ -63,6 +71,7 @@ func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params)
 		AutoPauseMemory: req.AutoPauseMemory,
 		AutoResume:      autoResume(req.AutoResume),
 		AllowInternet:   req.AllowInternetAccess,
+		Network:         network,
 	})
 	if err != nil {
 		return err

@@ -52,8 +52,9 @@ func (s *server) newProxy() *httputil.ReverseProxy {
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			target := pr.In.Context().Value(proxyTargetKey{}).(*url.URL)
 			pr.SetURL(target)
-			// Keep the Host the client used: apps behind the proxy see their public name.
-			pr.Out.Host = pr.In.Host
+			// Keep the Host the client used (apps behind the proxy see their public name), unless
+			// the sandbox masks it (network.maskRequestHost).
+			pr.Out.Host = guestHost(pr.In)
 			pr.SetXForwarded()
 		},
 		Transport:     transport,
@@ -93,7 +94,11 @@ func (s *server) serveSandbox(w http.ResponseWriter, r *http.Request, id string,
 		writeNotRunning(w, id)
 		return
 	}
-	ctx := context.WithValue(r.Context(), proxyTargetKey{}, target)
+	ctx, ok := s.guestAccess(r.Context(), w, r, id, port) // traffic token, Host mask
+	if !ok {
+		return
+	}
+	ctx = context.WithValue(ctx, proxyTargetKey{}, target)
 	ctx = context.WithValue(ctx, proxySandboxKey{}, id)
 	// Connect streams answer while the request body may still be arriving. Without full duplex
 	// the HTTP/1 server drains the request body when the response starts, racing the proxy that

@@ -30,8 +30,8 @@ type Slot struct {
 
 // Network hands out single-use network slots (internal/network implements it).
 type Network interface {
-	Acquire(ctx context.Context, allowInternet bool) (Slot, error)
-	Adopt(index int, allowInternet bool) (Slot, error)
+	Acquire(ctx context.Context, egress Egress) (Slot, error)
+	Adopt(index int, egress Egress) (Slot, error)
 	Release(ctx context.Context, index int) error
 	Reconcile(ctx context.Context, keep []int) error
 }

@@ -263,7 +263,7 @@ func TestReconcileAdoptsOnlyWhatTheStoreKnows(t *testing.T) {
 	}
 	orphanDir := filepath.Join(n.cfg.DataDir, "sandboxes", "orphanaaaaaaaaaaaaaa", "run-abcd")
 	os.MkdirAll(orphanDir, 0o700)
-	slot, _ := n.rig.Network.Acquire(context.Background(), true)
+	slot, _ := n.rig.Network.Acquire(context.Background(), sandbox.Egress{AllowInternet: true})
 	if err := n.rig.Driver.Start(context.Background(), runtime.Spec{ID: "orphanaaaaaaaaaaaaaa-abcd", RootFS: tpl.RootFS, StateDir: orphanDir, NetNSPath: slot.NetNSPath, Args: []string{"/usr/local/bin/envd"}}); err != nil {
 		t.Fatal(err)
 	}
