@@ -170,11 +170,16 @@ func (s *suite) testMemoryHog(t *testing.T) {
 	e := s.env(t)
 	hogs := []struct{ name, script string }{
 		{"one big buffer", "dd if=/dev/zero of=/dev/null bs=2000M count=1"},
-		{"growing string", `awk 'BEGIN{s="a"; for(i=0;i<40;i++) s=s s; print length(s)}'`},
+		{"growing string", `awk 'BEGIN{s="a"; for(i=0;i<30;i++) s=s s; print length(s)}'`},
 	}
 	for _, h := range hogs {
 		t.Run(h.name, func(t *testing.T) {
 			sp := e.start()
+			if st, err := e.d.Stats(ctx(t), sp.ID); err != nil {
+				t.Fatalf("Stats: %v", err)
+			} else if st.MemoryLimit == 0 {
+				t.Skip("the driver does not enforce MemoryMB in this configuration (Stats.MemoryLimit is 0)")
+			}
 			wc := e.waitAsync(ctx(t), sp.ID)
 			t0 := time.Now()
 			type execResult struct {

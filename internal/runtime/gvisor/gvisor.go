@@ -1,8 +1,10 @@
 // Package gvisor is the runtime.Driver that runs each sandbox in its own gVisor sandbox through
 // the runsc binary (platform systrap). It owns the runsc state directory (Config.Root), each
 // instance's OCI bundle and runsc logs under runtime.Spec.StateDir, and the cgroups runsc makes
-// for an instance. It never writes the template rootfs: the instance's writes live in runsc's
-// memory-backed overlay and so are part of every checkpoint image.
+// for an instance. It never writes the template rootfs: the instance's writes live in its own
+// host overlayfs layer under its StateDir (layers.go, fsdelta.go; mounted nosuid,nodev, in a
+// directory only root may enter), which checkpoints carry next to the memory image. It also owns
+// the exported image format (image.go) and watches instances for their exit (wait.go).
 package gvisor
 
 import (
@@ -589,6 +591,7 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 		return d.explain(ctx, id, cerr)
 	}
 	d.log.Debug("checkpointed", "sandbox_id", id, "leave_running", opts.LeaveRunning, "ms", time.Since(t0).Milliseconds())
+	privateFiles(imageDir)
 	if opts.LeaveRunning {
 		if stateDir != "" {
 			return d.checkpointLayer(stateDir, imageDir, true)
@@ -622,6 +625,20 @@ func (d *Driver) sandboxPid(ctx context.Context, id string) (int, error) {
 		return 0, fmt.Errorf("gvisor: %s: not running: %w", id, errdefs.ErrConflict)
 	}
 	return st.Pid, nil
+}
+
+// privateFiles makes the regular files directly in dir readable by their owner (root) only:
+// memory images hold the sandbox's secrets.
+func privateFiles(dir string) {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		if e.Type().IsRegular() {
+			_ = os.Chmod(filepath.Join(dir, e.Name()), 0o600)
+		}
+	}
 }
 
 // readStatePid reads the sandbox pid recorded in runsc's state file of id under root.

@@ -7,8 +7,8 @@ package gvisor
 // overlayfs upper directory with whiteouts (char 0:0), opaque directories
 // (trusted.overlay.opaque), other xattrs, owners, modes, times, hard links and symlinks.
 //
-// Exported, it is a flat set of regular files: the memory image files as they are (reflinked or
-// copied, holes kept) and layer.tar, the layer as a POSIX (PAX) tar written with archive/tar.
+// Exported, it is a flat set of regular files: the memory image files as they are (hard-linked,
+// else reflinked or copied with their holes) and layer.tar, the layer as a POSIX (PAX) tar written with archive/tar.
 // Sparse files keep their holes: a file whose data covers less than its size carries the
 // records EMBER.sparse ("off:len,off:len,..." of its data extents, found with
 // SEEK_DATA/SEEK_HOLE) and EMBER.size (its apparent size), and its tar data is the extents only,
@@ -111,7 +111,13 @@ func (d *Driver) ExportImage(ctx context.Context, imageDir, dstDir string) error
 				return fail(err)
 			}
 		case e.Type().IsRegular() && imageFileName.MatchString(name) && name != layerArchiveName:
-			if err := copyFileSparse(filepath.Join(imageDir, name), dstDir, name, 0, nil); err != nil {
+			// Memory image files as they are: a hard link where possible (Checkpoint made them
+			// 0600; nothing writes them again), else a reflink or a copy that keeps holes.
+			src := filepath.Join(imageDir, name)
+			if fi, err := os.Lstat(src); err == nil && fi.Mode().Perm() == 0o600 && os.Link(src, filepath.Join(dstDir, name)) == nil {
+				continue
+			}
+			if err := copyFileSparse(src, dstDir, name, 0, nil); err != nil {
 				return fail(fmt.Errorf("gvisor: export %s: %w", name, err))
 			}
 		default:

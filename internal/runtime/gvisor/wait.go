@@ -171,7 +171,7 @@ func (d *Driver) runWatch(id string, w *watch, pidfd int) {
 			}
 		}
 	}
-	w.exit = d.classify(id, w.pid, int(f.Fd()), w.ooms)
+	w.exit = d.classify(id, w.pid, pidfd, w.ooms) // f still owns and holds pidfd open
 	d.mu.Lock()
 	if d.watches[id] == w {
 		delete(d.watches, id)
