@@ -137,8 +137,8 @@ func exportLayer(ctx context.Context, upper, dst string) error {
 		return fmt.Errorf("gvisor: export: %w", err)
 	}
 	defer f.Close()
-	bw := bufio.NewWriterSize(f, 1<<20)
-	tw := tar.NewWriter(bw)
+	aw := &archiveWriter{bw: bufio.NewWriterSize(f, 1<<20)}
+	tw := tar.NewWriter(aw)
 	type inode struct{ dev, ino uint64 }
 	links := map[inode]string{}
 	err = filepath.WalkDir(upper, func(p string, de fs.DirEntry, err error) error {
@@ -221,10 +221,8 @@ func exportLayer(ctx context.Context, upper, dst string) error {
 		if err := tw.WriteHeader(hdr); err != nil {
 			return err
 		}
-		for _, e := range extents {
-			if _, err := io.Copy(tw, io.NewSectionReader(data, e[0], e[1])); err != nil {
-				return fmt.Errorf("read %s: %w", p, err)
-			}
+		if err := writeData(tw, aw, f, data, extents); err != nil {
+			return fmt.Errorf("data of %s: %w", p, err)
 		}
 		return nil
 	})
@@ -232,7 +230,7 @@ func exportLayer(ctx context.Context, upper, dst string) error {
 		err = tw.Close()
 	}
 	if err == nil {
-		err = bw.Flush()
+		err = aw.bw.Flush()
 	}
 	if err == nil {
 		err = f.Close()
@@ -242,6 +240,96 @@ func exportLayer(ctx context.Context, upper, dst string) error {
 		return fmt.Errorf("gvisor: export layer: %w", err)
 	}
 	return nil
+}
+
+// archiveWriter is what the layer's tar.Writer writes to. File data that writeData already placed
+// in the archive file (copy_file_range) is passed through the tar.Writer as zeros for its
+// accounting and dropped here (skip).
+type archiveWriter struct {
+	bw   *bufio.Writer
+	skip int64
+}
+
+func (a *archiveWriter) Write(p []byte) (int, error) {
+	n := len(p)
+	if a.skip > 0 {
+		k := int(min(int64(len(p)), a.skip))
+		a.skip -= int64(k)
+		p = p[k:]
+	}
+	if len(p) == 0 {
+		return n, nil
+	}
+	if _, err := a.bw.Write(p); err != nil {
+		return 0, err
+	}
+	return n, nil
+}
+
+// zeros feeds the tar.Writer's accounting for data copied by the kernel (never written out).
+var zeros = make([]byte, 1<<20)
+
+// writeData writes the data extents of the file data as the current entry's content. Where the
+// kernel can, it copies them straight into the archive file (copy_file_range: no pass through
+// user space, a reflink on btrfs and xfs); else through tw.
+func writeData(tw *tar.Writer, aw *archiveWriter, out, data *os.File, extents [][2]int64) error {
+	var total int64
+	for _, e := range extents {
+		total += e[1]
+	}
+	if total == 0 {
+		return nil
+	}
+	if err := aw.bw.Flush(); err != nil {
+		return err
+	}
+	if pos, err := out.Seek(0, io.SeekCurrent); err == nil {
+		woff, ok := pos, true
+		for _, e := range extents {
+			if !copyRange(data, e[0], out, woff, e[1]) {
+				ok = false
+				break
+			}
+			woff += e[1]
+		}
+		if ok {
+			if _, err := out.Seek(woff, io.SeekStart); err != nil {
+				return err
+			}
+			aw.skip = total
+			for left := total; left > 0; {
+				k := min(left, int64(len(zeros)))
+				if _, err := tw.Write(zeros[:k]); err != nil {
+					return err
+				}
+				left -= k
+			}
+			if aw.skip != 0 {
+				return errors.New("archive accounting out of step")
+			}
+			return nil
+		}
+		// Not possible here: the plain copy below overwrites whatever was placed at pos.
+	}
+	for _, e := range extents {
+		if _, err := io.Copy(tw, io.NewSectionReader(data, e[0], e[1])); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// copyRange copies n bytes from src at roff to dst at woff with copy_file_range (file positions
+// unchanged). It reports false if the kernel could not do it all (the caller copies instead).
+func copyRange(src *os.File, roff int64, dst *os.File, woff, n int64) bool {
+	for n > 0 {
+		k, err := unix.CopyFileRange(int(src.Fd()), &roff, int(dst.Fd()), &woff, int(min(n, 1<<30)), 0)
+		if err != nil || k <= 0 {
+			return false
+		}
+		n -= int64(k)
+	}
+	return true
 }
 
 // addXattrs adds the allowed extended attributes of p (not followed) to recs.
@@ -514,9 +602,15 @@ func importLayer(ctx context.Context, src, imageDir string, limit *int64) error 
 		return fmt.Errorf("gvisor: import layer: %w", err)
 	}
 	defer unix.Close(root)
-	u := &unpacker{root: root, limit: limit, seen: map[string]byte{}}
+	fi, err := f.Stat()
+	if err != nil {
+		return fmt.Errorf("gvisor: import layer: %w", err)
+	}
+	u := &unpacker{root: root, limit: limit, seen: map[string]byte{}, src: f, srcSize: fi.Size()}
 	defer u.closeParent()
-	tr := tar.NewReader(bufio.NewReaderSize(f, 1<<20))
+	// Unbuffered, so that the file's offset is where an entry's data starts: regular files are
+	// copied from there by the kernel, and the reader seeks past data it did not read.
+	tr := tar.NewReader(f)
 	for n := 0; ; n++ {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -531,7 +625,7 @@ func importLayer(ctx context.Context, src, imageDir string, limit *int64) error 
 		if n >= maxImportEntries {
 			return fmt.Errorf("gvisor: import layer: more than %d entries: %w", maxImportEntries, errdefs.ErrInvalid)
 		}
-		if err := u.entry(hdr, tr); err != nil {
+		if err := u.entry(hdr); err != nil {
 			return fmt.Errorf("gvisor: import layer: %q: %w", hdr.Name, err)
 		}
 	}
@@ -544,6 +638,9 @@ type unpacker struct {
 	limit *int64          // data bytes left; negative: no bound
 	seen  map[string]byte // cleaned name -> tar type flag, for duplicates and hard links
 	dirs  []dirTimes
+
+	src     *os.File // the archive, positioned at the current entry's data
+	srcSize int64
 
 	parentName string
 	parentFD   int
@@ -608,7 +705,7 @@ func (u *unpacker) closeParent() {
 	}
 }
 
-func (u *unpacker) entry(hdr *tar.Header, r io.Reader) error {
+func (u *unpacker) entry(hdr *tar.Header) error {
 	name, err := cleanName(hdr.Name)
 	if err != nil {
 		return err
@@ -645,7 +742,7 @@ func (u *unpacker) entry(hdr *tar.Header, r io.Reader) error {
 		}
 		u.dirs = append(u.dirs, dirTimes{name, hdr.AccessTime, hdr.ModTime})
 	case tar.TypeReg:
-		if err := u.regular(pfd, base, hdr, r, mode); err != nil {
+		if err := u.regular(pfd, base, hdr, mode); err != nil {
 			return err
 		}
 	case tar.TypeSymlink:
@@ -705,7 +802,7 @@ func (u *unpacker) entry(hdr *tar.Header, r io.Reader) error {
 }
 
 // regular creates a regular file from its archive data, placing a sparse file's extents.
-func (u *unpacker) regular(pfd int, base string, hdr *tar.Header, r io.Reader, mode uint32) error {
+func (u *unpacker) regular(pfd int, base string, hdr *tar.Header, mode uint32) error {
 	size := hdr.Size
 	var ext [][2]int64
 	if s, ok := hdr.PAXRecords[paxSize]; ok {
@@ -727,6 +824,13 @@ func (u *unpacker) regular(pfd int, base string, hdr *tar.Header, r io.Reader, m
 			return invalid("layer over the image size limit")
 		}
 	}
+	roff, err := u.src.Seek(0, io.SeekCurrent)
+	if err != nil {
+		return err
+	}
+	if hdr.Size > u.srcSize-roff {
+		return invalid("truncated data")
+	}
 	fd, err := unix.Openat(pfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 	if err != nil {
 		return fmt.Errorf("create: %w", err)
@@ -734,16 +838,16 @@ func (u *unpacker) regular(pfd int, base string, hdr *tar.Header, r io.Reader, m
 	f := os.NewFile(uintptr(fd), base)
 	defer f.Close()
 	for _, e := range ext {
-		n, err := io.Copy(io.NewOffsetWriter(f, e[0]), io.LimitReader(r, e[1]))
-		if errors.Is(err, io.ErrUnexpectedEOF) {
-			return invalid("truncated data")
+		if !copyRange(u.src, roff, f, e[0], e[1]) {
+			n, err := io.Copy(io.NewOffsetWriter(f, e[0]), io.NewSectionReader(u.src, roff, e[1]))
+			if err != nil {
+				return err
+			}
+			if n != e[1] {
+				return invalid("truncated data")
+			}
 		}
-		if err != nil {
-			return err
-		}
-		if n != e[1] {
-			return invalid("truncated data")
-		}
+		roff += e[1]
 	}
 	if err := f.Truncate(size); err != nil {
 		return fmt.Errorf("size %d: %w", size, err)
