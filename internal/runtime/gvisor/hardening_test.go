@@ -2,6 +2,7 @@ package gvisor_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -139,4 +140,40 @@ func TestWaitAdopted(t *testing.T) {
 func newDriverRoot(t *testing.T, root string) runtime.Driver {
 	t.Helper()
 	return newDriver(t, func(c *gvisor.Config) { c.Root = root })
+}
+
+// TestRestoreRefusesSymlinkedUpper: an image whose layer/upper is a symlink to a host directory
+// (issue 8 finding 1: a tampered snapshot unpacked by an older loader) is refused by Restore,
+// whether its layer is moved (resume) or cloned (fork), and the host directory is untouched.
+func TestRestoreRefusesSymlinkedUpper(t *testing.T) {
+	d := newDriver(t, nil)
+	rootfs := drivertest.BusyboxRootFS(t)
+	for i, consume := range []bool{false, true} {
+		t.Run(fmt.Sprintf("consume=%v", consume), func(t *testing.T) {
+			base := t.TempDir()
+			sentinel := filepath.Join(base, "sentinel")
+			must(t, os.Mkdir(sentinel, 0o755))
+			must(t, os.WriteFile(filepath.Join(sentinel, "keep"), []byte("keep"), 0o644))
+			before := treeOf(t, sentinel)
+			img := filepath.Join(base, "img")
+			must(t, os.MkdirAll(filepath.Join(img, "layer"), 0o700))
+			must(t, os.WriteFile(filepath.Join(img, "checkpoint.img"), []byte("x"), 0o600))
+			must(t, os.Symlink(sentinel, filepath.Join(img, "layer", "upper")))
+			sp := runtime.Spec{ID: fmt.Sprintf("gv-symup%03d", i), RootFS: rootfs, StateDir: filepath.Join(base, "sbx"),
+				Args: []string{"/bin/sleep", "1000"}, ConsumeImage: consume}
+			err := d.Restore(context.Background(), sp, img)
+			if err == nil {
+				_ = d.Delete(context.Background(), sp.ID)
+				t.Fatal("Restore accepted an image whose layer/upper is a symlink")
+			}
+			t.Logf("refused: %v", err)
+			if got := treeOf(t, sentinel); strings.Join(got, "\n") != strings.Join(before, "\n") {
+				t.Errorf("the host directory changed: %v", got)
+			}
+			var sfs unix.Statfs_t
+			if unix.Statfs(filepath.Join(sp.StateDir, "rootfs"), &sfs) == nil && sfs.Type == unix.OVERLAYFS_SUPER_MAGIC {
+				t.Errorf("an overlay is mounted on %s", filepath.Join(sp.StateDir, "rootfs"))
+			}
+		})
+	}
 }
