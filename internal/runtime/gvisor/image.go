@@ -65,13 +65,14 @@ const (
 // imageFileName is what a memory image file of runsc may be called.
 var imageFileName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
 
-// xattrAllowed says which extended attributes a layer carries: user ones, the overlayfs ones a
-// sandbox's writes produce, file capabilities and ACLs. Others are dropped.
+// xattrAllowed says which extended attributes a layer carries: user ones, the overlayfs one a
+// sandbox's writes produce (opaque directories; the driver's mounts create no redirects, and a
+// planted one would be followed), file capabilities and ACLs. Others are dropped.
 func xattrAllowed(name string) bool {
 	switch {
 	case strings.HasPrefix(name, "user."):
 		return true
-	case name == "trusted.overlay.opaque", name == "trusted.overlay.redirect":
+	case name == "trusted.overlay.opaque":
 		return true
 	case name == "security.capability", name == "system.posix_acl_access", name == "system.posix_acl_default":
 		return true

@@ -481,3 +481,27 @@ func TestPrepareRefusesSymlinkedLayer(t *testing.T) {
 		})
 	}
 }
+
+// TestImportDropsXattrs: extended attributes outside the allowed set (an overlayfs redirect, any
+// other trusted.* one) are not applied; user.* and the opaque marker are.
+func TestImportDropsXattrs(t *testing.T) {
+	d := imageDriver(t)
+	src := t.TempDir()
+	withCheckpoint(t, src)
+	tarFile(t, src, tarEntry{hdr: tar.Header{Name: "d/", Typeflag: tar.TypeDir, Mode: 0o755, PAXRecords: map[string]string{
+		"SCHILY.xattr.trusted.overlay.opaque":   "y",
+		"SCHILY.xattr.trusted.overlay.redirect": "/etc",
+		"SCHILY.xattr.trusted.other":            "x",
+		"SCHILY.xattr.user.ok":                  "1",
+	}}})
+	dst := filepath.Join(t.TempDir(), "img")
+	must(t, d.ImportImage(context.Background(), src, dst, runtime.ImportOptions{}))
+	p := filepath.Join(dst, "layer", "upper", "d")
+	buf := make([]byte, 64)
+	for name, want := range map[string]bool{"trusted.overlay.opaque": true, "user.ok": true, "trusted.overlay.redirect": false, "trusted.other": false} {
+		_, err := unix.Lgetxattr(p, name, buf)
+		if got := err == nil; got != want {
+			t.Errorf("xattr %s present = %v, want %v", name, got, want)
+		}
+	}
+}
