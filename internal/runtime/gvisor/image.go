@@ -53,14 +53,15 @@ const (
 	paxSparse        = "EMBER.sparse"
 	paxSize          = "EMBER.size"
 	paxXattr         = "SCHILY.xattr."
-	// maxImportEntries bounds the entries of an imported layer.
-	maxImportEntries = 1 << 20
 	// maxImageFiles bounds the memory image files of an imported image.
 	maxImageFiles = 64
 	// maxSparseExtents bounds a sparse map; Export merges extents across the smallest holes to
 	// stay within it.
 	maxSparseExtents = 4096
 )
+
+// maxImportEntries bounds the entries of an imported layer (a variable for tests).
+var maxImportEntries = 1 << 20
 
 // imageFileName is what a memory image file of runsc may be called.
 var imageFileName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)

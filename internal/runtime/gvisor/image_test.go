@@ -307,6 +307,7 @@ func withCheckpoint(t *testing.T, src string) {
 
 func TestImportHostile(t *testing.T) {
 	d := imageDriver(t)
+	t.Cleanup(gvisor.SetMaxImportEntries(10))
 	cases := []hostile{
 		{name: "symlink then write through it", build: func(t *testing.T, src, sentinel string) {
 			withCheckpoint(t, src)
@@ -401,6 +402,14 @@ func TestImportHostile(t *testing.T) {
 		{name: "directory in the export", build: func(t *testing.T, src, sentinel string) {
 			withCheckpoint(t, src)
 			must(t, os.MkdirAll(filepath.Join(src, "layer", "upper"), 0o755))
+		}},
+		{name: "too many entries", build: func(t *testing.T, src, sentinel string) {
+			withCheckpoint(t, src)
+			var es []tarEntry
+			for i := 0; i < 20; i++ {
+				es = append(es, reg(fmt.Sprintf("f%d", i), "x"))
+			}
+			tarFile(t, src, es...)
 		}},
 		{name: "no checkpoint", build: func(t *testing.T, src, sentinel string) {
 			tarFile(t, src, reg("a", "x"))
