@@ -585,9 +585,16 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 	if d.cfg.ExcludeZeroPages {
 		args = append(args, "--exclude-committed-zero-pages")
 	}
+	if !opts.LeaveRunning {
+		// Set before runsc runs: the sandbox may exit on its own as soon as its image is written.
+		d.setStopping(id, "stopped by the driver (Checkpoint)")
+	}
 	t0 := time.Now()
 	_, cerr := d.run(ctx, d.logDir(id), append(args, id)...)
 	if cerr != nil {
+		if !opts.LeaveRunning {
+			d.setStopping(id, "")
+		}
 		return d.explain(ctx, id, cerr)
 	}
 	d.log.Debug("checkpointed", "sandbox_id", id, "leave_running", opts.LeaveRunning, "ms", time.Since(t0).Milliseconds())
@@ -599,7 +606,6 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 		return nil
 	}
 	// The image is complete; without the kill the sandbox would linger about a second.
-	d.setStopping(id, "stopped by the driver (Checkpoint)")
 	_ = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
 	if err := waitPidfd(ctx, pidfd, 10*time.Second); err != nil {
 		return err
