@@ -83,6 +83,18 @@ func TestImageOnHost(t *testing.T) {
 					t.Errorf("restored instance's %s: %d blocks, want sparse", p, b)
 				}
 			}
+			if strings.Contains(tc.script, "sparse") {
+				// A fork child clones the image's layer instead of taking it: still sparse.
+				dst2 := filepath.Join(t.TempDir(), "imported2")
+				must(t, d.ImportImage(ctx, exp, dst2, runtime.ImportOptions{MaxBytes: 2 << 30}))
+				child := runtime.Spec{ID: "gv-imgchild", RootFS: rootfs, StateDir: filepath.Join(t.TempDir(), "c"), Args: args}
+				must(t, d.Restore(ctx, child, dst2))
+				t.Cleanup(func() { _ = d.Delete(context.Background(), child.ID) })
+				p := filepath.Join(child.StateDir, "layer", "upper", "root", "sparse")
+				if b := blocks(t, p); b > 64 {
+					t.Errorf("cloned layer's %s: %d blocks, want sparse", p, b)
+				}
+			}
 			if tc.big && !strings.Contains(string(out), "1073741824") {
 				t.Errorf("after restore /root: %s", out)
 			}
