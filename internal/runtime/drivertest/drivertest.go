@@ -58,6 +58,7 @@ func Run(t *testing.T, newDriver func(t *testing.T) runtime.Driver, rootfs func(
 		{"CheckpointLeaveRunning", s.testCheckpointLeaveRunning},
 		{"ForkParallel", s.testForkParallel},
 		{"PauseResume", s.testPauseResume},
+		{"FilesOnlyPause", s.testFilesOnlyPause},
 		{"WaitKilled", s.testWaitKilled},
 		{"WaitExited", s.testWaitExited},
 		{"WaitLifecycle", s.testWaitLifecycle},
@@ -508,6 +509,37 @@ func (s *suite) testPauseResume(t *testing.T) {
 			t.Errorf("restored under a new id: %q", got)
 		}
 	})
+}
+
+// testFilesOnlyPause: a filesystem-only checkpoint keeps the instance's files but not its
+// processes; Start with LayerFrom boots a new instance on them, under the same id.
+func (s *suite) testFilesOnlyPause(t *testing.T) {
+	e := s.env(t)
+	sp := e.start()
+	e.spawn(sp.ID, "exec sleep 1000")
+	// Written just before the checkpoint, with no sync by the test: the driver must flush it.
+	e.sh(sp.ID, 0, "mkdir -p /var/app && echo kept > /var/app/f && rm /bin/true")
+	img := t.TempDir()
+	if err := e.d.Checkpoint(ctx(t), sp.ID, img, runtime.CheckpointOptions{FilesOnly: true}); err != nil {
+		t.Fatalf("Checkpoint(FilesOnly): %v", err)
+	}
+	if st, err := e.d.State(ctx(t), sp.ID); err == nil && st.State == runtime.StateRunning {
+		t.Fatalf("instance still running after a filesystem-only checkpoint")
+	}
+	AssertNoProcesses(t, sp.ID)
+	if err := e.d.Restore(ctx(t), e.spec(), img); err == nil {
+		t.Fatal("Restore of a filesystem-only image succeeded")
+	}
+	booted := sp
+	booted.StateDir = filepath.Join(t.TempDir(), "booted")
+	booted.LayerFrom = img
+	booted.ConsumeImage = true
+	if err := e.d.Start(ctx(t), booted); err != nil {
+		t.Fatalf("Start(LayerFrom): %v", err)
+	}
+	if got := e.sh(sp.ID, 0, "cat /var/app/f; test -e /bin/true && echo true-back; ps -o args | grep -v grep | grep -c 'sleep 1000' || true"); got != "kept\n0\n" {
+		t.Errorf("after a filesystem-only resume: %q (want the file, the deletion, and no old sleep beyond the grep itself)", got)
+	}
 }
 
 // AssertNoLeftovers checks that nothing of instance id is left on the host: no process whose

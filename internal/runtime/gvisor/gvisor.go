@@ -164,7 +164,11 @@ func (d *Driver) Start(ctx context.Context, spec runtime.Spec) error {
 	if err := validateSpec(spec); err != nil {
 		return err
 	}
-	spec, err := d.prepareLayer(spec, "")
+	if spec.LayerFrom != "" && !d.hostLayers() {
+		return fmt.Errorf("gvisor: start on a saved layer needs host layers (overlay %q): %w", d.cfg.Overlay, errdefs.ErrInvalid)
+	}
+	// A filesystem-only resume boots on the layer saved in spec.LayerFrom.
+	spec, err := d.prepareLayer(spec, spec.LayerFrom)
 	if err != nil {
 		return err
 	}
@@ -185,6 +189,9 @@ func (d *Driver) Start(ctx context.Context, spec runtime.Spec) error {
 func (d *Driver) Restore(ctx context.Context, spec runtime.Spec, imageDir string) error {
 	if err := validateSpec(spec); err != nil {
 		return err
+	}
+	if _, err := os.Stat(filepath.Join(imageDir, filesOnlyMarker)); err == nil {
+		return fmt.Errorf("gvisor: restore image %q: a filesystem-only image holds no memory (boot it with Spec.LayerFrom): %w", imageDir, errdefs.ErrInvalid)
 	}
 	if _, err := os.Stat(filepath.Join(imageDir, "checkpoint.img")); err != nil {
 		return fmt.Errorf("gvisor: restore image %q: %v: %w", imageDir, err, errdefs.ErrNotFound)
@@ -277,7 +284,7 @@ func (d *Driver) launchOnce(ctx context.Context, id, logs string, args []string)
 		}
 		return rerr
 	}
-	d.log.Debug("sandbox launched", "sandbox_id", id, "op", args[0], "ms", time.Since(t0).Milliseconds())
+	d.log.Debug("sandbox launched", "instance", id, "op", args[0], "ms", time.Since(t0).Milliseconds())
 	return nil
 }
 
@@ -286,7 +293,7 @@ func (d *Driver) cleanupFailed(id string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := d.Delete(ctx, id); err != nil {
-		d.log.Warn("cleanup after failed launch", "sandbox_id", id, "err", err)
+		d.log.Warn("cleanup after failed launch", "instance", id, "err", err)
 	}
 }
 
@@ -420,7 +427,7 @@ func (d *Driver) waitStopped(ctx context.Context, id string, timeout time.Durati
 			return nil // gone or stopped
 		}
 		if time.Now().After(deadline) {
-			d.log.Warn("sandbox still running; killing its process", "sandbox_id", id, "pid", st.Pid)
+			d.log.Warn("sandbox still running; killing its process", "instance", id, "pid", st.Pid)
 			return killAndWait(ctx, st.Pid, 5*time.Second)
 		}
 		select {
@@ -551,6 +558,9 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 	} else if len(ents) > 0 {
 		return fmt.Errorf("gvisor: checkpoint %s: image dir %s not empty: %w", id, imageDir, errdefs.ErrInvalid)
 	}
+	if opts.FilesOnly {
+		return d.checkpointFiles(ctx, id, imageDir, opts)
+	}
 	// Without LeaveRunning the sandbox process is killed afterwards: hold it by pidfd first so
 	// the kill cannot hit a recycled pid.
 	pidfd := -1
@@ -597,7 +607,7 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 		}
 		return d.explain(ctx, id, cerr)
 	}
-	d.log.Debug("checkpointed", "sandbox_id", id, "leave_running", opts.LeaveRunning, "ms", time.Since(t0).Milliseconds())
+	d.log.Debug("checkpointed", "instance", id, "leave_running", opts.LeaveRunning, "ms", time.Since(t0).Milliseconds())
 	privateFiles(imageDir)
 	if opts.LeaveRunning {
 		if stateDir != "" {
@@ -614,6 +624,49 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 		return d.checkpointLayer(stateDir, imageDir, false)
 	}
 	return nil
+}
+
+// filesOnlyMarker marks an image that holds a writable layer and no memory.
+const filesOnlyMarker = "files-only"
+
+// checkpointFiles is Checkpoint with FilesOnly: the sandbox's file data is flushed to the host
+// (sync inside it), the instance is stopped and its layer moved into imageDir. No memory image
+// is written; Start with Spec.LayerFrom boots on the layer.
+func (d *Driver) checkpointFiles(ctx context.Context, id, imageDir string, opts runtime.CheckpointOptions) error {
+	if opts.LeaveRunning {
+		return fmt.Errorf("gvisor: checkpoint %s: FilesOnly with LeaveRunning: %w", id, errdefs.ErrInvalid)
+	}
+	if !d.hostLayers() {
+		return fmt.Errorf("gvisor: checkpoint %s: a filesystem-only checkpoint needs host layers: %w", id, errdefs.ErrInvalid)
+	}
+	stateDir := d.instanceDir(ctx, id)
+	if stateDir == "" {
+		return fmt.Errorf("gvisor: checkpoint %s: state directory unknown: %w", id, errdefs.ErrNotFound)
+	}
+	pid, err := d.sandboxPid(ctx, id)
+	if err != nil {
+		return err
+	}
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return fmt.Errorf("gvisor: checkpoint %s: pidfd: %w", id, err)
+	}
+	defer unix.Close(pidfd)
+	// Data the sandbox wrote may still sit in its kernel's page cache: flush it to the layer.
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	if out, code, err := d.Exec(sctx, id, []string{"/bin/sync"}); err != nil || code != 0 {
+		d.log.Warn("sync before a filesystem-only checkpoint", "instance", id, "code", code, "err", err, "out", strings.TrimSpace(string(out)))
+	}
+	cancel()
+	d.setStopping(id, "stopped by the driver (Checkpoint)")
+	_ = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
+	if err := waitPidfd(ctx, pidfd, 10*time.Second); err != nil {
+		return err
+	}
+	if err := d.checkpointLayer(stateDir, imageDir, false); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(imageDir, filesOnlyMarker), nil, 0o600)
 }
 
 // sandboxPid returns the pid of id's running sandbox process. It reads runsc's state file

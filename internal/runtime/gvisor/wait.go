@@ -165,7 +165,7 @@ func (d *Driver) runWatch(id string, w *watch, pidfd int) {
 	if rc, err := f.SyscallConn(); err == nil {
 		err = rc.Read(func(fd uintptr) bool { return pidfdExited(int(fd)) })
 		if err != nil {
-			d.log.Warn("exit watcher: poll failed; falling back to a blocking wait", "sandbox_id", id, "err", err)
+			d.log.Warn("exit watcher: poll failed; falling back to a blocking wait", "instance", id, "err", err)
 			for !pidfdExited(pidfd) {
 				time.Sleep(100 * time.Millisecond)
 			}
@@ -179,7 +179,7 @@ func (d *Driver) runWatch(id string, w *watch, pidfd int) {
 	}
 	d.mu.Unlock()
 	close(w.done)
-	d.log.Debug("sandbox exited", "sandbox_id", id, "pid", w.pid, "reason", w.exit.Reason, "code", w.exit.Code, "detail", w.exit.Detail)
+	d.log.Debug("sandbox exited", "instance", id, "pid", w.pid, "reason", w.exit.Reason, "code", w.exit.Code, "detail", w.exit.Detail)
 }
 
 // pidfdExited reports whether the process behind pidfd has exited (the pidfd is readable).
