@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net/url"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -324,7 +325,7 @@ func TestListFilters(t *testing.T) {
 		{"state running plus metadata", "state=running&metadata=" + sdkMetadata("suite", "x"), []string{a.ID}},
 		{"template", "template=base", []string{c.ID, b.ID, a.ID}},
 		{"other template", "template=other", nil},
-		{"startedAfter", "startedAfter=" + url.QueryEscape(a.StartedAt.Format(time.RFC3339)), []string{c.ID, b.ID}},
+		{"startedAfter", "startedAfter=" + url.QueryEscape(a.StartedAt.Format(time.RFC3339Nano)), []string{c.ID, b.ID}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -349,21 +350,36 @@ func TestForkSnapshotsMetricsTemplates(t *testing.T) {
 	e := newEnv(t)
 	sb := e.fake.add(sandbox.StateRunning, nil)
 
-	e.fake.fork = func(_ context.Context, id string, count int, timeout time.Duration) ([]sandbox.ForkResult, error) {
-		if id != sb.ID || count != 2 || timeout != 60*time.Second {
-			t.Errorf("Fork(%s, %d, %v)", id, count, timeout)
+	// The second child's restore fails: the fork answers 201 with one sandbox and one error.
+	var restores atomic.Int32
+	e.fake.rig.Driver.Fail = func(op, id string) error {
+		if op == "Restore" {
+			if restores.Add(1) == 2 {
+				return fmt.Errorf("no slot: %w", errdefs.ErrExhausted)
+			}
 		}
-		child := &sandbox.Sandbox{ID: "child1", TemplateID: "base", AccessToken: "tok-child1"}
-		return []sandbox.ForkResult{{Sandbox: child}, {Err: fmt.Errorf("no slot: %w", errdefs.ErrExhausted)}}, nil
+		return nil
 	}
 	r := e.ctl("POST", "/sandboxes/"+sb.ID+"/fork", `{"count":2,"timeout":60}`)
+	e.fake.rig.Driver.Fail = nil
 	if r.status != 201 {
 		t.Fatalf("fork %d %s", r.status, r.body)
 	}
 	var fr []forkResultJSON
 	r.json(t, &fr)
-	if len(fr) != 2 || fr[0].Sandbox == nil || fr[0].Sandbox.SandboxID != "child1" || fr[0].Sandbox.EnvdAccessToken != "tok-child1" ||
-		fr[1].Error == nil || fr[1].Error.Code != 429 {
+	var ok, failed int
+	for _, c := range fr {
+		switch {
+		case c.Sandbox != nil && c.Sandbox.SandboxID != sb.ID && c.Sandbox.EnvdAccessToken != "" && c.Sandbox.EnvdAccessToken != sb.AccessToken:
+			ok++
+			if got, err := e.fake.Get(context.Background(), c.Sandbox.SandboxID); err != nil || got.State != sandbox.StateRunning {
+				t.Fatalf("fork child %s: %v", c.Sandbox.SandboxID, err)
+			}
+		case c.Error != nil && c.Error.Code == 429:
+			failed++
+		}
+	}
+	if len(fr) != 2 || ok != 1 || failed != 1 {
 		t.Fatalf("fork results %s", r.body)
 	}
 	e.ctl("POST", "/sandboxes/nosuch/fork", `{}`).wantError(t, 404)
@@ -374,7 +390,7 @@ func TestForkSnapshotsMetricsTemplates(t *testing.T) {
 	}
 	var snap createSnapshotResponse
 	r.json(t, &snap)
-	if snap.SnapshotID != "snap1:default" || len(snap.Names) != 1 || snap.Names[0] != "snap1" {
+	if snap.SnapshotID != "snap1" || len(snap.Names) != 1 || snap.Names[0] != "snap1" {
 		t.Fatalf("snapshot %s", r.body)
 	}
 	other := e.fake.add(sandbox.StateRunning, nil)
@@ -401,10 +417,16 @@ func TestForkSnapshotsMetricsTemplates(t *testing.T) {
 	e.ctl("DELETE", "/templates/"+url.PathEscape(snap.SnapshotID), "").wantError(t, 404)
 
 	var ms []map[string]any
-	r = e.ctl("GET", fmt.Sprintf("/sandboxes/%s/metrics?start=%d&end=%d", sb.ID, e.fake.base.Unix()+5, e.fake.base.Unix()+30), "")
+	now := time.Now().Unix()
+	r = e.ctl("GET", fmt.Sprintf("/sandboxes/%s/metrics?start=%d&end=%d", sb.ID, now-60, now+60), "")
 	r.json(t, &ms)
-	if len(ms) != 2 {
+	if len(ms) != 1 {
 		t.Fatalf("metrics in range: %s", r.body)
+	}
+	var none []map[string]any
+	e.ctl("GET", fmt.Sprintf("/sandboxes/%s/metrics?start=%d&end=%d", sb.ID, now-600, now-300), "").json(t, &none)
+	if len(none) != 0 {
+		t.Fatalf("metrics outside the range: %v", none)
 	}
 	for _, f := range []string{"timestamp", "timestampUnix", "cpuCount", "cpuUsedPct", "memUsed", "memTotal", "memCache", "diskUsed", "diskTotal"} {
 		if _, ok := ms[0][f]; !ok {

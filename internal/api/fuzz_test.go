@@ -10,7 +10,6 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/sandbox"
@@ -21,33 +20,39 @@ import (
 // {"code":<status>,"message":...} with code equal to the HTTP status.
 // CI: go test -run=^$ -fuzz=FuzzControlPlaneDecode -fuzztime=20s ./internal/api
 func FuzzControlPlaneDecode(f *testing.F) {
-	fake := newFake(f)
-	fake.fork = func(_ context.Context, id string, count int, _ time.Duration) ([]sandbox.ForkResult, error) {
-		out := make([]sandbox.ForkResult, count)
-		for i := range out {
-			out[i].Sandbox = &sandbox.Sandbox{ID: "child", TemplateID: "base"}
-		}
-		return out, nil
-	}
-	fake.build = func(_ context.Context, req sandbox.BuildRequest, progress func(string)) (*sandbox.Template, error) {
-		progress("building " + req.Name)
-		return &sandbox.Template{ID: req.Name, Ready: true}, nil
-	}
+	g := newGuest(f)
+	svc := newService(f, g.srv.Listener.Addr().String())
 	keys := auth.NewKeys(auth.NewMemoryBackend())
 	key, _, err := keys.Create(context.Background(), "fuzz")
 	if err != nil {
 		f.Fatal(err)
 	}
-	h := New(Config{Domain: "ember.test"}, fake, keys, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	reset := func() {
-		fake.mu.Lock()
-		fake.sbxs = map[string]*sandbox.Sandbox{}
-		fake.seq = 0
-		fake.addLocked("base", sandbox.StateRunning, map[string]string{"a": "b"}, time.Minute) // sbx001
-		fake.addLocked("base", sandbox.StatePaused, nil, time.Minute)                          // sbx002
-		fake.mu.Unlock()
+	h := New(Config{Domain: "ember.test"}, svc, keys, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	// The seeds name two sandboxes, sbx001 (running) and sbx002 (paused); every input's path is
+	// pointed at the Manager's current pair.
+	var run, paused string
+	reset := func(t testing.TB) {
+		list, _ := svc.List(context.Background(), sandbox.ListFilter{})
+		for _, sb := range list {
+			svc.Kill(context.Background(), sb.ID)
+		}
+		ts, _ := svc.ListTemplates(context.Background())
+		for _, t := range ts {
+			if t.ID != "base" {
+				svc.DeleteTemplate(context.Background(), t.ID)
+			}
+		}
+		r, err := svc.tryAdd(sandbox.StateRunning, map[string]string{"a": "b"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, err := svc.tryAdd(sandbox.StatePaused, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		run, paused = r.ID, p.ID
 	}
-	reset()
+	reset(f)
 
 	seeds := []struct {
 		method, path, body string
@@ -79,17 +84,17 @@ func FuzzControlPlaneDecode(f *testing.F) {
 	}
 
 	f.Fuzz(func(t *testing.T, method, path string, body []byte) {
+		path = strings.NewReplacer("sbx001", run, "sbx002", paused).Replace(path)
 		req, err := http.NewRequest(method, "http://api.ember.test"+path, bytes.NewReader(body))
 		if err != nil {
 			return // not a request an HTTP server could receive
 		}
 		req.Header.Set("X-API-Key", key)
 		req.Header.Set("Content-Type", "application/json")
-		fake.mu.Lock()
-		big := len(fake.sbxs) > 200 || len(fake.templates) > 200
-		fake.mu.Unlock()
-		if big {
-			reset()
+		list, _ := svc.List(context.Background(), sandbox.ListFilter{})
+		ts, _ := svc.ListTemplates(context.Background())
+		if len(list) > 100 || len(ts) > 100 {
+			reset(t)
 		}
 		rec := httptest.NewRecorder()
 		h.ServeHTTP(rec, req)

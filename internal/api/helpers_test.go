@@ -18,7 +18,7 @@ const testDomain = "ember.test:3000"
 
 type env struct {
 	t     *testing.T
-	fake  *fakeService
+	fake  *service // the real Manager over test doubles
 	keys  *auth.Keys
 	key   string
 	api   *httptest.Server
@@ -27,14 +27,13 @@ type env struct {
 
 func newEnv(t *testing.T) *env {
 	t.Helper()
-	fake := newFake(t)
 	keys := auth.NewKeys(auth.NewMemoryBackend())
 	key, _, err := keys.Create(context.Background(), "test")
 	if err != nil {
 		t.Fatal(err)
 	}
 	g := newGuest(t)
-	fake.guestURL = g.srv.URL
+	fake := newService(t, g.srv.Listener.Addr().String())
 	h := New(Config{Domain: testDomain}, fake, keys, testLogger(t))
 	api := httptest.NewServer(h)
 	t.Cleanup(api.Close)
@@ -125,7 +124,7 @@ type guestEcho struct {
 	Body      string `json:"body"`
 }
 
-func newGuest(t *testing.T) *guest {
+func newGuest(t testing.TB) *guest {
 	g := &guest{release: make(chan struct{})}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/stream", func(w http.ResponseWriter, r *http.Request) {

@@ -3,73 +3,14 @@ package api
 import (
 	"context"
 	"fmt"
-	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 
-	"github.com/ember-sandbox/ember/internal/auth"
-	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
-// netFake adds what the Manager does with network configs to fakeService: Create keeps the
-// config (with a traffic token when public traffic is off) and UpdateNetwork records calls.
-type netFake struct {
-	*fakeService
-	umu     sync.Mutex
-	updates []string // "id allowInternet allowOut denyOut"
-}
-
-func (f *netFake) Create(ctx context.Context, req sandbox.CreateRequest) (*sandbox.Sandbox, error) {
-	sb, err := f.fakeService.Create(ctx, req)
-	if err != nil {
-		return nil, err
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	rec := f.sbxs[sb.ID]
-	rec.Network = req.Network.ForNew()
-	return clone(rec), nil
-}
-
-func (f *netFake) UpdateNetwork(_ context.Context, id string, u sandbox.NetworkUpdate) error {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	sb, err := f.live(id)
-	if err != nil {
-		return err
-	}
-	if sb.State != sandbox.StateRunning {
-		return fmt.Errorf("sandbox %q is paused: %w", id, errdefs.ErrConflict)
-	}
-	ai := "keep"
-	if u.AllowInternet != nil {
-		ai = fmt.Sprint(*u.AllowInternet)
-	}
-	f.umu.Lock()
-	f.updates = append(f.updates, fmt.Sprintf("%s %s %v %v", id, ai, u.AllowOut, u.DenyOut))
-	f.umu.Unlock()
-	return nil
-}
-
-func newNetEnv(t *testing.T) (*env, *netFake) {
-	t.Helper()
-	nf := &netFake{fakeService: newFake(t)}
-	keys := auth.NewKeys(auth.NewMemoryBackend())
-	key, _, err := keys.Create(context.Background(), "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := newGuest(t)
-	nf.guestURL = g.srv.URL
-	api := httptest.NewServer(New(Config{Domain: testDomain}, nf, keys, testLogger(t)))
-	t.Cleanup(api.Close)
-	return &env{t: t, fake: nf.fakeService, keys: keys, key: key, api: api, guest: g}, nf
-}
-
 func TestCreateNetworkValidation(t *testing.T) {
-	e, _ := newNetEnv(t)
+	e := newEnv(t)
 	for _, tc := range []struct {
 		name    string
 		network string
@@ -110,7 +51,7 @@ func TestCreateNetworkValidation(t *testing.T) {
 }
 
 func TestCreateNetworkKeptAndShown(t *testing.T) {
-	e, _ := newNetEnv(t)
+	e := newEnv(t)
 	r := e.ctl("POST", "/v2/sandboxes", `{"templateID":"base","allow_internet_access":false,"network":{"allowOut":["1.1.1.1"],"denyOut":["8.8.8.8"]}}`)
 	if r.status != 201 {
 		t.Fatalf("create: %d %s", r.status, r.body)
@@ -135,7 +76,7 @@ func TestCreateNetworkKeptAndShown(t *testing.T) {
 }
 
 func TestTrafficAccessToken(t *testing.T) {
-	e, _ := newNetEnv(t)
+	e := newEnv(t)
 	r := e.ctl("POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowPublicTraffic":false}}`)
 	if r.status != 201 {
 		t.Fatalf("create: %d %s", r.status, r.body)
@@ -190,7 +131,7 @@ func TestTrafficAccessToken(t *testing.T) {
 }
 
 func TestMaskRequestHost(t *testing.T) {
-	e, _ := newNetEnv(t)
+	e := newEnv(t)
 	r := e.ctl("POST", "/v2/sandboxes", `{"templateID":"base","network":{"maskRequestHost":"app.internal:${PORT}"}}`)
 	if r.status != 201 {
 		t.Fatalf("create: %d %s", r.status, r.body)
@@ -226,8 +167,17 @@ func TestMaskRequestHost(t *testing.T) {
 }
 
 func TestUpdateNetwork(t *testing.T) {
-	e, nf := newNetEnv(t)
+	e := newEnv(t)
 	run := e.fake.add(sandbox.StateRunning, nil)
+	// What the sandbox's network slot enforces now.
+	rules := func(id string) string {
+		sb, err := e.fake.Get(context.Background(), id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		eg := e.fake.rig.Network.Egress(sb.Runtime.SlotIndex)
+		return fmt.Sprint(eg.AllowInternet, eg.AllowOut, eg.DenyOut)
+	}
 	paused := e.fake.add(sandbox.StatePaused, nil)
 	for _, tc := range []struct {
 		name   string
@@ -235,11 +185,12 @@ func TestUpdateNetwork(t *testing.T) {
 		body   string
 		status int
 		msg    string
-		record string // the update the service got
+		record string // the rules the sandbox's slot has afterwards
 	}{
-		{"replace lists", run.ID, `{"allowOut":["1.1.1.1"],"denyOut":["0.0.0.0/0"]}`, 204, "", run.ID + " keep [1.1.1.1] [0.0.0.0/0]"},
-		{"internet off", run.ID, `{"allow_internet_access":false}`, 204, "", run.ID + " false [] []"},
-		{"empty body clears", run.ID, ``, 204, "", run.ID + " keep [] []"},
+		{"replace lists", run.ID, `{"allowOut":["1.1.1.1"],"denyOut":["0.0.0.0/0"]}`, 204, "", "true [1.1.1.1/32] [0.0.0.0/0]"},
+		{"internet off", run.ID, `{"allow_internet_access":false}`, 204, "", "false [] []"},
+		{"internet kept, lists cleared", run.ID, `{"allowOut":["9.9.9.9"]}`, 204, "", "false [9.9.9.9/32] []"},
+		{"empty body clears", run.ID, ``, 204, "", "false [] []"},
 		{"bad deny", run.ID, `{"denyOut":["nope"]}`, 400, "invalid denied CIDR nope", ""},
 		{"domain without ALL_TRAFFIC", run.ID, `{"allowOut":["example.com"]}`, 400, sandbox.ErrMsgDomainsRequireBlockAll, ""},
 		{"domain unsupported", run.ID, `{"allowOut":["example.com"],"denyOut":["0.0.0.0/0"]}`, 400, "not supported", ""},
@@ -248,9 +199,6 @@ func TestUpdateNetwork(t *testing.T) {
 		{"paused sandbox", paused.ID, `{}`, 409, "paused", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			nf.umu.Lock()
-			before := len(nf.updates)
-			nf.umu.Unlock()
 			r := e.ctl("PUT", "/sandboxes/"+tc.id+"/network", tc.body)
 			if tc.status != 204 {
 				r.wantError(t, tc.status)
@@ -264,16 +212,9 @@ func TestUpdateNetwork(t *testing.T) {
 			if r.status != 204 {
 				t.Fatalf("status %d: %s", r.status, r.body)
 			}
-			nf.umu.Lock()
-			defer nf.umu.Unlock()
-			if len(nf.updates) != before+1 || nf.updates[before] != tc.record {
-				t.Fatalf("updates %q, want %q appended", nf.updates[before:], tc.record)
+			if got := rules(tc.id); got != tc.record {
+				t.Fatalf("slot rules %q, want %q", got, tc.record)
 			}
 		})
 	}
-	t.Run("service without runtime updates", func(t *testing.T) {
-		plain := newEnv(t)
-		sb := plain.fake.add(sandbox.StateRunning, nil)
-		plain.ctl("PUT", "/sandboxes/"+sb.ID+"/network", `{}`).wantError(t, 501)
-	})
 }

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"context"
 	"net/url"
 	"testing"
 	"time"
@@ -71,14 +72,17 @@ func TestE2BErrorWording(t *testing.T) {
 // for a known template, 404 otherwise.
 func TestTemplateAlias(t *testing.T) {
 	e := newEnv(t)
-	e.fake.templates["snap1:default"] = &sandbox.Template{ID: "snap1:default", Kind: "snapshot", Names: []string{"snap1"}}
+	src := e.fake.add(sandbox.StateRunning, nil)
+	if _, err := e.fake.Snapshot(context.Background(), src.ID, "snap1"); err != nil {
+		t.Fatal(err)
+	}
 	for _, tc := range []struct {
 		alias  string
 		status int
 		id     string
 	}{
 		{"base", 200, "base"},
-		{"snap1", 200, "snap1:default"},
+		{"snap1", 200, "snap1"},
 		{"no-such-template", 404, ""},
 		{"%2e%2e", 404, ""},
 	} {

@@ -129,15 +129,7 @@ func TestSandboxPlaneNotRunning(t *testing.T) {
 	}
 
 	t.Run("guest unreachable", func(t *testing.T) {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		addr := l.Addr().String()
-		l.Close()
-		e.fake.mu.Lock()
-		e.fake.guestURL = "http://" + addr
-		e.fake.mu.Unlock()
+		e.fake.unreachable(down)
 		r := e.do("GET", "/health", "", "E2b-Sandbox-Id", down.ID)
 		r.wantError(t, 502)
 	})
