@@ -68,7 +68,9 @@ type Network struct {
 	FailAcquire error
 }
 
-func newNetwork(n int) *Network { return &Network{used: make([]bool, n), egress: map[int]sandbox.Egress{}} }
+func newNetwork(n int) *Network {
+	return &Network{used: make([]bool, n), egress: map[int]sandbox.Egress{}}
+}
 
 func (n *Network) slot(i int) sandbox.Slot {
 	return sandbox.Slot{Index: i, NetNSPath: fmt.Sprintf("/fake/netns/%d", i), GuestIP: netip.AddrFrom4([4]byte{10, 99, byte(i >> 8), byte(i)})}
