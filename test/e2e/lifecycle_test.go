@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -201,7 +202,8 @@ func TestCorruptSnapshotIsRefused(t *testing.T) {
 	if err != nil {
 		t.Fatalf("snapshot manifest: %v", err)
 	}
-	if err := json.Unmarshal(mb, &manifest); err != nil {
+	// The manifest is a JSON document followed by its signature line.
+	if err := json.NewDecoder(bytes.NewReader(mb)).Decode(&manifest); err != nil {
 		t.Fatalf("snapshot manifest: %v", err)
 	}
 	var biggest string
