@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -123,4 +124,26 @@ func (d *Driver) cgroupMemoryLimit(id string) uint64 {
 		}
 	}
 	return 0
+}
+
+var (
+	swapAccountOnce sync.Once
+	swapAccountOK   bool
+)
+
+// swapAccounting reports whether runsc can set a memory+swap limit: cgroup v1 with swap
+// accounting (memory.memsw.*) or cgroup v2 (memory.swap.max). runsc fails a start whose spec
+// sets Memory.Swap on a host without it.
+func swapAccounting() bool {
+	swapAccountOnce.Do(func() {
+		for _, dir := range ownCgroupDirs() {
+			for _, f := range []string{"memory.memsw.limit_in_bytes", "memory.swap.max"} {
+				if _, err := os.Stat(filepath.Join(dir, f)); err == nil {
+					swapAccountOK = true
+					return
+				}
+			}
+		}
+	})
+	return swapAccountOK
 }
