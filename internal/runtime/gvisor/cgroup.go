@@ -11,6 +11,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
 // ownCgroupDirs returns the directory of the calling process's cgroup in every mounted hierarchy
@@ -146,4 +148,40 @@ func swapAccounting() bool {
 		}
 	})
 	return swapAccountOK
+}
+
+// limitExit tells, from an instance's cgroups, whether it was stopped by one of its limits:
+// the host OOM killer (memory.oom_control oom_kill, or v2 memory.events oom_kill) or the host
+// pids bound (pids.events max). ok is false when neither counter moved. Read it before Delete
+// removes the cgroups. (For Wait: runtime.ExitOOM is the reason of an OOM-killed sandbox.)
+func (d *Driver) limitExit(id string) (reason runtime.ExitReason, detail string, ok bool) {
+	for _, dir := range d.instanceCgroups(id) {
+		for _, f := range []string{"memory.oom_control", "memory.events"} {
+			if n := readKeyed(filepath.Join(dir, f), "oom_kill"); n > 0 {
+				return runtime.ExitOOM, fmt.Sprintf("memory limit %d MiB exceeded", d.cgroupMemoryLimit(id)>>20), true
+			}
+		}
+	}
+	for _, dir := range d.instanceCgroups(id) {
+		if n := readKeyed(filepath.Join(dir, "pids.events"), "max"); n > 0 {
+			return runtime.ExitKilled, "task limit reached (host pids cgroup)", true
+		}
+	}
+	return "", "", false
+}
+
+// readKeyed reads the value of key in a "key value" per line cgroup file; 0 if absent.
+func readKeyed(path, key string) int64 {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 2 && f[0] == key {
+			n, _ := strconv.ParseInt(f[1], 10, 64)
+			return n
+		}
+	}
+	return 0
 }

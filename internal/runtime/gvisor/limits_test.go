@@ -123,7 +123,8 @@ func TestDiskLimit(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("leave-running checkpoint (image clone of a full 64 MiB layer): %v", time.Since(t0))
-	child := runtime.Spec{ID: "gv-disklim2", RootFS: rootfs, StateDir: t.TempDir(), Args: args, DiskMB: 64, MemoryMB: 512}
+	// The child asks for more: its copy of the image grows to 128 MiB.
+	child := runtime.Spec{ID: "gv-disklim2", RootFS: rootfs, StateDir: t.TempDir(), Args: args, DiskMB: 128, MemoryMB: 512}
 	t0 = time.Now()
 	if err := d.Restore(ctx, child, img); err != nil {
 		t.Fatal(err)
@@ -133,11 +134,14 @@ func TestDiskLimit(t *testing.T) {
 	if got := mustExec(t, d, child.ID, "cat /alive"); got != "alive\n" {
 		t.Fatalf("child lacks the parent's file: %q", got)
 	}
+	if got := mustExec(t, d, child.ID, "df -m / | tail -1 | awk '{print $2}'"); got < "100" || len(got) != 4 {
+		t.Errorf("child's filesystem: %q MiB, want about 120 (grown to 128)", got)
+	}
 	mustExec(t, d, child.ID, "rm /big && dd if=/dev/zero of=/c bs=1M count=20 2>/dev/null")
 	if _, code, err := d.Exec(ctx, sp.ID, []string{"test", "-f", "/big"}); err != nil || code != 0 {
 		t.Fatalf("the child's rm reached the parent: %d %v", code, err)
 	}
-	if out, code, _ := d.Exec(ctx, child.ID, []string{"sh", "-c", "dd if=/dev/zero of=/d bs=1M count=100"}); code == 0 || !strings.Contains(string(out), "No space left") {
+	if out, code, _ := d.Exec(ctx, child.ID, []string{"sh", "-c", "dd if=/dev/zero of=/d bs=1M count=150"}); code == 0 || !strings.Contains(string(out), "No space left") {
 		t.Errorf("child: write past its limit: exit %d %q", code, out)
 	}
 
@@ -252,6 +256,9 @@ func TestMemoryLimitStopsSandbox(t *testing.T) {
 	if n := cgroupInt(t, d, sp.ID, "memory.oom_control", "oom_kill"); n < 1 {
 		t.Errorf("memory.oom_control oom_kill = %d, want >= 1 (how Wait tells out of memory)", n)
 	}
+	if r, detail, ok := gvisor.LimitExitForTest(d, sp.ID); !ok || r != runtime.ExitOOM {
+		t.Errorf("limitExit = %q %q %v, want out of memory", r, detail, ok)
+	}
 }
 
 // TestPidsLimit: a fork bomb (as an unprivileged uid) is held at the per-uid task bound inside
@@ -320,6 +327,11 @@ func TestPidsHostBackstop(t *testing.T) {
 	}
 	if n := cgroupInt(t, d, sp.ID, "pids.events", "max"); n < 1 {
 		t.Errorf("pids.events max = %d, want >= 1", n)
+	}
+	if r, detail, ok := gvisor.LimitExitForTest(d, sp.ID); !ok || r != runtime.ExitKilled {
+		t.Errorf("limitExit = %q %q %v, want killed by the task limit", r, detail, ok)
+	} else {
+		t.Logf("stopped: %s (%s)", r, detail)
 	}
 }
 

@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
 // SetTasksPerUIDForTest lowers the in-sandbox RLIMIT_NPROC of instances started afterwards (for
@@ -62,4 +64,40 @@ func TestCopyImageKeepsHoles(t *testing.T) {
 	if err := copyImage(src, dst); err == nil {
 		t.Error("copyImage over an existing file succeeded")
 	}
+}
+
+// TestLimitExit reads the reason of a limit stop from (fake) cgroup files.
+func TestLimitExit(t *testing.T) {
+	root := t.TempDir()
+	mem, pids := filepath.Join(root, "memory"), filepath.Join(root, "pids")
+	d := &Driver{cfg: Config{CgroupParent: "ember"}, cgroupDirs: []string{mem, pids}}
+	write := func(dir, name, content string) {
+		t.Helper()
+		p := filepath.Join(dir, "ember", "gv-x", name)
+		if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(mem, "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+	write(mem, "memory.limit_in_bytes", "268435456\n")
+	write(pids, "pids.events", "max 0\n")
+	if _, _, ok := d.limitExit("gv-x"); ok {
+		t.Fatal("no counter moved, yet a limit exit")
+	}
+	write(pids, "pids.events", "max 3\n")
+	if r, detail, ok := d.limitExit("gv-x"); !ok || r != runtime.ExitKilled || detail == "" {
+		t.Errorf("pids: %q %q %v", r, detail, ok)
+	}
+	write(mem, "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+	if r, detail, ok := d.limitExit("gv-x"); !ok || r != runtime.ExitOOM || detail != "memory limit 256 MiB exceeded" {
+		t.Errorf("oom: %q %q %v", r, detail, ok)
+	}
+}
+
+// LimitExitForTest exposes limitExit to the gvisor_test package.
+func LimitExitForTest(d *Driver, id string) (runtime.ExitReason, string, bool) {
+	return d.limitExit(id)
 }
