@@ -478,3 +478,42 @@ func TestDiskLimitOnUnlimitedImage(t *testing.T) {
 		t.Fatalf("restore of a 40 MiB layer into DiskMB=32: %v, want ErrInvalid", err)
 	}
 }
+
+// TestDiskLimitParallel restores one limited image into 8 instances at once (fork): each gets a
+// loop device and a filesystem of its own.
+func TestDiskLimitParallel(t *testing.T) {
+	d := newDriver(t, nil)
+	rootfs := drivertest.BusyboxRootFS(t)
+	args := []string{"/bin/sleep", "100000"}
+	ctx := context.Background()
+	sp := runtime.Spec{ID: "gv-diskpar00", RootFS: rootfs, StateDir: t.TempDir(), Args: args, DiskMB: 64}
+	startInstance(t, d, sp)
+	mustExec(t, d, sp.ID, "echo parent > /p")
+	img := t.TempDir()
+	if err := d.Checkpoint(ctx, sp.ID, img, runtime.CheckpointOptions{LeaveRunning: true}); err != nil {
+		t.Fatal(err)
+	}
+	const n = 8
+	errs := make(chan error, n)
+	t0 := time.Now()
+	for i := 1; i <= n; i++ {
+		c := runtime.Spec{ID: "gv-diskpar0" + strconv.Itoa(i), RootFS: rootfs, StateDir: t.TempDir(), Args: args, DiskMB: 64}
+		t.Cleanup(func() { _ = d.Delete(context.Background(), c.ID) })
+		go func() { errs <- d.Restore(ctx, c, img) }()
+	}
+	for i := 0; i < n; i++ {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+	t.Logf("%d limited children restored at once: %v", n, time.Since(t0))
+	for i := 1; i <= n; i++ {
+		id := "gv-diskpar0" + strconv.Itoa(i)
+		if got := mustExec(t, d, id, "cat /p; echo "+id+" > /me; cat /me"); got != "parent\n"+id+"\n" {
+			t.Errorf("%s: %q", id, got)
+		}
+	}
+	if got := loopDevices(filepath.Dir(sp.StateDir)); got != n+1 {
+		t.Errorf("loop devices: %d, want %d", got, n+1)
+	}
+}

@@ -54,7 +54,7 @@ const (
 var (
 	diskTemplateMu   sync.Mutex
 	diskUnsupported  sync.Once // logs once that limits cannot be enforced on this host
-	errNoDiskSupport = errors.New("no loop devices or mkfs.ext4")
+	errNoDiskSupport = errors.New("this host cannot loop-mount an ext4 image (no loop devices, mkfs.ext4 or privilege)")
 )
 
 // applyDiskLimit gives spec's instance a limited layer before PrepareRootFS runs: a layer that
@@ -224,6 +224,9 @@ func mountDiskLayer(layer string) error {
 	}
 	defer unix.Close(lfd) // the mount keeps the device; autoclear detaches it at unmount
 	if err := unix.Mount(dev, layer, "ext4", unix.MS_NOSUID|unix.MS_NODEV, "noinit_itable"); err != nil {
+		if errors.Is(err, unix.EPERM) || errors.Is(err, unix.ENODEV) { // no privilege, no ext4
+			return fmt.Errorf("gvisor: disk limit: mount %s on %s: %w: %v", dev, layer, errNoDiskSupport, err)
+		}
 		return fmt.Errorf("gvisor: disk limit: mount %s on %s: %w", dev, layer, err)
 	}
 	return nil
@@ -257,7 +260,9 @@ func attachLoop(file string) (string, int, error) {
 			}
 			time.Sleep(2 * time.Millisecond)
 		}
-		if err != nil {
+		if errors.Is(err, unix.EACCES) || errors.Is(err, unix.EPERM) {
+			return "", -1, fmt.Errorf("gvisor: disk limit: open %s: %w: %v", dev, errNoDiskSupport, err)
+		} else if err != nil {
 			return "", -1, fmt.Errorf("gvisor: disk limit: open %s: %w", dev, err)
 		}
 		cfg := unix.LoopConfig{Fd: uint32(ffd), Size: 4096}
