@@ -394,10 +394,10 @@ func TestDiskLimitCosts(t *testing.T) {
 	rootfs := drivertest.BusyboxRootFS(t)
 	args := []string{"/bin/sleep", "100000"}
 	ctx := context.Background()
-	for _, diskMB := range []int{0, 1024} {
+	for _, diskMB := range []int{0, 10240} {
 		var start, pause, resume, fork []time.Duration
 		for i := 0; i < 3; i++ {
-			id := "gv-dcost" + strconv.Itoa(diskMB/1024) + strconv.Itoa(i)
+			id := "gv-dcost" + strconv.Itoa(min(diskMB, 1)) + strconv.Itoa(i)
 			sp := runtime.Spec{ID: id, RootFS: rootfs, StateDir: t.TempDir(), Args: args, DiskMB: diskMB}
 			t0 := time.Now()
 			startInstance(t, d, sp)
