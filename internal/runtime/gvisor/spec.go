@@ -91,6 +91,11 @@ func (d *Driver) ociSpec(s runtime.Spec) *specs.Spec {
 			Resources: resources(s),
 		},
 	}
+	if s.DiskMB > 0 && !d.hostLayers() {
+		diskUnsupported.Do(func() {
+			d.log.Warn("disk limits not enforced: they need host layers (overlay "+OverlayHost+")", "overlay", d.cfg.Overlay)
+		})
+	}
 	if !d.cfg.IgnoreCgroups {
 		// Relative: runsc puts it under the daemon's own cgroup of each controller.
 		sp.Linux.CgroupsPath = d.cgroupPath(s.ID)
