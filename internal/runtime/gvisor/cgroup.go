@@ -9,7 +9,10 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
 // ownCgroupDirs returns the directory of the calling process's cgroup in every mounted hierarchy
@@ -120,6 +123,70 @@ func (d *Driver) cgroupMemoryLimit(id string) uint64 {
 				return 0 // "max"
 			}
 			return v
+		}
+	}
+	return 0
+}
+
+var (
+	swapAccountOnce sync.Once
+	swapAccountOK   bool
+)
+
+// swapAccounting reports whether runsc can set a memory+swap limit: cgroup v1 with swap
+// accounting (memory.memsw.*) or cgroup v2 (memory.swap.max). runsc fails a start whose spec
+// sets Memory.Swap on a host without it.
+func swapAccounting() bool {
+	swapAccountOnce.Do(func() {
+		for _, dir := range ownCgroupDirs() {
+			for _, f := range []string{"memory.memsw.limit_in_bytes", "memory.swap.max"} {
+				if _, err := os.Stat(filepath.Join(dir, f)); err == nil {
+					swapAccountOK = true
+					return
+				}
+			}
+		}
+	})
+	return swapAccountOK
+}
+
+// limitExit tells, from an instance's cgroups, whether it was stopped by one of its limits:
+// the host OOM killer (memory.oom_control oom_kill, or v2 memory.events oom_kill) or the host
+// pids bound (pids.events max). ok is false when neither counter moved. Read it before Delete
+// removes the cgroups. (For Wait: runtime.ExitOOM is the reason of an OOM-killed sandbox.)
+func (d *Driver) limitExit(id string) (reason runtime.ExitReason, detail string, ok bool) {
+	for _, dir := range d.instanceCgroups(id) {
+		for _, f := range []string{"memory.oom_control", "memory.events"} {
+			if n := readKeyed(filepath.Join(dir, f), "oom_kill"); n > 0 {
+				return runtime.ExitOOM, fmt.Sprintf("memory limit %d MiB exceeded", d.cgroupMemoryLimit(id)>>20), true
+			}
+		}
+	}
+	for _, dir := range d.instanceCgroups(id) {
+		if n := readKeyed(filepath.Join(dir, "pids.events"), "max"); n > 0 {
+			return runtime.ExitKilled, "task limit reached (host pids cgroup)", true
+		}
+	}
+	return "", "", false
+}
+
+// pidsLimitHit reports whether the instance's host pids cgroup refused a task.
+func (d *Driver) pidsLimitHit(id string) bool {
+	r, _, ok := d.limitExit(id)
+	return ok && r == runtime.ExitKilled
+}
+
+// readKeyed reads the value of key in a "key value" per line cgroup file; 0 if absent.
+func readKeyed(path, key string) int64 {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 2 && f[0] == key {
+			n, _ := strconv.ParseInt(f[1], 10, 64)
+			return n
 		}
 	}
 	return 0

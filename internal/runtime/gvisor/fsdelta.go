@@ -127,6 +127,9 @@ func PrepareRootFS(lower, sandboxDir string) (merged string, cleanup func() erro
 func CloneUpper(srcSandboxDir, dstSandboxDir string) (method string, err error) {
 	src := filepath.Join(srcSandboxDir, layerDirName)
 	dst := filepath.Join(dstSandboxDir, layerDirName)
+	if ok, err := cloneDiskLayer(srcSandboxDir, dstSandboxDir); ok {
+		return CloneDiskImage, err
+	}
 	if _, err := os.Lstat(filepath.Join(src, upperDirName)); err != nil {
 		return "", fmt.Errorf("gvisor: fsdelta: clone: source layer: %v: %w", err, errdefs.ErrNotFound)
 	}
@@ -173,6 +176,9 @@ func CloneUpper(srcSandboxDir, dstSandboxDir string) (method string, err error) 
 // RemoveLayer deletes sandboxDir's writable layer (unmount its rootfs first).
 func RemoveLayer(sandboxDir string) error {
 	layer := filepath.Join(sandboxDir, layerDirName)
+	if err := unmountDiskLayer(layer); err != nil {
+		return err
+	}
 	if isSubvolume(layer) {
 		if err := btrfsVolIoctl(filepath.Dir(layer), btrfsIocSnapDestroy, -1, filepath.Base(layer)); err == nil {
 			return nil

@@ -109,7 +109,12 @@ func (d *Driver) ExportImage(ctx context.Context, imageDir, dstDir string) error
 		name := e.Name()
 		switch {
 		case name == layerDirName && e.IsDir():
-			if err := exportLayer(ctx, filepath.Join(imageDir, layerDirName, upperDirName), filepath.Join(dstDir, layerArchiveName)); err != nil {
+			// A disk-limited layer is an ext4 image: its files are exported, never the image
+			// itself (a filesystem the host kernel would mount on import).
+			err := DiskLayerFiles(imageDir, func(upper string) error {
+				return exportLayer(ctx, upper, filepath.Join(dstDir, layerArchiveName))
+			})
+			if err != nil {
 				return fail(err)
 			}
 		case e.Type().IsRegular() && imageFileName.MatchString(name) && name != layerArchiveName:

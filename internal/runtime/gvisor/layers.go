@@ -26,7 +26,7 @@ func (d *Driver) hostLayers() bool { return d.cfg.Overlay == OverlayHost }
 // imageLayer is where a checkpoint image keeps the instance's writable layer.
 func imageHasLayer(imageDir string) bool {
 	_, err := os.Stat(filepath.Join(imageDir, layerDirName, upperDirName))
-	return err == nil
+	return err == nil || hasDiskImage(filepath.Join(imageDir, layerDirName))
 }
 
 // prepareLayer gives spec's instance its writable root before start or restore: the layer of
@@ -48,6 +48,9 @@ func (d *Driver) prepareLayer(spec runtime.Spec, imageDir string) (runtime.Spec,
 		} else if _, err := CloneUpper(imageDir, spec.StateDir); err != nil {
 			return spec, err
 		}
+	}
+	if err := d.applyDiskLimit(spec); err != nil {
+		return spec, err
 	}
 	merged, _, err := PrepareRootFS(spec.RootFS, spec.StateDir)
 	if err != nil {
@@ -116,6 +119,9 @@ func (d *Driver) checkpointLayer(stateDir, imageDir string, leaveRunning bool) e
 		return err
 	}
 	if err := unmount(filepath.Join(stateDir, mergedDirName)); err != nil {
+		return err
+	}
+	if err := unmountDiskLayer(filepath.Join(stateDir, layerDirName)); err != nil {
 		return err
 	}
 	if err := os.Rename(filepath.Join(stateDir, layerDirName), filepath.Join(imageDir, layerDirName)); err != nil {

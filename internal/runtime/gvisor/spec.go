@@ -69,7 +69,7 @@ func (d *Driver) ociSpec(s runtime.Spec) *specs.Spec {
 			Capabilities: &specs.LinuxCapabilities{
 				Bounding: caps, Effective: caps, Permitted: caps,
 			},
-			Rlimits: []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: 1048576, Soft: 1048576}},
+			Rlimits: rlimits(),
 		},
 		// The template rootfs is shared and only ever read: writes go to the instance's own layer,
 		// a host overlayfs upper (OverlayHost, RootFS is then the instance's overlay mount) or
@@ -91,6 +91,11 @@ func (d *Driver) ociSpec(s runtime.Spec) *specs.Spec {
 			Resources: resources(s),
 		},
 	}
+	if s.DiskMB > 0 && !d.hostLayers() {
+		diskUnsupported.Do(func() {
+			d.log.Warn("disk limits not enforced: they need host layers (overlay "+OverlayHost+")", "overlay", d.cfg.Overlay)
+		})
+	}
 	if !d.cfg.IgnoreCgroups {
 		// Relative: runsc puts it under the daemon's own cgroup of each controller.
 		sp.Linux.CgroupsPath = d.cgroupPath(s.ID)
@@ -98,12 +103,59 @@ func (d *Driver) ociSpec(s runtime.Spec) *specs.Spec {
 	return sp
 }
 
+// Limits the driver applies when runtime.Spec leaves them at zero, and how they map to gVisor.
+const (
+	// DefaultPidsLimit is the task bound of a sandbox whose Spec.PidsLimit is 0.
+	DefaultPidsLimit = 4096
+	// hostTasksPerTask and hostTasksBase size the host pids cgroup from a sandbox's task bound:
+	// with systrap every sandbox process is a host stub process plus a stub thread (measured:
+	// 300 sleeping processes = 631 host tasks, 600 = 1237; an idle sandbox 18-19).
+	hostTasksPerTask = 2
+	hostTasksBase    = 128
+)
+
+// tasksPerUID is RLIMIT_NPROC of every sandbox (soft = hard): inside gVisor, a fork or clone
+// past it fails with EAGAIN for that uid, and the sandbox lives on. runsc refuses a restore whose
+// rlimits differ from the checkpointed instance's, so it is one value for every instance, not
+// Spec.PidsLimit; tests lower it (export_test.go-style hook in quota_test.go).
+var tasksPerUID uint64 = DefaultPidsLimit
+
+// rlimits of every instance's init process. Keep them independent of runtime.Spec (restore).
+func rlimits() []specs.POSIXRlimit {
+	return []specs.POSIXRlimit{
+		{Type: "RLIMIT_NOFILE", Hard: 1048576, Soft: 1048576},
+		{Type: "RLIMIT_NPROC", Hard: tasksPerUID, Soft: tasksPerUID},
+	}
+}
+
+// resources are the host cgroup limits of an instance. runsc accepts different resources on
+// restore, so they follow the spec of each instance.
+//
+//   - Memory: memory.limit_in_bytes = MemoryMB, and memory+swap the same (no swap, so a sandbox
+//     over its limit is killed at once instead of swapping); the Sentry reports MemoryMB as its
+//     total memory. gVisor (this version) has no OOM killer of its own and cannot survive the
+//     host killing one of its stub processes, so going past the limit stops the whole sandbox
+//     (the host OOM killer takes the Sentry): memory.oom_control's oom_kill counts it.
+//   - Pids: a host backstop sized from PidsLimit (DefaultPidsLimit when 0); the per-uid bound
+//     inside is tasksPerUID. Past the host bound the Sentry cannot make host threads and the
+//     sandbox stops (pids.events "max" counts it).
+//   - CPU: CFS quota of CPUCount cores per 100 ms period.
 func resources(s runtime.Spec) *specs.LinuxResources {
 	r := &specs.LinuxResources{}
 	if s.MemoryMB > 0 {
 		limit := int64(s.MemoryMB) << 20
+		swap := limit
 		r.Memory = &specs.LinuxMemory{Limit: &limit}
+		if swapAccounting() {
+			r.Memory.Swap = &swap
+		}
 	}
+	pids := int64(s.PidsLimit)
+	if pids <= 0 {
+		pids = DefaultPidsLimit
+	}
+	host := pids*hostTasksPerTask + hostTasksBase
+	r.Pids = &specs.LinuxPids{Limit: &host}
 	if s.CPUCount > 0 {
 		period := uint64(100000)
 		quota := int64(s.CPUCount) * int64(period)
@@ -151,7 +203,7 @@ func validateSpec(s runtime.Spec) error {
 		return fmt.Errorf("gvisor: spec.Args: empty: %w", errdefs.ErrInvalid)
 	case s.NetNSPath != "" && !filepath.IsAbs(s.NetNSPath):
 		return fmt.Errorf("gvisor: spec.NetNSPath %q: must be an absolute path: %w", s.NetNSPath, errdefs.ErrInvalid)
-	case s.CPUCount < 0 || s.MemoryMB < 0:
+	case s.CPUCount < 0 || s.MemoryMB < 0 || s.DiskMB < 0 || s.PidsLimit < 0:
 		return fmt.Errorf("gvisor: spec limits: negative: %w", errdefs.ErrInvalid)
 	}
 	if fi, err := os.Stat(s.RootFS); err != nil || !fi.IsDir() {

@@ -215,6 +215,8 @@ func (d *Driver) classify(id string, pid, pidfd, ooms int) runtime.Exit {
 		exit.Detail = fmt.Sprintf("init process exited with status %d", exit.Code)
 	case oom:
 		exit.Reason, exit.Detail = runtime.ExitOOM, "memory limit exceeded: the sandbox was killed by the host's OOM killer"
+	case d.pidsLimitHit(id):
+		exit.Detail = "task limit reached: the host pids cgroup stopped the sandbox"
 	case known && status.Signaled():
 		exit.Detail = fmt.Sprintf("sandbox process killed by signal %d (%v)", int(status.Signal()), status.Signal())
 	default:
