@@ -288,6 +288,118 @@ func TestEscapeDeviceNodes(t *testing.T) {
 	}
 }
 
+const symlinkProbe = `import ctypes, errno, os, struct, sys
+marker, datadir = sys.argv[1], sys.argv[2]
+up = '../' * 40
+targets = {'abs': marker, 'rel': up + marker.lstrip('/'), 'datadir': datadir + '/api-key',
+           'datadir-rel': up + datadir.lstrip('/') + '/api-key', 'proc1root': '/proc/1/root' + marker}
+for d in ('/root', '/home/user', '/tmp', '/var/tmp'):
+    for k, tgt in targets.items():
+        l = '%s/.escape-link-%s' % (d, k)
+        try:
+            if os.path.lexists(l):
+                os.remove(l)
+            os.symlink(tgt, l)
+        except OSError as e:
+            print('symlink', l, 'refused', errno.errorcode.get(e.errno, e.errno)); continue
+        try:
+            print('READ', l, open(l).read()[:100])
+        except OSError as e:
+            print('read', l, 'refused', errno.errorcode.get(e.errno, e.errno))
+        try:
+            with open(l, 'w') as f:
+                f.write('pwned-through-symlink\n')
+            print('wrote through', l, '(inside the sandbox: it resolves there)')
+        except OSError as e:
+            print('write', l, 'refused', errno.errorcode.get(e.errno, e.errno))
+        os.remove(l)
+# Hard link to a file the sandbox does not own, then write through it.
+try:
+    os.link('/etc/hostname', '/root/.escape-hardlink'); print('hard-linked /etc/hostname')
+    os.remove('/root/.escape-hardlink')
+except OSError as e:
+    print('link refused', errno.errorcode.get(e.errno, e.errno))
+# The "shocker" escape: open_by_handle_at with a guessed handle for the host filesystem's root.
+libc = ctypes.CDLL(None, use_errno=True)
+for ino in (2, 128, 11):
+    h = struct.pack('IiII', 8, 1, ino, 0)  # handle_bytes, handle_type FILEID_INO32_GEN, ino, gen
+    buf = ctypes.create_string_buffer(h)
+    fd = os.open('/', os.O_RDONLY)
+    r = libc.syscall(304, fd, buf, os.O_RDONLY)
+    e = ctypes.get_errno()
+    if r >= 0:
+        print('OPEN_BY_HANDLE ino', ino, 'fd', r, os.listdir('/proc/self/fd/%d' % r)[:10])
+    else:
+        print('open_by_handle_at ino', ino, 'refused', errno.errorcode.get(e, e))
+    os.close(fd)
+hb = ctypes.create_string_buffer(struct.pack('Ii', 128, 0) + b'\0' * 128)
+mid = ctypes.c_int(0)
+r = libc.syscall(303, -100, b'/etc/passwd', hb, ctypes.byref(mid), 0)
+print('name_to_handle_at', 'ok' if r == 0 else 'refused ' + errno.errorcode.get(ctypes.get_errno(), '?'))
+# runc CVE-2019-5736 style: overwrite the runtime through /proc/self/exe or /proc/1/exe.
+for p in ('/proc/self/exe', '/proc/1/exe'):
+    try:
+        print('EXE', p, '->', os.readlink(p))
+    except OSError as e:
+        print('EXE', p, 'readlink refused', errno.errorcode.get(e.errno, e.errno))
+    try:
+        with open(p, 'r+b') as f:
+            f.write(b'\x7fELF')
+        print('OVERWROTE', p, '(the first 4 bytes, with the same ELF magic)')
+    except OSError as e:
+        print('write', p, 'refused', errno.errorcode.get(e.errno, e.errno))
+print('done')
+`
+
+func TestEscapeSymlinksHandlesAndExe(t *testing.T) {
+	d := need(t)
+	s := d.create(t, nil)
+	marker, secret := hostMarker(t)
+	key, _ := os.ReadFile(filepath.Join(d.dataDir, "api-key"))
+	runscSum, envdSum, emberSum := sha256File(d.runsc), sha256File(d.envd), sha256File(d.bin)
+	exe := strings.TrimSpace(d.run(t, s, "readlink -f $(command -v python3)").stdout)
+	tmplExe, _ := filepath.Glob(filepath.Join(d.dataDir, "templates", "base", "rootfs-*", exe))
+	tmplSums := map[string]string{}
+	for _, p := range tmplExe {
+		tmplSums[p] = sha256File(p)
+	}
+	for _, root := range []bool{false, true} {
+		r := d.python(t, s, root, 60, symlinkProbe, marker, d.dataDir)
+		t.Logf("as %s: symlinks (absolute, ../ x40, to the data dir, via /proc/1/root) in /root, /home/user, /tmp, /var/tmp, read and written; hard link; open_by_handle_at (shocker); overwrite /proc/self/exe and /proc/1/exe:\n%s", who(root), r.stdout+r.stderr)
+		assertNoSecret(t, "symlinks as "+who(root), r, secret, strings.TrimSpace(string(key)))
+		for _, l := range strings.Split(r.stdout, "\n") {
+			if strings.HasPrefix(l, "OPEN_BY_HANDLE") {
+				t.Errorf("HOLE: as %s: %s", who(root), l)
+			}
+			if strings.HasPrefix(l, "OVERWROTE") {
+				// Root may write its own copy of a binary (copied up into its layer); what counts
+				// is that no host binary and no template file changed (checked below).
+				t.Logf("note: as %s %s", who(root), l)
+			}
+		}
+		if !strings.Contains(r.stdout, "done") {
+			t.Errorf("probe did not finish: %q %q", r.stdout, r.stderr)
+		}
+	}
+	if b, _ := os.ReadFile(marker); string(b) != secret+"\n" {
+		t.Errorf("HOLE: the host marker %s was written from the sandbox: %q", marker, b)
+	}
+	if sha256File(d.runsc) != runscSum || sha256File(d.envd) != envdSum || sha256File(d.bin) != emberSum {
+		t.Errorf("HOLE: the host's runsc, envd or ember binary changed")
+	}
+	for p, sum := range tmplSums {
+		if sha256File(p) != sum {
+			t.Errorf("HOLE: the template's %s changed on the host", p)
+		}
+	}
+	if len(tmplSums) == 0 {
+		t.Errorf("template copy of %s not found on the host", exe)
+	}
+	if k2, _ := os.ReadFile(filepath.Join(d.dataDir, "api-key")); !bytes.Equal(k2, key) {
+		t.Errorf("HOLE: the daemon's api-key file changed")
+	}
+}
+
 // ---------------------------------------------------------------------------------------------
 // Mounts, namespaces, chroot, kernel modules.
 
@@ -656,9 +768,9 @@ func procState(pid int) string {
 // ---------------------------------------------------------------------------------------------
 // Network: the daemon, the host's services, another sandbox, raw sockets, ARP, spoofing.
 
-const connectProbe = `import socket, sys
-res = []
-for t in sys.argv[1:]:
+const connectProbe = `import socket, sys, threading
+out = {}
+def probe(i, t):
     kind, host, port = t.split(':')
     port = int(port)
     try:
@@ -669,16 +781,21 @@ for t in sys.argv[1:]:
                 data = s.recv(200)
             except Exception:
                 data = b''
-            print('CONNECTED', t, repr(data[:80]))
+            out[i] = 'CONNECTED %s %r' % (t, data[:80])
         else:
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(1)
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2)
             s.sendto(b'escape-udp', (host, port))
             try:
-                print('UDP-REPLY', t, s.recvfrom(200))
+                out[i] = 'UDP-REPLY %s %r' % (t, s.recvfrom(200))
             except socket.timeout:
-                print('udp sent, no reply', t)
+                out[i] = 'udp sent, no reply %s' % t
     except Exception as e:
-        print('blocked', t, type(e).__name__, e)
+        out[i] = 'blocked %s %s %s' % (t, type(e).__name__, e)
+ts = [threading.Thread(target=probe, args=(i, t)) for i, t in enumerate(sys.argv[1:])]
+[t.start() for t in ts]
+[t.join() for t in ts]
+for i in range(len(ts)):
+    print(out.get(i, 'no result %d' % i))
 `
 
 const rawProbe = `import socket, struct, sys, errno
@@ -800,7 +917,7 @@ tcp()
 		}
 	}
 	curl := fmt.Sprintf("for u in http://127.0.0.1:%[1]s/health http://%[2]s:%[1]s/health http://%[3]s:%[1]s/health http://%[2]s:%[4]d/ http://%[3]s:%[4]d/ http://%[5]s:8000/ http://%[5]s:49983/health; do "+
-		"code=$(curl -s -m 3 -o /dev/null -w '%%{http_code}' $u); echo \"curl $u -> exit $? code $code\"; done", apiPort, netA.gw, hostIP, tcp.port, netB.ip)
+		"(code=$(curl -s -m 3 -o /dev/null -w '%%{http_code}' $u); echo \"curl $u -> exit $? code $code\") & done; wait", apiPort, netA.gw, hostIP, tcp.port, netB.ip)
 	r := d.inSandbox(t, a, false, 60, curl)
 	t.Logf("curl from A:\n%s", r.stdout)
 	for _, l := range strings.Split(strings.TrimSpace(r.stdout), "\n") {
@@ -1124,6 +1241,58 @@ func TestEscapeSetuidPlantedInLayer(t *testing.T) {
 		if strings.Contains(string(out), "euid=0") {
 			t.Errorf("HOLE (issue 8 finding 2): the setuid-root binary planted in the sandbox's layer gives an unprivileged host user euid 0 when run from the layer's mount %s: mount it nosuid,nodev", p)
 		}
+	}
+}
+
+// TestEscapeHostUserReadsDataDir: what a sandbox leaves in the data dir (its layer, its memory
+// image with env secrets and its access token) is out of reach of host users (issue 8, finding 2).
+func TestEscapeHostUserReadsDataDir(t *testing.T) {
+	d := need(t)
+	secret := "ember-env-secret-" + randHex(12)
+	s := d.create(t, map[string]any{"envVars": map[string]string{"ESCAPE_SECRET": secret}})
+	d.run(t, s, "echo $ESCAPE_SECRET > /home/user/secret.txt")
+	if code := d.api(t, "POST", "/sandboxes/"+s.SandboxID+"/pause", nil, nil); code/100 != 2 {
+		t.Fatalf("pause: %d", code)
+	}
+	t.Cleanup(func() { d.api(t, "POST", "/sandboxes/"+s.SandboxID+"/resume", map[string]any{}, nil) })
+	var targets, loose []string
+	filepath.WalkDir(d.dataDir, func(p string, e fs.DirEntry, err error) error {
+		if err != nil {
+			return nil
+		}
+		rel := strings.TrimPrefix(p, d.dataDir)
+		// A layer's and a template rootfs's own files keep the sandbox's modes; their directories
+		// are what must keep host users out.
+		if e.IsDir() && (e.Name() == "upper" || e.Name() == "work" || e.Name() == "rootfs" || strings.HasPrefix(e.Name(), "rootfs-")) {
+			return fs.SkipDir
+		}
+		if strings.Contains(rel, s.SandboxID) && e.Type().IsRegular() {
+			targets = append(targets, p)
+		}
+		if e.Type().IsRegular() && e.Name() != "null-netns" { // null-netns: runsc's nsfs bind mount
+			if fi, err := e.Info(); err == nil && fi.Mode().Perm()&0o077 != 0 {
+				loose = append(loose, fmt.Sprintf("%v %s", fi.Mode().Perm(), rel))
+			}
+		}
+		return nil
+	})
+	targets = append(targets, filepath.Join(d.dataDir, "api-key"), filepath.Join(d.dataDir, "ember.db"))
+	for _, p := range targets {
+		cmd := exec.Command("head", "-c", "64", p)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534, Groups: []uint32{}}}
+		out, err := cmd.CombinedOutput()
+		if err == nil {
+			t.Errorf("HOLE: uid 65534 read %s: %q", p, out)
+		}
+	}
+	t.Logf("uid 65534 tried to read %d files of the paused sandbox and the daemon (memory image, layer, api-key, ember.db)", len(targets))
+	for _, dir := range []string{d.dataDir, filepath.Join(d.dataDir, "sandboxes"), filepath.Join(d.dataDir, "templates"), filepath.Join(d.dataDir, "snapshots")} {
+		if fi, err := os.Stat(dir); err == nil && fi.Mode().Perm()&0o077 != 0 {
+			t.Errorf("HOLE: %s is %v, want 0700", dir, fi.Mode().Perm())
+		}
+	}
+	if len(loose) > 0 {
+		t.Errorf("HOLE (issue 8 finding 2, files 0600; defence in depth: today only the 0700 directories keep host users out): daemon files with group/other bits: %v", loose)
 	}
 }
 
