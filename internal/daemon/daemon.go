@@ -256,7 +256,7 @@ func Serve(ctx context.Context, cfg Config) error {
 	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(ln) }()
 	if tlsLn != nil {
-		fmt.Fprintf(cfg.Out, "ember listening on https://%s (sandbox hosts https://<port>-<id>.%s)\n", tlsLn.Addr(), cfg.Domain)
+		fmt.Fprintf(cfg.Out, "ember listening on https://%s (Mode B: E2B_DOMAIN=%s; hosts https://api.%[2]s, https://<port>-<id>.%[2]s)\n", tlsLn.Addr(), cfg.Domain)
 		cfg.Logger.Info("serving tls", "addr", tlsLn.Addr().String(), "domain", cfg.Domain)
 		go func() { errc <- srv.ServeTLS(tlsLn, "", "") }()
 	}
