@@ -25,9 +25,11 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodPost, "/sandboxes/{id}/resume", s.resume)
 	rt.handle(http.MethodPost, "/sandboxes/{id}/snapshots", s.createSnapshot)
 	rt.handle(http.MethodPost, "/sandboxes/{id}/fork", s.fork)
+	rt.handle(http.MethodPut, "/sandboxes/{id}/network", s.updateNetwork)
 	// Snapshots and templates.
 	rt.handle(http.MethodGet, "/snapshots", s.listSnapshots)
 	rt.handle(http.MethodGet, "/templates", s.listTemplates)
+	rt.handle(http.MethodGet, "/templates/aliases/{alias}", s.getTemplateAlias)
 	rt.handle(http.MethodDelete, "/templates/{id}", s.deleteTemplate)
 	// ember extras for the CLI.
 	rt.handle(http.MethodPost, "/ember/templates/{name}/build", s.buildTemplate)
@@ -39,7 +41,10 @@ func (s *server) controlRoutes() *router {
 }
 
 func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params) error {
-	var req newSandboxRequest
+	var req struct {
+		newSandboxRequest
+		Network *networkJSON `json:"network"`
+	}
 	if err := s.decodeJSON(w, r, &req, true); err != nil {
 		return err
 	}
@@ -53,6 +58,10 @@ func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params)
 	if err != nil {
 		return err
 	}
+	network, err := req.Network.toConfig()
+	if err != nil {
+		return err
+	}
 	sbx, err := s.svc.Create(r.Context(), sandbox.CreateRequest{
 		TemplateID:      req.TemplateID,
 		Timeout:         timeout,
@@ -62,6 +71,7 @@ func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params)
 		AutoPauseMemory: req.AutoPauseMemory,
 		AutoResume:      autoResume(req.AutoResume),
 		AllowInternet:   req.AllowInternetAccess,
+		Network:         network,
 	})
 	if err != nil {
 		return err
@@ -200,6 +210,11 @@ func (s *server) pause(w http.ResponseWriter, r *http.Request, p params) error {
 		return err
 	}
 	if err := s.svc.PauseWith(r.Context(), id, sandbox.PauseOptions{KeepMemory: req.Memory == nil || *req.Memory}); err != nil {
+		if statusOf(err) == http.StatusConflict {
+			if cur, gerr := s.svc.Get(r.Context(), id); gerr == nil && cur.State == sandbox.StatePaused {
+				return &httpError{status: http.StatusConflict, msg: "Error pausing sandbox - sandbox '" + id + "' is already paused"}
+			}
+		}
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
@@ -316,11 +331,9 @@ func (s *server) createSnapshot(w http.ResponseWriter, r *http.Request, p params
 // MaxForkCount bounds one fork call.
 const MaxForkCount = 64
 
+// fork validates the body before it looks at the sandbox, as E2B does: a bad count is 400 even
+// for an id that does not exist.
 func (s *server) fork(w http.ResponseWriter, r *http.Request, p params) error {
-	id, err := sandboxIDParam(p)
-	if err != nil {
-		return err
-	}
 	var req struct {
 		Count   *int64 `json:"count"`
 		Timeout *int64 `json:"timeout"`
@@ -328,14 +341,21 @@ func (s *server) fork(w http.ResponseWriter, r *http.Request, p params) error {
 	if err := s.decodeJSON(w, r, &req, false); err != nil {
 		return err
 	}
+	d, err := timeoutSeconds("timeout", req.Timeout, sandbox.DefaultTimeout, false)
+	if err != nil {
+		return err
+	}
 	count := int64(1)
 	if req.Count != nil {
 		count = *req.Count
 	}
-	if count < 1 || count > MaxForkCount {
-		return badRequest("count must be between 1 and %d", MaxForkCount)
+	if count < 1 {
+		return badRequest("Count must be at least 1")
 	}
-	d, err := timeoutSeconds("timeout", req.Timeout, sandbox.DefaultTimeout, false)
+	if count > MaxForkCount {
+		return badRequest("Count cannot be greater than %d", MaxForkCount)
+	}
+	id, err := sandboxIDParam(p)
 	if err != nil {
 		return err
 	}

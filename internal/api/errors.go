@@ -6,8 +6,13 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
 // errorBody is E2B's error shape. The JS SDK reads `code` from the body (not the status) to
@@ -32,6 +37,50 @@ func badRequest(format string, args ...any) error {
 func notFound(format string, args ...any) error {
 	return &httpError{status: http.StatusNotFound, msg: fmt.Sprintf(format, args...)}
 }
+
+// sandboxNotFoundAsE2B gives every 404 of a /sandboxes/{id} route E2B's wording, whatever the
+// layer below said (unknown id, killed, not running).
+func sandboxNotFoundAsE2B(h handlerFunc) handlerFunc {
+	return func(w http.ResponseWriter, r *http.Request, p params) error {
+		err := h(w, r, p)
+		if err != nil && statusOf(err) == http.StatusNotFound {
+			msg := sandboxNotFoundMsg(p["id"])
+			// A sandbox that ended says why (E2B's wording first, for the SDKs).
+			var gone *sandbox.GoneError
+			if errors.As(err, &gone) {
+				msg += ": it stopped (" + gone.Reason + ") at " + gone.At.UTC().Format(time.RFC3339)
+			}
+			return &httpError{status: http.StatusNotFound, msg: msg}
+		}
+		return err
+	}
+}
+
+// sandboxNotFoundMsg is E2B's 404 message for a sandbox; the id is the one the caller used,
+// without a legacy -clientID suffix.
+func sandboxNotFoundMsg(raw string) string {
+	id, _, _ := strings.Cut(raw, "-")
+	return "Sandbox " + quoteID(id) + " doesn't exist or you don't have access to it"
+}
+
+// templateNotFoundAsE2B gives a create's 404 for an unknown template E2B's wording,
+// "template '<id>' not found"; the id is the one the service's error quotes.
+func templateNotFoundAsE2B(h handlerFunc) handlerFunc {
+	return func(w http.ResponseWriter, r *http.Request, p params) error {
+		err := h(w, r, p)
+		if err == nil || statusOf(err) != http.StatusNotFound {
+			return err
+		}
+		if m := quotedTemplateRe.FindStringSubmatch(err.Error()); m != nil {
+			if id, uerr := strconv.Unquote(`"` + m[1] + `"`); uerr == nil {
+				return &httpError{status: http.StatusNotFound, msg: "template " + quoteTemplate(id) + " not found"}
+			}
+		}
+		return err
+	}
+}
+
+var quotedTemplateRe = regexp.MustCompile(`template "((?:[^"\\]|\\.)*)"`)
 
 // statusOf is the one place errors become HTTP statuses.
 func statusOf(err error) int {

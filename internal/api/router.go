@@ -23,6 +23,12 @@ type route struct {
 type router struct{ routes []route }
 
 func (rt *router) handle(method, pattern string, h handlerFunc) {
+	switch {
+	case strings.HasPrefix(pattern, "/sandboxes/{id}") || strings.HasPrefix(pattern, "/v2/sandboxes/{id}"):
+		h = sandboxNotFoundAsE2B(h)
+	case method == http.MethodPost && (pattern == "/sandboxes" || pattern == "/v2/sandboxes"):
+		h = templateNotFoundAsE2B(h)
+	}
 	rt.routes = append(rt.routes, route{method: method, segs: splitPath(pattern), h: h})
 }
 

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"time"
 
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/sandbox"
@@ -22,12 +23,16 @@ type notRunningBody struct {
 	SandboxID string `json:"sandboxId"`
 }
 
-func writeNotRunning(w http.ResponseWriter, id string) {
-	writeJSON(w, http.StatusBadGateway, notRunningBody{
-		Code:      http.StatusBadGateway,
-		Message:   "sandbox " + quoteID(id) + " is not running or does not exist",
-		SandboxID: id,
-	})
+func writeNotRunning(w http.ResponseWriter, id string) { writeNotRunningErr(w, id, nil) }
+
+// writeNotRunningErr is writeNotRunning that says why when err tells that the sandbox ended.
+func writeNotRunningErr(w http.ResponseWriter, id string, err error) {
+	msg := "sandbox " + quoteID(id) + " is not running or does not exist"
+	var gone *sandbox.GoneError
+	if errors.As(err, &gone) {
+		msg = "sandbox " + quoteID(id) + " is not running: it stopped (" + gone.Reason + ") at " + gone.At.UTC().Format(time.RFC3339)
+	}
+	writeJSON(w, http.StatusBadGateway, notRunningBody{Code: http.StatusBadGateway, Message: msg, SandboxID: id})
 }
 
 // quoteID keeps hostile ids out of messages' structure and bounds their length.
@@ -47,8 +52,9 @@ func (s *server) newProxy() *httputil.ReverseProxy {
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			target := pr.In.Context().Value(proxyTargetKey{}).(*url.URL)
 			pr.SetURL(target)
-			// Keep the Host the client used: apps behind the proxy see their public name.
-			pr.Out.Host = pr.In.Host
+			// Keep the Host the client used (apps behind the proxy see their public name), unless
+			// the sandbox masks it (network.maskRequestHost).
+			pr.Out.Host = guestHost(pr.In)
 			pr.SetXForwarded()
 		},
 		Transport:     transport,
@@ -79,7 +85,7 @@ func (s *server) serveSandbox(w http.ResponseWriter, r *http.Request, id string,
 		if statusOf(err) == http.StatusInternalServerError {
 			s.log.Warn("guest url", "sandbox_id", id, "port", port, "err", err)
 		}
-		writeNotRunning(w, id)
+		writeNotRunningErr(w, id, err)
 		return
 	}
 	target, err := url.Parse(base)
@@ -88,7 +94,11 @@ func (s *server) serveSandbox(w http.ResponseWriter, r *http.Request, id string,
 		writeNotRunning(w, id)
 		return
 	}
-	ctx := context.WithValue(r.Context(), proxyTargetKey{}, target)
+	ctx, ok := s.guestAccess(r.Context(), w, r, id, port) // traffic token, Host mask
+	if !ok {
+		return
+	}
+	ctx = context.WithValue(ctx, proxyTargetKey{}, target)
 	ctx = context.WithValue(ctx, proxySandboxKey{}, id)
 	// Connect streams answer while the request body may still be arriving. Without full duplex
 	// the HTTP/1 server drains the request body when the response starts, racing the proxy that
@@ -131,7 +141,7 @@ func (s *server) serveSignedFiles(w http.ResponseWriter, r *http.Request, sig st
 			continue
 		}
 		if err := auth.VerifyFileSignature(sig, path, op, user, sbx.AccessToken, exp); err != nil {
-			writeJSONError(w, http.StatusUnauthorized, "signature expired")
+			writeJSONError(w, http.StatusUnauthorized, "signature is already expired") // E2B envd's words
 			return
 		}
 		if sbx.State != sandbox.StateRunning {

@@ -122,13 +122,14 @@ type forkResultJSON struct {
 
 func (s *server) toSandbox(sb *sandbox.Sandbox) sandboxJSON {
 	return sandboxJSON{
-		SandboxID:       sb.ID,
-		TemplateID:      sb.TemplateID,
-		ClientID:        s.cfg.ClientID,
-		EnvdVersion:     sandbox.EnvdVersion,
-		EnvdAccessToken: sb.AccessToken,
-		Domain:          s.cfg.Domain,
-		Alias:           sb.Alias,
+		SandboxID:          sb.ID,
+		TemplateID:         sb.TemplateID,
+		ClientID:           s.cfg.ClientID,
+		EnvdVersion:        sandbox.EnvdVersion,
+		EnvdAccessToken:    sb.AccessToken,
+		Domain:             s.cfg.Domain,
+		TrafficAccessToken: trafficToken(sb),
+		Alias:              sb.Alias,
 	}
 }
 
@@ -165,7 +166,7 @@ func (s *server) toDetail(sb *sandbox.Sandbox) sandboxDetailJSON {
 		EnvdAccessToken:     sb.AccessToken,
 		Domain:              s.cfg.Domain,
 		AllowInternetAccess: &allow,
-		Network:             map[string]any{},
+		Network:             networkInfo(sb),
 		Lifecycle:           lifecycleJSON{OnTimeout: onTimeout, AutoResume: sb.AutoResume},
 	}
 }

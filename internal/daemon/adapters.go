@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"sync"
 
+	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/network"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/snapshot"
@@ -26,20 +27,35 @@ func (a *netAdapter) keep(s *network.Slot) sandbox.Slot {
 	return sandbox.Slot{Index: s.Index, NetNSPath: s.NetNSPath, GuestIP: s.GuestIP}
 }
 
-func (a *netAdapter) Acquire(ctx context.Context, allowInternet bool) (sandbox.Slot, error) {
-	s, err := a.m.Acquire(ctx, network.SlotOptions{AllowInternet: allowInternet})
+func slotOptions(e sandbox.Egress) network.SlotOptions {
+	return network.SlotOptions{AllowInternet: e.AllowInternet, AllowOut: e.AllowOut, DenyOut: e.DenyOut}
+}
+
+func (a *netAdapter) Acquire(ctx context.Context, egress sandbox.Egress) (sandbox.Slot, error) {
+	s, err := a.m.Acquire(ctx, slotOptions(egress))
 	if err != nil {
 		return sandbox.Slot{}, err
 	}
 	return a.keep(s), nil
 }
 
-func (a *netAdapter) Adopt(index int, allowInternet bool) (sandbox.Slot, error) {
-	s, err := a.m.Adopt(index, allowInternet)
+func (a *netAdapter) Adopt(index int, egress sandbox.Egress) (sandbox.Slot, error) {
+	s, err := a.m.Adopt(index, slotOptions(egress))
 	if err != nil {
 		return sandbox.Slot{}, err
 	}
 	return a.keep(s), nil
+}
+
+// Update replaces the egress rules of a held slot (sandbox.Manager.UpdateNetwork).
+func (a *netAdapter) Update(ctx context.Context, index int, egress sandbox.Egress) error {
+	a.mu.Lock()
+	s := a.slots[index]
+	a.mu.Unlock()
+	if s == nil {
+		return fmt.Errorf("network slot %d is not held: %w", index, errdefs.ErrNotFound)
+	}
+	return a.m.Update(ctx, s, slotOptions(egress))
 }
 
 func (a *netAdapter) Release(ctx context.Context, index int) error {
@@ -72,7 +88,9 @@ func (a *imageAdapter) Save(ctx context.Context, id, dir string) error {
 	return err
 }
 
-func (a *imageAdapter) Load(ctx context.Context, id, dir string) error { return a.s.Load(ctx, id, dir) }
+func (a *imageAdapter) Fetch(ctx context.Context, id, dir string, unpack func(ctx context.Context, src, dst string) error) error {
+	return a.s.Fetch(ctx, id, dir, snapshot.FetchImport(unpack))
+}
 
 func (a *imageAdapter) Delete(ctx context.Context, id string) error { return a.s.Delete(ctx, id) }
 

@@ -61,6 +61,9 @@ type Config struct {
 	Templates []string
 	// Snapshot store: local directory by default; S3 when S3.Endpoint is set.
 	S3 snaps3.Config
+	// SnapshotKeyFile holds the key that signs snapshot manifests (default
+	// <DataDir>/snapshot-key, created on first start); the nodes of a cluster share one.
+	SnapshotKeyFile string
 	// NodeID names this node. Every node-local name (netns and veth prefix, nftables table,
 	// interface group, cgroup parent) is derived from it, so several nodes can share one host.
 	// Empty = the single-node defaults.
@@ -363,7 +366,17 @@ func openImages(cfg Config) (sandbox.ImageStore, error) {
 		}
 		backend = b
 	}
-	opts := []snapshot.Option{}
+	// Manifests are signed with a key kept outside the bucket, so that write access to the
+	// bucket alone cannot inject a snapshot. Nodes of one cluster share the key file.
+	keyFile := cfg.SnapshotKeyFile
+	if keyFile == "" {
+		keyFile = filepath.Join(cfg.DataDir, "snapshot-key")
+	}
+	key, err := snapshot.LoadOrCreateKey(keyFile)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot key: %w", err)
+	}
+	opts := []snapshot.Option{snapshot.WithSigningKey(key), snapshot.WithLogger(cfg.Logger)}
 	if cfg.S3.Endpoint != "" {
 		opts = append(opts, snapshot.WithCache(filepath.Join(cfg.DataDir, "snapshot-cache")))
 	}

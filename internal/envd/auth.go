@@ -17,7 +17,8 @@ import (
 
 const accessTokenHeader = "X-Access-Token"
 
-var errUnauthorized = errors.New("invalid or missing access token")
+// errUnauthorized is E2B envd's answer to a request without the right access token.
+var errUnauthorized = errors.New("unauthorized access, please provide a valid access token or method signing if supported")
 
 // tokenOK reports whether the request's X-Access-Token matches the access token (or none is set).
 func (s *Server) tokenOK(h http.Header) bool {
@@ -55,7 +56,7 @@ func (a *authInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc
 }
 
 // httpAuth guards the plain HTTP endpoints: a matching X-Access-Token, or on /files a valid
-// signature. Failures answer 401 {"code":401,"message":...}.
+// signature. Failures answer 401 {"code":401,"message":...} with E2B envd's messages.
 func (s *Server) httpAuth(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		token := s.settings().accessToken
@@ -63,20 +64,33 @@ func (s *Server) httpAuth(next http.Handler) http.Handler {
 			next.ServeHTTP(w, r)
 			return
 		}
-		q := r.URL.Query()
-		if r.URL.Path == "/files" && q.Get("signature") != "" {
-			op := "read"
-			if r.Method == http.MethodPost {
-				op = "write"
-			}
-			if err := checkSignature(q.Get("path"), op, q.Get("username"), token, q.Get("signature"), q.Get("signature_expiration"), time.Now()); err != nil {
-				writeJSONError(w, http.StatusUnauthorized, err.Error())
-				return
-			}
-			next.ServeHTTP(w, r)
+		if r.URL.Path != "/files" || (r.Method != http.MethodGet && r.Method != http.MethodPost) {
+			writeJSONError(w, http.StatusUnauthorized, errUnauthorized.Error())
 			return
 		}
-		writeJSONError(w, http.StatusUnauthorized, errUnauthorized.Error())
+		if r.Header.Get(accessTokenHeader) != "" {
+			writeJSONError(w, http.StatusUnauthorized, "access token present in header but does not match")
+			return
+		}
+		q := r.URL.Query()
+		if !q.Has("signature") {
+			writeJSONError(w, http.StatusUnauthorized, "missing signature query parameter")
+			return
+		}
+		op := "read"
+		if r.Method == http.MethodPost {
+			op = "write"
+		}
+		if err := checkSignature(q.Get("path"), op, q.Get("username"), token, q.Get("signature"), q.Get("signature_expiration"), time.Now()); err != nil {
+			var he *httpError
+			if errors.As(err, &he) {
+				writeJSONError(w, he.status, he.msg)
+				return
+			}
+			writeJSONError(w, http.StatusUnauthorized, err.Error())
+			return
+		}
+		next.ServeHTTP(w, r)
 	})
 }
 
@@ -97,16 +111,17 @@ func checkSignature(path, op, user, token, sig, expiration string, now time.Time
 	if expiration != "" {
 		v, err := strconv.ParseInt(expiration, 10, 64)
 		if err != nil {
-			return fmt.Errorf("invalid signature_expiration %q", expiration)
+			return httpErrorf(http.StatusBadRequest, "invalid format for parameter signature_expiration: %q is not an integer", expiration)
 		}
 		exp = v
 	}
 	want := Signature(path, op, user, token, exp)
+	// The signature first: a forger never learns whether the expiry was the problem.
 	if subtle.ConstantTimeCompare([]byte(sig), []byte(want)) != 1 {
 		return errors.New("invalid signature")
 	}
-	if expiration != "" && now.Unix() > exp {
-		return errors.New("signature has expired")
+	if expiration != "" && exp < now.Unix() {
+		return errors.New("signature is already expired")
 	}
 	return nil
 }

@@ -12,14 +12,17 @@ import (
 	"strings"
 	"syscall"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
 // writeInfo is one entry of the POST /files response.
 type writeInfo struct {
-	Name string `json:"name"`
-	Path string `json:"path"`
-	Type string `json:"type"`
+	Name     string            `json:"name"`
+	Path     string            `json:"path"`
+	Type     string            `json:"type"`
+	Metadata map[string]string `json:"metadata,omitempty"`
 }
 
 // httpError is an error that carries its HTTP status.
@@ -60,7 +63,7 @@ func (s *Server) filesAccount(r *http.Request) (*account, error) {
 	}
 	acct, err := lookupAccount(name)
 	if err != nil {
-		return nil, httpErrorf(http.StatusUnauthorized, "invalid user '%s'", name)
+		return nil, httpErrorf(http.StatusUnauthorized, "error looking up user '%s': user: unknown user %s", name, name)
 	}
 	return acct, nil
 }
@@ -99,12 +102,50 @@ func (s *Server) getFile(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("Content-Type", "application/octet-stream")
 	w.Header().Set("Content-Disposition", mime.FormatMediaType("inline", map[string]string{"filename": fi.Name()}))
-	if !fi.Mode().IsRegular() { // a device or fifo: stream it
-		w.WriteHeader(http.StatusOK)
-		_, _ = io.Copy(w, f)
+	if seekable(f, fi) {
+		http.ServeContent(w, r, "", fi.ModTime(), f) // ranges, conditional requests
 		return
 	}
-	http.ServeContent(w, r, "", fi.ModTime(), f)
+	streamFile(w, f)
+}
+
+// seekable: a regular file whose size is its content. Pseudo filesystems report 0 or a page
+// size for generated files, and some of them cannot seek at all ("seeker can't seek").
+func seekable(f *os.File, fi os.FileInfo) bool {
+	if !fi.Mode().IsRegular() || fi.Size() == 0 {
+		return false
+	}
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(int(f.Fd()), &st); err == nil && (st.Type == unix.PROC_SUPER_MAGIC || st.Type == unix.SYSFS_MAGIC) {
+		return false
+	}
+	if _, err := f.Seek(0, io.SeekEnd); err != nil {
+		return false
+	}
+	_, err := f.Seek(0, io.SeekStart)
+	return err == nil
+}
+
+// streamFile sends what it can read from f without seeking: procfs and sysfs files (size 0 or
+// a made-up size, often not seekable), fifos, character devices. An empty read gives
+// Content-Length: 0, which the SDKs need to return an empty file; anything else is streamed.
+func streamFile(w http.ResponseWriter, f *os.File) {
+	buf := make([]byte, 32<<10)
+	n, err := f.Read(buf)
+	if n == 0 && err != nil && err != io.EOF {
+		writeHTTPError(w, fmt.Errorf("read %s: %w", f.Name(), err))
+		return
+	}
+	if n == 0 {
+		w.Header().Set("Content-Length", "0")
+		w.WriteHeader(http.StatusOK)
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+	if _, err := w.Write(buf[:n]); err != nil {
+		return
+	}
+	_, _ = io.CopyBuffer(w, f, buf)
 }
 
 // postFiles serves POST /files: multipart parts named "file", or an octet-stream body with ?path=.
@@ -115,6 +156,13 @@ func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	queryPath := r.URL.Query().Get("path")
+	// X-Metadata-* headers (envd >= 0.6.2) become the metadata of every file of the request; no
+	// header means none, so an overwrite clears what an earlier upload stored.
+	md := metadataFromHeaders(r.Header)
+	if err := validateMetadata(md); err != nil {
+		writeHTTPError(w, err)
+		return
+	}
 	mediaType, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	var written []writeInfo
 
@@ -149,7 +197,7 @@ func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
 				writeJSONError(w, http.StatusBadRequest, "a file part has no filename and the request no path")
 				return
 			}
-			info, err := writeFileAs(acct, acct.resolvePath(dest), part)
+			info, err := writeFileAs(acct, acct.resolvePath(dest), part, md)
 			part.Close()
 			if err != nil {
 				writeHTTPError(w, err)
@@ -159,20 +207,20 @@ func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
 		}
 	default: // application/octet-stream and anything else: the body is the file
 		if queryPath == "" {
-			writeJSONError(w, http.StatusBadRequest, "path is required for a non-multipart upload")
+			writeJSONError(w, http.StatusBadRequest, "path query parameter is required for raw body upload")
 			return
 		}
 		var body io.Reader = r.Body
 		if strings.EqualFold(r.Header.Get("Content-Encoding"), "gzip") {
 			zr, err := gzip.NewReader(r.Body)
 			if err != nil {
-				writeJSONError(w, http.StatusBadRequest, "invalid gzip body: "+err.Error())
+				writeJSONError(w, http.StatusBadRequest, "error decompressing request body: "+err.Error())
 				return
 			}
 			defer zr.Close()
 			body = zr
 		}
-		info, err := writeFileAs(acct, acct.resolvePath(queryPath), body)
+		info, err := writeFileAs(acct, acct.resolvePath(queryPath), body, md)
 		if err != nil {
 			writeHTTPError(w, err)
 			return
@@ -186,10 +234,11 @@ func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, written)
 }
 
-// writeFileAs streams body to path (creating parents, replacing the file) owned by acct.
-func writeFileAs(acct *account, path string, body io.Reader) (writeInfo, error) {
+// writeFileAs streams body to path (creating parents, replacing the file) owned by acct, and
+// makes md the file's whole metadata.
+func writeFileAs(acct *account, path string, body io.Reader, md map[string]string) (writeInfo, error) {
 	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
-		return writeInfo{}, httpErrorf(http.StatusBadRequest, "path '%s' is a directory", path)
+		return writeInfo{}, httpErrorf(http.StatusBadRequest, "path is a directory: %s", path)
 	}
 	if err := mkdirAllAs(filepath.Dir(path), acct); err != nil {
 		if errors.Is(err, errdefs.ErrInvalid) {
@@ -212,8 +261,12 @@ func writeFileAs(acct *account, path string, body io.Reader) (writeInfo, error) 
 		f.Close()
 		return writeInfo{}, err
 	}
+	if err := replaceMetadata(f, md); err != nil {
+		f.Close()
+		return writeInfo{}, err
+	}
 	if err := f.Close(); err != nil {
 		return writeInfo{}, err
 	}
-	return writeInfo{Name: filepath.Base(path), Path: path, Type: "file"}, nil
+	return writeInfo{Name: filepath.Base(path), Path: path, Type: "file", Metadata: md}, nil
 }

@@ -33,12 +33,13 @@ func (f *filesystemService) fsAccount(h http.Header) (*account, error) {
 	}
 	acct, err := lookupAccount(name)
 	if err != nil {
-		return nil, connect.NewError(connect.CodeUnauthenticated, err)
+		return nil, connect.NewError(connect.CodeUnauthenticated, errorf(errdefs.ErrUnauthorized, "invalid username: '%s'", name))
 	}
 	return acct, nil
 }
 
-// entryInfo describes path (not following a final symlink).
+// entryInfo describes path (not following a final symlink: a link is described as E2B's envd
+// does, see entryFromInfo).
 func entryInfo(path string, names *nameCache) (*pb.EntryInfo, error) {
 	fi, err := os.Lstat(path)
 	if err != nil {
@@ -47,6 +48,12 @@ func entryInfo(path string, names *nameCache) (*pb.EntryInfo, error) {
 	return entryFromInfo(path, fi, names), nil
 }
 
+// entryFromInfo builds the EntryInfo of path from its lstat result. A symlink is reported as
+// E2B's envd reports it: symlink_target is the fully resolved absolute path (a relative link
+// resolves against the link's directory), and type and mode are the target's, because E2B's
+// SDKs know no symlink type on the wire (the Python SDK cannot parse FILE_TYPE_SYMLINK). A
+// dangling link has type UNSPECIFIED (the SDKs skip such entries in listings) and keeps its own
+// path as the target. Name, path, size, permissions, owner and time stay the link's own.
 func entryFromInfo(path string, fi fs.FileInfo, names *nameCache) *pb.EntryInfo {
 	e := &pb.EntryInfo{
 		Name:         fi.Name(),
@@ -55,32 +62,47 @@ func entryFromInfo(path string, fi fs.FileInfo, names *nameCache) *pb.EntryInfo 
 		Mode:         uint32(fi.Mode().Perm()),
 		Permissions:  fi.Mode().String(),
 		ModifiedTime: timestamppb.New(fi.ModTime()),
+		Type:         fileType(fi.Mode()),
 	}
-	switch {
-	case fi.Mode()&fs.ModeSymlink != 0:
-		e.Type = pb.FileType_FILE_TYPE_SYMLINK
-		if target, err := os.Readlink(path); err == nil {
-			e.SymlinkTarget = &target
+	if fi.Mode()&fs.ModeSymlink != 0 {
+		target := path
+		e.Type, e.Mode = pb.FileType_FILE_TYPE_UNSPECIFIED, 0
+		if resolved, err := filepath.EvalSymlinks(path); err == nil {
+			target = resolved
+			if ti, err := os.Stat(resolved); err == nil {
+				e.Type, e.Mode = fileType(ti.Mode()), uint32(ti.Mode().Perm())
+			}
 		}
-	case fi.IsDir():
-		e.Type = pb.FileType_FILE_TYPE_DIRECTORY
-	default:
-		e.Type = pb.FileType_FILE_TYPE_FILE
+		e.SymlinkTarget = &target
 	}
 	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
 		e.Owner = names.user(st.Uid)
 		e.Group = names.group(st.Gid)
 	}
+	e.Metadata = readMetadata(path)
 	return e
 }
 
-func notFound(path string) error {
-	return connect.NewError(connect.CodeNotFound, errorf(errdefs.ErrNotFound, "path '%s' does not exist", path))
+// fileType maps a mode to the wire type as E2B's envd does: regular files and directories;
+// anything else (devices, fifos, sockets, a symlink's own mode) is UNSPECIFIED, which the SDKs
+// leave out of listings.
+func fileType(m fs.FileMode) pb.FileType {
+	switch {
+	case m.IsRegular():
+		return pb.FileType_FILE_TYPE_FILE
+	case m.IsDir():
+		return pb.FileType_FILE_TYPE_DIRECTORY
+	default:
+		return pb.FileType_FILE_TYPE_UNSPECIFIED
+	}
 }
 
-func fsError(path string, err error) error {
+// fsError translates a filesystem error; a missing path is not_found with E2B envd's wording for
+// the RPC: what (e.g. "file not found") followed by the OS error ("lstat /x: no such file or
+// directory").
+func fsError(what string, err error) error {
 	if errors.Is(err, os.ErrNotExist) {
-		return notFound(path)
+		return connect.NewError(connect.CodeNotFound, errorf(errdefs.ErrNotFound, "%s: %v", what, err))
 	}
 	return toConnectError(err)
 }
@@ -93,7 +115,7 @@ func (f *filesystemService) Stat(_ context.Context, req *connect.Request[pb.Stat
 	path := acct.resolvePath(req.Msg.GetPath())
 	e, err := entryInfo(path, newNameCache())
 	if err != nil {
-		return nil, fsError(path, err)
+		return nil, fsError("file not found", err)
 	}
 	return connect.NewResponse(&pb.StatResponse{Entry: e}), nil
 }
@@ -127,15 +149,20 @@ func (f *filesystemService) MakeDir(_ context.Context, req *connect.Request[pb.M
 		return nil, err
 	}
 	path := acct.resolvePath(req.Msg.GetPath())
-	if _, err := os.Lstat(path); err == nil {
-		return nil, connect.NewError(connect.CodeAlreadyExists, errorf(errdefs.ErrConflict, "path '%s' already exists", path))
+	// As E2B's envd: an existing directory is already_exists (makeDir() returns false), anything
+	// else in the way is invalid_argument.
+	if fi, err := os.Stat(path); err == nil {
+		if fi.IsDir() {
+			return nil, connect.NewError(connect.CodeAlreadyExists, errorf(errdefs.ErrConflict, "directory already exists: %s", path))
+		}
+		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "path already exists but it is not a directory: %s", path))
 	}
 	if err := mkdirAllAs(path, acct); err != nil {
-		return nil, fsError(path, err)
+		return nil, fsError("parent directory not found", err)
 	}
 	e, err := entryInfo(path, newNameCache())
 	if err != nil {
-		return nil, fsError(path, err)
+		return nil, fsError("directory not found", err)
 	}
 	return connect.NewResponse(&pb.MakeDirResponse{Entry: e}), nil
 }
@@ -148,17 +175,17 @@ func (f *filesystemService) Move(_ context.Context, req *connect.Request[pb.Move
 	src := acct.resolvePath(req.Msg.GetSource())
 	dst := acct.resolvePath(req.Msg.GetDestination())
 	if _, err := os.Lstat(src); err != nil {
-		return nil, fsError(src, err)
+		return nil, fsError("source file not found", err)
 	}
 	if err := mkdirAllAs(filepath.Dir(dst), acct); err != nil {
-		return nil, fsError(filepath.Dir(dst), err)
+		return nil, fsError("destination directory not found", err)
 	}
 	if err := os.Rename(src, dst); err != nil {
-		return nil, fsError(src, err)
+		return nil, fsError("source file not found", err)
 	}
 	e, err := entryInfo(dst, newNameCache())
 	if err != nil {
-		return nil, fsError(dst, err)
+		return nil, fsError("file not found", err)
 	}
 	return connect.NewResponse(&pb.MoveResponse{Entry: e}), nil
 }
@@ -175,10 +202,10 @@ func (f *filesystemService) ListDir(_ context.Context, req *connect.Request[pb.L
 	}
 	fi, err := os.Stat(root) // follows a symlinked directory
 	if err != nil {
-		return nil, fsError(root, err)
+		return nil, fsError("path not found", err)
 	}
 	if !fi.IsDir() {
-		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "path '%s' is not a directory", root))
+		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "path is not a directory: %s", root))
 	}
 	names := newNameCache()
 	var entries []*pb.EntryInfo
@@ -204,7 +231,7 @@ func (f *filesystemService) ListDir(_ context.Context, req *connect.Request[pb.L
 		return nil
 	}
 	if err := walk(root, 1); err != nil {
-		return nil, fsError(root, err)
+		return nil, fsError("path not found", err)
 	}
 	return connect.NewResponse(&pb.ListDirResponse{Entries: entries}), nil
 }
@@ -215,11 +242,9 @@ func (f *filesystemService) Remove(_ context.Context, req *connect.Request[pb.Re
 		return nil, err
 	}
 	path := acct.resolvePath(req.Msg.GetPath())
-	if _, err := os.Lstat(path); err != nil {
-		return nil, fsError(path, err)
-	}
+	// Removing what is not there succeeds, as E2B's envd does now (os.RemoveAll semantics).
 	if err := os.RemoveAll(path); err != nil {
-		return nil, fsError(path, err)
+		return nil, toConnectError(err)
 	}
 	return connect.NewResponse(&pb.RemoveResponse{}), nil
 }

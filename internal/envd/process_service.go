@@ -35,7 +35,11 @@ func (s *Server) account(h http.Header) (*account, error) {
 	if name == "" {
 		name = s.settings().defaultUser
 	}
-	return lookupAccount(name)
+	acct, err := lookupAccount(name)
+	if err != nil {
+		return nil, errorf(errdefs.ErrUnauthorized, "invalid username: '%s'", name) // E2B envd's words
+	}
+	return acct, nil
 }
 
 // processEnv layers the environment of a command: standard PATH, image env, the user's identity,
@@ -131,6 +135,9 @@ func (s *Server) startSpec(ctx context.Context, h http.Header, req *pb.StartRequ
 func (ps *processService) Start(ctx context.Context, req *connect.Request[pb.StartRequest], stream *connect.ServerStream[pb.StartResponse]) error {
 	spec, err := ps.s.startSpec(ctx, req.Header(), req.Msg)
 	if err != nil {
+		if errors.Is(err, errdefs.ErrUnauthorized) {
+			return connect.NewError(connect.CodeUnauthenticated, err)
+		}
 		return connect.NewError(connect.CodeInvalidArgument, err)
 	}
 	p, sub, err := ps.s.procs.start(spec)

@@ -68,16 +68,18 @@ func TestStartInvalid(t *testing.T) {
 		name string
 		user string
 		cfg  *pb.ProcessConfig
+		code connect.Code
 	}{
-		{"bad cwd", "", &pb.ProcessConfig{Cmd: "/bin/true", Cwd: ptr("/nonexistent/dir")}},
-		{"unknown user", "no-such-user-xyz", &pb.ProcessConfig{Cmd: "/bin/true"}},
-		{"missing executable", "", &pb.ProcessConfig{Cmd: "no-such-binary-xyz"}},
+		{"bad cwd", "", &pb.ProcessConfig{Cmd: "/bin/true", Cwd: ptr("/nonexistent/dir")}, connect.CodeInvalidArgument},
+		// E2B envd's authn middleware: an unknown Basic user is unauthenticated (AuthenticationError).
+		{"unknown user", "no-such-user-xyz", &pb.ProcessConfig{Cmd: "/bin/true"}, connect.CodeUnauthenticated},
+		{"missing executable", "", &pb.ProcessConfig{Cmd: "no-such-binary-xyz"}, connect.CodeInvalidArgument},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			r := h.run(t, tc.user, tc.cfg, ptr(false))
-			if codeOf(r.err) != connect.CodeInvalidArgument {
-				t.Fatalf("err = %v, want invalid_argument", r.err)
+			if codeOf(r.err) != tc.code {
+				t.Fatalf("err = %v, want %v", r.err, tc.code)
 			}
 		})
 	}

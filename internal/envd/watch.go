@@ -13,6 +13,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/fsnotify/fsnotify"
+	"golang.org/x/sys/unix"
 
 	pb "github.com/ember-sandbox/ember/api/gen/filesystem"
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -29,13 +30,18 @@ type dirWatcher struct {
 	wg           sync.WaitGroup
 }
 
-func newDirWatcher(root string, recursive, includeEntry bool) (*dirWatcher, error) {
+func newDirWatcher(root string, recursive, includeEntry, allowNetworkMounts bool) (*dirWatcher, error) {
 	fi, err := os.Stat(root)
 	if err != nil {
-		return nil, fsError(root, err)
+		return nil, fsError("path "+root+" not found", err)
 	}
 	if !fi.IsDir() {
-		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "path '%s' is not a directory", root))
+		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "path %s not a directory", root))
+	}
+	// inotify sees only changes made through this kernel: on a network filesystem, changes from
+	// elsewhere never show up. As E2B's envd, refuse unless the caller accepts that (>= 0.6.4).
+	if !allowNetworkMounts && onNetworkMount(root) {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errorf(errdefs.ErrInvalid, "cannot watch path on network filesystem: %s", root))
 	}
 	w, err := fsnotify.NewWatcher()
 	if err != nil {
@@ -47,7 +53,7 @@ func newDirWatcher(root string, recursive, includeEntry bool) (*dirWatcher, erro
 	}
 	if err := d.add(root); err != nil {
 		w.Close()
-		return nil, fsError(root, err)
+		return nil, fsError("path "+root+" not found", err)
 	}
 	d.wg.Add(1)
 	go d.run()
@@ -129,6 +135,28 @@ func (d *dirWatcher) handle(ev fsnotify.Event) {
 	}
 }
 
+// Filesystem magic numbers of network filesystems (linux/magic.h; SMB2 and CIFS share one).
+const (
+	nfsSuperMagic  = 0x6969
+	smbSuperMagic  = 0x517b
+	cifsMagic      = 0xff534d42
+	smb2Magic      = 0xfe534d42
+	fuseSuperMagic = 0x65735546
+)
+
+// onNetworkMount reports whether path is on NFS, SMB/CIFS or FUSE.
+func onNetworkMount(path string) bool {
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		return false
+	}
+	switch uint32(st.Type) {
+	case nfsSuperMagic, smbSuperMagic, cifsMagic, smb2Magic, fuseSuperMagic:
+		return true
+	}
+	return false
+}
+
 func (d *dirWatcher) close() {
 	select {
 	case <-d.done:
@@ -145,7 +173,7 @@ func (f *filesystemService) WatchDir(ctx context.Context, req *connect.Request[p
 	if err != nil {
 		return err
 	}
-	d, err := newDirWatcher(acct.resolvePath(req.Msg.GetPath()), req.Msg.GetRecursive(), req.Msg.GetIncludeEntry())
+	d, err := newDirWatcher(acct.resolvePath(req.Msg.GetPath()), req.Msg.GetRecursive(), req.Msg.GetIncludeEntry(), req.Msg.GetAllowNetworkMounts())
 	if err != nil {
 		return err
 	}
@@ -213,7 +241,7 @@ func (f *filesystemService) CreateWatcher(_ context.Context, req *connect.Reques
 	if err != nil {
 		return nil, err
 	}
-	d, err := newDirWatcher(acct.resolvePath(req.Msg.GetPath()), req.Msg.GetRecursive(), req.Msg.GetIncludeEntry())
+	d, err := newDirWatcher(acct.resolvePath(req.Msg.GetPath()), req.Msg.GetRecursive(), req.Msg.GetIncludeEntry(), req.Msg.GetAllowNetworkMounts())
 	if err != nil {
 		return nil, err
 	}

@@ -55,15 +55,18 @@ table inet {{.Table}} {
 		iifname "{{.Prefix}}*" drop
 	}
 
-	# Slots never reach each other or denied ranges; they reach the rest only when their host
-	# veth is in the internet group. Nothing from outside reaches a slot unasked.
+	# Slots never reach each other; what else a slot reaches is decided by its own chain
+	# (egress.go), reached through the slots map; a slot without one reaches nothing. Nothing
+	# from outside reaches a slot unasked.
+	map slots {
+		type ifname : verdict
+	}
+
 	chain forward {
 		type filter hook forward priority filter - 10; policy accept;
 		iifname "{{.Prefix}}*" oifname "{{.Prefix}}*" drop
-		iifname "{{.Prefix}}*" ip daddr @denied4 drop
-		iifname "{{.Prefix}}*" ip6 daddr @denied6 drop
-		iifname "{{.Prefix}}*" iifgroup != {{.Group}} drop
-		iifname "{{.Prefix}}*" accept
+		iifname "{{.Prefix}}*" iifname vmap @slots
+		iifname "{{.Prefix}}*" drop
 		oifname "{{.Prefix}}*" ct state established,related accept
 		oifname "{{.Prefix}}*" drop
 	}
@@ -76,14 +79,14 @@ table inet {{.Table}} {
 `))
 
 // Ruleset returns the nftables script Init applies: it creates or atomically replaces this
-// manager's table (family inet) and touches nothing else.
+// manager's table (family inet) and touches nothing else. It holds no slot's egress rules;
+// Init adds those of the slots it knows in the same transaction.
 func (m *Manager) Ruleset() string {
 	var b bytes.Buffer
 	_ = rulesetTmpl.Execute(&b, map[string]any{
 		"Table":   m.cfg.Table,
 		"Prefix":  m.cfg.NamePrefix,
 		"CIDR":    m.cfg.CIDR.String(),
-		"Group":   m.cfg.InternetGroup,
 		"Denied4": strings.Join(deniedV4, ", "),
 		"Denied6": strings.Join(deniedV6, ", "),
 	})
@@ -114,10 +117,30 @@ func (m *Manager) Init(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("nft not found (apt-get install nftables): %w", errdefs.ErrUnavailable)
 	}
-	cmd := exec.CommandContext(ctx, nft, "-f", "-")
-	cmd.Stdin = strings.NewReader(m.Ruleset())
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("install nftables table inet %s: %w: %s", m.cfg.Table, err, bytes.TrimSpace(out))
+	// Replacing the table drops every slot chain: re-add the installed ones in the same
+	// transaction, so no slot loses (or gains) anything while Init runs.
+	m.fwMu.Lock()
+	defer m.fwMu.Unlock()
+	m.nft = nft
+	rules := map[int]SlotOptions{}
+	m.mu.Lock()
+	for index, s := range m.active {
+		rules[index] = s.Options
 	}
+	for index, opts := range m.rules { // pooled slots with rules made ahead
+		if _, held := rules[index]; !held && m.fwReady {
+			rules[index] = opts
+		}
+	}
+	m.mu.Unlock()
+	script := m.Ruleset()
+	for index, opts := range rules {
+		script += m.slotRules(index, opts)
+	}
+	if err := m.nftApply(ctx, script); err != nil {
+		return fmt.Errorf("install nftables table inet %s: %w", m.cfg.Table, err)
+	}
+	m.rules = rules
+	m.fwReady = true
 	return nil
 }

@@ -2,9 +2,9 @@
 // sandbox holding the guest end ("eth0") of a veth pair whose host end keeps a unique /30 in the
 // host namespace, the allocation of those slots (lowest free index, an optional pool of
 // pre-created slots), and the one nftables table that isolates them (no slot-to-slot or
-// slot-to-host traffic, private ranges always denied, masqueraded egress for slots allowed
-// internet). It must not touch any other nftables table, netns or interface than those carrying
-// its own name prefix, and knows nothing of sandboxes or runtimes.
+// slot-to-host traffic, private ranges always denied, masqueraded egress filtered by each
+// slot's allow/deny rules: egress.go). It must not touch any other nftables table, netns or
+// interface than those carrying its own name prefix, and knows nothing of sandboxes or runtimes.
 //
 // A slot is single-use: gVisor (runsc --network=sandbox) takes over the guest interface and
 // strips its kernel addresses, so Release deletes the namespace and the next sandbox gets a
@@ -23,6 +23,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -57,31 +58,31 @@ type Config struct {
 	// PoolSize slots are kept pre-created in the background so Acquire does no netlink work;
 	// 0 disables the pool.
 	PoolSize int
-	// InternetGroup is the interface group given to the host veth of slots allowed internet;
-	// the firewall forwards only packets arriving from that group.
+	// InternetGroup is no longer used: egress is decided by each slot's rules (egress.go).
+	// Kept so configurations that set it still load.
 	InternetGroup uint32
+	// Resolvers are the DNS servers sandboxes use (the nameservers of the template rootfs's
+	// /etc/resolv.conf, a copy of the host's). A slot reaches them on port 53, even in an
+	// always-denied range, when its own rules would let it reach their address (so: when
+	// internet access is on). Nil means the IPv4, non-loopback nameservers of the host's
+	// /etc/resolv.conf.
+	Resolvers []netip.Addr
 	// Logger receives background events (pool failures); nil means slog.Default().
 	Logger *slog.Logger
-}
-
-// SlotOptions are the per-sandbox choices made at Acquire.
-type SlotOptions struct {
-	// AllowInternet lets the slot open connections to public addresses (masqueraded).
-	// Private, link-local, CGNAT and multicast ranges stay denied either way.
-	AllowInternet bool
 }
 
 // Slot is one sandbox's network: a named netns whose "eth0" has GuestIP/30 and a default route
 // via HostIP, the address of HostVeth in the host namespace.
 type Slot struct {
-	Index         int
-	NetNS         string // name under NetNSDir, as `ip netns` shows it
-	NetNSPath     string // path to hand to the runtime (OCI spec network namespace path)
-	HostVeth      string
-	HostIP        netip.Addr
-	GuestIP       netip.Addr
-	Subnet        netip.Prefix
-	AllowInternet bool
+	Index     int
+	NetNS     string // name under NetNSDir, as `ip netns` shows it
+	NetNSPath string // path to hand to the runtime (OCI spec network namespace path)
+	HostVeth  string
+	HostIP    netip.Addr
+	GuestIP   netip.Addr
+	Subnet    netip.Prefix
+	// Options are the slot's egress rules (read them through Manager.Rules while it is held).
+	Options SlotOptions
 }
 
 // EnvdAddr is the host:port at which the daemon reaches envd inside the slot.
@@ -97,6 +98,14 @@ type Manager struct {
 	nsRe    *regexp.Regexp
 	vethRe  *regexp.Regexp
 	links   linkOps
+
+	// fwMu serialises nftables transactions; rules mirrors the slot chains installed in the
+	// table (by index), valid once Init has installed the table (fwReady).
+	fwMu    sync.Mutex
+	fwReady bool
+	nft     string
+	rules   map[int]SlotOptions
+	nftRuns atomic.Int64 // nft invocations (tests check the pool's fast path)
 
 	mu          sync.Mutex
 	used        []bool        // index reserved: acquired, pooled, adopted, being created or deleted
@@ -131,6 +140,16 @@ func New(cfg Config) (*Manager, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	if cfg.Resolvers == nil {
+		cfg.Resolvers = hostResolvers("/etc/resolv.conf")
+	}
+	cfg.Resolvers = slices.Clone(cfg.Resolvers)
+	for i, r := range cfg.Resolvers {
+		if !r.Unmap().Is4() {
+			return nil, fmt.Errorf("network.resolvers: %s: must be an IPv4 address: %w", r, errdefs.ErrInvalid)
+		}
+		cfg.Resolvers[i] = r.Unmap()
+	}
 	cfg.CIDR = cfg.CIDR.Masked()
 	if !cfg.CIDR.Addr().Is4() || cfg.CIDR.Bits() > 30 || cfg.CIDR.Bits() < 8 {
 		return nil, fmt.Errorf("network.cidr: %s: must be an IPv4 prefix between /8 and /30: %w", cfg.CIDR, errdefs.ErrInvalid)
@@ -164,6 +183,7 @@ func New(cfg Config) (*Manager, error) {
 		vethRe:  regexp.MustCompile(`^` + q + `(0|[1-9][0-9]*)h$`),
 		links:   links,
 		active:  map[int]*Slot{},
+		rules:   map[int]SlotOptions{},
 		kick:    make(chan struct{}, 1),
 		stop:    make(chan struct{}),
 	}, nil
@@ -268,12 +288,10 @@ func (m *Manager) Acquire(ctx context.Context, opts SlotOptions) (*Slot, error) 
 			return nil, err
 		}
 	}
-	if opts.AllowInternet {
-		if err := m.links.setGroup(s.HostVeth, m.cfg.InternetGroup); err != nil {
-			m.destroyAndFree(ctx, s.Index)
-			return nil, fmt.Errorf("allow internet on %s: %w", s.HostVeth, err)
-		}
-		s.AllowInternet = true
+	s.Options = opts.normalized()
+	if err := m.installRules(ctx, s.Index, s.Options); err != nil {
+		m.destroyAndFree(ctx, s.Index)
+		return nil, err
 	}
 	m.mu.Lock()
 	m.active[s.Index] = s
@@ -281,30 +299,11 @@ func (m *Manager) Acquire(ctx context.Context, opts SlotOptions) (*Slot, error) 
 	return s, nil
 }
 
-// SetAllowInternet switches a slot's egress on or off. Existing connections are cut too: the
-// firewall checks every forwarded packet, not only new ones.
-func (m *Manager) SetAllowInternet(s *Slot, allow bool) error {
-	m.mu.Lock()
-	ok := m.active[s.Index] == s
-	m.mu.Unlock()
-	if !ok {
-		return fmt.Errorf("slot %d is not held: %w", s.Index, errdefs.ErrNotFound)
-	}
-	group := uint32(0)
-	if allow {
-		group = m.cfg.InternetGroup
-	}
-	if err := m.links.setGroup(s.HostVeth, group); err != nil {
-		return fmt.Errorf("set internet on %s: %w", s.HostVeth, err)
-	}
-	s.AllowInternet = allow
-	return nil
-}
-
 // Adopt re-registers, after a daemon restart, a slot that a running sandbox still uses. It
 // returns an error wrapping errdefs.ErrNotFound if the slot's netns or host veth is gone, and
-// errdefs.ErrConflict if the index is already in use in this manager.
-func (m *Manager) Adopt(index int, allowInternet bool) (*Slot, error) {
+// errdefs.ErrConflict if the index is already in use in this manager. It (re)installs opts as
+// the slot's egress rules.
+func (m *Manager) Adopt(index int, opts SlotOptions) (*Slot, error) {
 	if index < 0 || index >= m.maxSlot {
 		return nil, fmt.Errorf("slot index %d outside 0..%d: %w", index, m.maxSlot-1, errdefs.ErrInvalid)
 	}
@@ -326,15 +325,15 @@ func (m *Manager) Adopt(index int, allowInternet bool) (*Slot, error) {
 	}
 	m.markLocked(index)
 	m.mu.Unlock()
-	group := uint32(0)
-	if allowInternet {
-		group = m.cfg.InternetGroup
-	}
-	if err := m.links.setGroup(s.HostVeth, group); err != nil {
+	s.Options = opts.normalized()
+	m.fwMu.Lock()
+	delete(m.rules, index) // whatever the table holds for it now, replace it
+	err := m.installRulesLocked(context.Background(), index, s.Options)
+	m.fwMu.Unlock()
+	if err != nil {
 		m.free(index)
 		return nil, fmt.Errorf("adopt slot %d: %w", index, err)
 	}
-	s.AllowInternet = allowInternet
 	m.mu.Lock()
 	m.active[index] = s
 	m.mu.Unlock()
@@ -360,7 +359,7 @@ func (m *Manager) Release(ctx context.Context, s *Slot) error {
 }
 
 func (m *Manager) destroyAndFree(ctx context.Context, index int) error {
-	err := m.destroy(ctx, index)
+	err := errors.Join(m.uninstallRules(ctx, index), m.destroy(ctx, index))
 	// Freed even on error: create() removes leftovers at an index before reusing it.
 	m.free(index)
 	return err
@@ -511,6 +510,10 @@ func (m *Manager) fillPool() {
 				continue
 			}
 			backoff = 0
+			// Most sandboxes keep the default rules: install them now, so Acquire needs no nft.
+			if err := m.installRules(context.Background(), index, defaultOptions); err != nil {
+				m.log.Warn("pre-installing egress rules failed", "index", index, "err", err)
+			}
 			m.mu.Lock()
 			if m.closed {
 				m.mu.Unlock()

@@ -266,8 +266,8 @@ func TestRuleset(t *testing.T) {
 		`iifname "sbx*" fib saddr . iif oif missing drop`,
 		`iifname "sbx*" ct state established,related accept`,
 		`iifname "sbx*" oifname "sbx*" drop`,
-		`iifname "sbx*" ip daddr @denied4 drop`,
-		`iifname "sbx*" iifgroup != 77 drop`,
+		`iifname "sbx*" iifname vmap @slots`,
+		"iifname \"sbx*\" iifname vmap @slots\n\t\tiifname \"sbx*\" drop", // no rules, no egress
 		`ip saddr 10.50.0.0/20 oifname != "sbx*" masquerade`,
 		"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16", "100.64.0.0/10", "224.0.0.0/4",
 		"fc00::/7", "fe80::/10",
@@ -406,8 +406,8 @@ func TestEgress(t *testing.T) {
 	}
 	off := mustAcquire(t, m, SlotOptions{})
 	on := mustAcquire(t, m, SlotOptions{AllowInternet: true})
-	if !on.AllowInternet || off.AllowInternet {
-		t.Fatalf("AllowInternet not recorded: on=%v off=%v", on.AllowInternet, off.AllowInternet)
+	if !on.Options.AllowInternet || off.Options.AllowInternet {
+		t.Fatalf("AllowInternet not recorded: on=%v off=%v", on.Options.AllowInternet, off.Options.AllowInternet)
 	}
 
 	t.Run("internet slot reaches public address, masqueraded", func(t *testing.T) {
@@ -638,17 +638,17 @@ func TestAdoptAndReconcile(t *testing.T) {
 	}
 	t.Cleanup(func() { m.Close(ctx) })
 
-	s1, err := m.Adopt(1, true)
+	s1, err := m.Adopt(1, SlotOptions{AllowInternet: true})
 	if err != nil {
 		t.Fatalf("Adopt(1): %v", err)
 	}
-	if !s1.AllowInternet || s1.GuestIP.String() != "10.211.0.6" {
+	if !s1.Options.AllowInternet || s1.GuestIP.String() != "10.211.0.6" {
 		t.Fatalf("adopted slot = %+v", s1)
 	}
-	if _, err := m.Adopt(1, false); !errors.Is(err, errdefs.ErrConflict) {
+	if _, err := m.Adopt(1, SlotOptions{}); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("Adopt twice: %v, want ErrConflict", err)
 	}
-	if _, err := m.Adopt(7, false); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := m.Adopt(7, SlotOptions{}); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("Adopt of a missing slot: %v, want ErrNotFound", err)
 	}
 	if err := m.Reconcile(ctx, []int{3}); err != nil {

@@ -39,14 +39,6 @@ func newLinkOps() (linkOps, error) {
 	return linkOps{h: h, hostNS: ns}, nil
 }
 
-func (l linkOps) setGroup(name string, group uint32) error {
-	link, err := l.h.LinkByName(name)
-	if err != nil {
-		return err
-	}
-	return l.h.LinkSetGroup(link, int(group))
-}
-
 func (l linkOps) exists(name string) bool {
 	_, err := l.h.LinkByName(name)
 	return err == nil

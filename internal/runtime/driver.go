@@ -142,7 +142,9 @@ type Driver interface {
 	List(ctx context.Context) ([]string, error)
 	// Wait blocks until the instance stops, or ctx is done (then it returns ctx's error), and
 	// reports why. It works for instances started by an earlier process of the daemon (adopted
-	// after a restart) as well. An unknown or already stopped instance returns at once.
+	// after a restart) as well. An unknown or already stopped instance returns at once: unknown
+	// (never started, or deleted) with an error wrapping errdefs.ErrNotFound, stopped with the
+	// reason the driver can still tell. Any number of concurrent Waits is cheap.
 	Wait(ctx context.Context, id string) (Exit, error)
 	// ExportImage writes the image in imageDir (written by Checkpoint) into dstDir (existing,
 	// empty) as a flat set of regular files, for a content-addressed store to keep. The image

@@ -91,14 +91,15 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		AutoResume:       autoResume,
 		Timeout:          timeout,
 		AllowInternet:    allow,
+		Network:          req.Network.ForNew(),
 	}
 	if len(tpl.Aliases) > 0 {
 		sb.Alias = tpl.Aliases[0]
 	}
 	started := time.Now()
 	how := ""
-	if !req.Cold && tpl.Image != "" && !req.NoPool {
-		if pe := m.pool.take(tpl, allow, sb.CPUCount, sb.MemoryMB); pe != nil {
+	if !req.Cold && tpl.Image != "" && !req.NoPool && req.IsDefaultEgress() {
+		if pe := m.pool.take(tpl, sb.CPUCount, sb.MemoryMB); pe != nil {
 			// The pool instance already lives under the id it was made for: the sandbox takes it.
 			sb.ID = pe.owner
 			if err := m.initEnvd(ctx, envdBase(pe.place.GuestIP), sb, tpl.InitToken, tpl); err == nil {
@@ -114,7 +115,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	}
 	if how == "" {
 		spec := launchSpec{owner: sb.ID, tpl: tpl, init: sb, initToken: tpl.InitToken,
-			cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, allowInternet: allow}
+			cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()}
 		how = "restore"
 		if req.Cold || tpl.Image == "" {
 			how, spec.initToken = "boot", ""

@@ -204,10 +204,11 @@ func (m *Manager) forkChild(ctx context.Context, parent *Sandbox, tpl *Template,
 		PauseDropsMemory: parent.PauseDropsMemory,
 		AutoResume:       parent.AutoResume,
 		Timeout:          timeout,
+		Network:          parent.Network.ForNew(),
 		AllowInternet:    parent.AllowInternet,
 	}
 	p, err := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, image: image, init: child, initToken: parent.AccessToken,
-		cpu: child.CPUCount, memMB: child.MemoryMB, diskMB: child.DiskSizeMB, allowInternet: child.AllowInternet})
+		cpu: child.CPUCount, memMB: child.MemoryMB, diskMB: child.DiskSizeMB, egress: child.Egress()})
 	if err != nil {
 		m.removeSandboxDir(child.ID)
 		return nil, err

@@ -6,61 +6,128 @@ import (
 	"net"
 	"net/http"
 	"sync"
+	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
 // guestTransports gives every running sandbox its own HTTP transport, keyed by the guest
 // address it has now. Connections are never shared between sandboxes, and when a sandbox stops
-// (kill, pause) its transport and connections are closed: a slot's address is reused by later
-// sandboxes, and a kept-alive connection must never carry one sandbox's request to another.
+// (kill, pause) every connection of its transport is closed, the busy ones too: a slot's address
+// is reused by later sandboxes, a kept-alive connection must never carry one sandbox's request
+// to another, and a stream into a sandbox that is gone must end now. (A killed sandbox's netstack
+// sends no FIN or RST: without this, a proxied command stream would hang until TCP keepalive
+// gives up.)
 type guestTransports struct {
 	mu     sync.Mutex
-	byAddr map[string]*http.Transport
-	dial   func(ctx context.Context, network, addr string) (net.Conn, error)
+	byAddr map[string]*guestTransport
+	dial   dialFunc
 }
 
-func newGuestTransports(dial func(ctx context.Context, network, addr string) (net.Conn, error)) *guestTransports {
-	return &guestTransports{
-		byAddr: map[string]*http.Transport{},
-		dial:   dial,
+type dialFunc = func(ctx context.Context, network, addr string) (net.Conn, error)
+
+// guestTransport is one sandbox's transport and the connections it has open.
+type guestTransport struct {
+	*http.Transport
+	mu     sync.Mutex
+	conns  map[*trackedConn]struct{}
+	closed bool
+}
+
+// newGuestTransports makes the transports; dial reaches a guest address (nil: a net.Dialer).
+func newGuestTransports(dial dialFunc) *guestTransports {
+	if dial == nil {
+		dial = (&net.Dialer{Timeout: 3 * time.Second, KeepAlive: 30 * time.Second}).DialContext
 	}
+	return &guestTransports{byAddr: map[string]*guestTransport{}, dial: dial}
 }
 
 // open registers the transport of a sandbox that now runs at guest IP addr.
 func (g *guestTransports) open(addr string) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if old := g.byAddr[addr]; old != nil {
-		old.CloseIdleConnections()
-	}
+	gt := &guestTransport{conns: map[*trackedConn]struct{}{}}
 	// No keep-alive: a fresh connection per request costs a fraction of a millisecond over the
 	// veth, and no connection ever outlives the request it was made for.
-	g.byAddr[addr] = &http.Transport{
-		DialContext:        g.dial,
+	gt.Transport = &http.Transport{
+		DialContext:        gt.dial(g.dial),
 		DisableKeepAlives:  true,
 		DisableCompression: true,
 	}
+	g.mu.Lock()
+	old := g.byAddr[addr]
+	g.byAddr[addr] = gt
+	g.mu.Unlock()
+	if old != nil {
+		old.closeAll()
+	}
 }
 
-// close drops the transport of guest IP addr and its connections.
+// close drops the transport of guest IP addr and closes all its connections, idle or not.
 func (g *guestTransports) close(addr string) {
 	g.mu.Lock()
-	t := g.byAddr[addr]
+	gt := g.byAddr[addr]
 	delete(g.byAddr, addr)
 	g.mu.Unlock()
-	if t != nil {
-		t.CloseIdleConnections()
+	if gt != nil {
+		gt.closeAll()
 	}
 }
 
 // RoundTrip sends r through the transport of the sandbox at r's host.
 func (g *guestTransports) RoundTrip(r *http.Request) (*http.Response, error) {
 	g.mu.Lock()
-	t := g.byAddr[r.URL.Hostname()]
+	gt := g.byAddr[r.URL.Hostname()]
 	g.mu.Unlock()
-	if t == nil {
+	if gt == nil {
 		return nil, fmt.Errorf("no running sandbox at %s: %w", r.URL.Host, errdefs.ErrUnavailable)
 	}
-	return t.RoundTrip(r)
+	return gt.RoundTrip(r)
+}
+
+// dial records every connection the transport makes; a dial that completes after closeAll is
+// closed at once.
+func (gt *guestTransport) dial(d dialFunc) dialFunc {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := d(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		tc := &trackedConn{Conn: c, owner: gt}
+		gt.mu.Lock()
+		defer gt.mu.Unlock()
+		if gt.closed {
+			c.Close()
+			return nil, fmt.Errorf("sandbox at %s stopped: %w", addr, errdefs.ErrUnavailable)
+		}
+		gt.conns[tc] = struct{}{}
+		return tc, nil
+	}
+}
+
+// closeAll closes the transport's connections, in use or idle, and refuses new ones.
+func (gt *guestTransport) closeAll() {
+	gt.mu.Lock()
+	gt.closed = true
+	conns := gt.conns
+	gt.conns = map[*trackedConn]struct{}{}
+	gt.mu.Unlock()
+	for c := range conns {
+		c.Conn.Close()
+	}
+	gt.CloseIdleConnections()
+}
+
+// trackedConn removes itself from its transport's set when closed.
+type trackedConn struct {
+	net.Conn
+	owner *guestTransport
+	once  sync.Once
+}
+
+func (c *trackedConn) Close() error {
+	c.once.Do(func() {
+		c.owner.mu.Lock()
+		delete(c.owner.conns, c)
+		c.owner.mu.Unlock()
+	})
+	return c.Conn.Close()
 }

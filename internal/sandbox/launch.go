@@ -41,7 +41,7 @@ type launchSpec struct {
 	initToken string
 	// Resources and network.
 	cpu, memMB, diskMB int
-	allowInternet      bool
+	egress             Egress
 }
 
 // instanceDir is the one place that decides where an instance's state lives.
@@ -72,7 +72,7 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 		return p, err
 	}
 	t0 := time.Now()
-	slot, err := m.cfg.Network.Acquire(ctx, spec.allowInternet)
+	slot, err := m.cfg.Network.Acquire(ctx, spec.egress)
 	if err != nil {
 		return p, fmt.Errorf("network slot: %w", err)
 	}

@@ -202,7 +202,7 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 	}
 	image := sb.Runtime.Image
 	spec := launchSpec{owner: sb.ID, tpl: tpl, image: image, consume: true,
-		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, allowInternet: sb.AllowInternet}
+		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()}
 	boot := sb.PausedFilesOnly || reboot
 	if boot {
 		// A fresh envd: it learns the sandbox's identity (the same id, token and env vars) again.

@@ -30,8 +30,8 @@ type Slot struct {
 
 // Network hands out single-use network slots (internal/network implements it).
 type Network interface {
-	Acquire(ctx context.Context, allowInternet bool) (Slot, error)
-	Adopt(index int, allowInternet bool) (Slot, error)
+	Acquire(ctx context.Context, egress Egress) (Slot, error)
+	Adopt(index int, egress Egress) (Slot, error)
 	Release(ctx context.Context, index int) error
 	Reconcile(ctx context.Context, keep []int) error
 }
@@ -67,7 +67,10 @@ type RootFSInfo struct {
 // Optional: without it, snapshot images stay in the data directory only.
 type ImageStore interface {
 	Save(ctx context.Context, id, srcDir string) error
-	Load(ctx context.Context, id, destDir string) error
+	// Fetch makes destDir a complete, verified copy of stored image id, loading it only if it
+	// is not one already; concurrent Fetches of one destination share one load. unpack turns
+	// the stored files (srcDir) into the image (dstDir, which it creates).
+	Fetch(ctx context.Context, id, destDir string, unpack func(ctx context.Context, srcDir, dstDir string) error) error
 	Delete(ctx context.Context, id string) error
 }
 
@@ -128,7 +131,6 @@ type Manager struct {
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool
-	loads     map[string]*sync.Mutex // stored images being loaded into the node cache
 
 	// bg is the context of background work (pool, watchers, reaper); Close cancels it.
 	bg       context.Context
@@ -356,13 +358,27 @@ func (m *Manager) entry(id string) (*entry, error) {
 	return e, nil
 }
 
-// goneErr is the error for calls to a sandbox that ended: it says why and when.
+// GoneError is the error for calls to a sandbox that ended: it says why and when. It is an
+// errdefs.ErrNotFound.
+type GoneError struct {
+	ID     string
+	Reason string // EndKilled, EndTimeout, runtime.ExitOOM, ...
+	At     time.Time
+}
+
+func (e *GoneError) Error() string {
+	return fmt.Sprintf("sandbox %q is not running: %s at %s", e.ID, e.Reason, e.At.Format(time.RFC3339))
+}
+
+// Is makes a GoneError an errdefs.ErrNotFound.
+func (e *GoneError) Is(target error) bool { return target == errdefs.ErrNotFound }
+
 func goneErr(sb *Sandbox) error {
 	reason := sb.EndReason
 	if reason == "" {
-		reason = "killed"
+		reason = EndKilled
 	}
-	return fmt.Errorf("sandbox %q is not running: %s at %s: %w", sb.ID, reason, sb.EndedAt.Format(time.RFC3339), errdefs.ErrNotFound)
+	return &GoneError{ID: sb.ID, Reason: reason, At: sb.EndedAt}
 }
 
 // runningLocked returns nil if e's sandbox runs, else the error a caller gets.

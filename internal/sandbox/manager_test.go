@@ -19,6 +19,8 @@ import (
 	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/sandbox/sandboxtest"
+	"github.com/ember-sandbox/ember/internal/snapshot"
+	"github.com/ember-sandbox/ember/internal/snapshot/local"
 	"github.com/ember-sandbox/ember/internal/store"
 )
 
@@ -261,7 +263,7 @@ func TestReconcileAdoptsOnlyWhatTheStoreKnows(t *testing.T) {
 	}
 	orphanDir := filepath.Join(n.cfg.DataDir, "sandboxes", "orphanaaaaaaaaaaaaaa", "run-abcd")
 	os.MkdirAll(orphanDir, 0o700)
-	slot, _ := n.rig.Network.Acquire(context.Background(), true)
+	slot, _ := n.rig.Network.Acquire(context.Background(), sandbox.Egress{AllowInternet: true})
 	if err := n.rig.Driver.Start(context.Background(), runtime.Spec{ID: "orphanaaaaaaaaaaaaaa-abcd", RootFS: tpl.RootFS, StateDir: orphanDir, NetNSPath: slot.NetNSPath, Args: []string{"/usr/local/bin/envd"}}); err != nil {
 		t.Fatal(err)
 	}
@@ -669,5 +671,80 @@ func TestPoolFollowsDemandWithinBudget(t *testing.T) {
 	time.Sleep(1500 * time.Millisecond)
 	if got := len(b.rig.Driver.Running()); got != 2 {
 		t.Fatalf("pool of %d instances with a budget for 2", got)
+	}
+}
+
+// imageStore is the daemon's adapter in small: the real snapshot store on a local backend.
+type imageStore struct{ s *snapshot.Store }
+
+func (a imageStore) Save(ctx context.Context, id, dir string) error {
+	_, err := a.s.Save(ctx, id, dir)
+	return err
+}
+func (a imageStore) Fetch(ctx context.Context, id, dir string, unpack func(ctx context.Context, src, dst string) error) error {
+	return a.s.Fetch(ctx, id, dir, snapshot.FetchImport(unpack))
+}
+func (a imageStore) Delete(ctx context.Context, id string) error { return a.s.Delete(ctx, id) }
+
+func TestStoredSnapshotsLoadOnceAndRefuseTampering(t *testing.T) {
+	dir := t.TempDir()
+	backend, err := local.New(filepath.Join(dir, "snapshots"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := snapshot.LoadOrCreateKey(filepath.Join(dir, "key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := newNode(t, func(c *sandbox.Config) { c.Images = imageStore{snapshot.New(backend, snapshot.WithSigningKey(key))} })
+	n.build("base")
+	src := n.create(sandbox.CreateRequest{})
+	n.write(src.ID, "/s", "stored")
+	if _, err := n.m.Snapshot(context.Background(), src.ID, "stored1"); err != nil {
+		t.Fatal(err)
+	}
+	imports := n.rig.Driver.Calls("ImportImage")
+	var wg sync.WaitGroup
+	sbs := make([]*sandbox.Sandbox, 4)
+	for i := range sbs {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			sbs[i], _ = n.m.Create(context.Background(), sandbox.CreateRequest{TemplateID: "stored1"})
+		}(i)
+	}
+	wg.Wait()
+	for _, sb := range sbs {
+		if sb == nil {
+			t.Fatal("a create from the stored snapshot failed")
+		}
+		if v, _ := n.read(sb.ID, "/s"); v != "stored" {
+			t.Fatalf("sandbox from stored snapshot sees %q", v)
+		}
+	}
+	if got := n.rig.Driver.Calls("ImportImage") - imports; got != 1 {
+		t.Fatalf("4 concurrent creates imported the stored image %d times, want 1", got)
+	}
+
+	// A second snapshot whose stored manifest is rewritten by someone with bucket access only.
+	if _, err := n.m.Snapshot(context.Background(), src.ID, "stored2"); err != nil {
+		t.Fatal(err)
+	}
+	var manifests []string
+	filepath.Walk(filepath.Join(dir, "snapshots"), func(p string, fi os.FileInfo, err error) error {
+		if err == nil && !fi.IsDir() && strings.Contains(p, "stored2") {
+			manifests = append(manifests, p)
+		}
+		return nil
+	})
+	if len(manifests) == 0 {
+		t.Fatal("no stored manifest of stored2 found")
+	}
+	for _, p := range manifests {
+		b, _ := os.ReadFile(p)
+		os.WriteFile(p, append(b, []byte("\n")...), 0o600)
+	}
+	if _, err := n.m.Create(context.Background(), sandbox.CreateRequest{TemplateID: "stored2"}); !errors.Is(err, errdefs.ErrCorrupt) {
+		t.Fatalf("create from a tampered stored snapshot: %v", err)
 	}
 }

@@ -163,8 +163,9 @@ func (p *pool) totalLocked() int {
 }
 
 // take returns a ready instance of tpl's current build with the given resources, or nil.
-func (p *pool) take(tpl *Template, allowInternet bool, cpu, mem int) *pooled {
-	if !p.enabled() || !allowInternet || tpl.Kind != "template" {
+// Only creates with the default egress rules take one.
+func (p *pool) take(tpl *Template, cpu, mem int) *pooled {
+	if !p.enabled() || tpl.Kind != "template" {
 		return nil
 	}
 	p.mu.Lock()
@@ -339,7 +340,7 @@ func (p *pool) restore(ctx context.Context, tpl *Template) (*pooled, error) {
 	pe := &pooled{owner: newID(), buildID: tpl.BuildID,
 		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), mem: orDefault(tpl.MemoryMB, m.cfg.MemoryMB)}
 	place, err := m.launch(ctx, launchSpec{owner: pe.owner, tpl: tpl, image: tpl.Image,
-		cpu: pe.cpu, memMB: pe.mem, diskMB: orDefault(tpl.DiskMB, m.cfg.DiskMB), allowInternet: true})
+		cpu: pe.cpu, memMB: pe.mem, diskMB: orDefault(tpl.DiskMB, m.cfg.DiskMB), egress: Egress{AllowInternet: true}})
 	if err != nil {
 		m.removeSandboxDir(pe.owner)
 		return nil, err

@@ -45,7 +45,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		case StateRunning:
 			why := m.adoptable(ctx, sb, known)
 			if why == "" {
-				if _, err := m.cfg.Network.Adopt(sb.Runtime.SlotIndex, sb.AllowInternet); err != nil {
+				if _, err := m.cfg.Network.Adopt(sb.Runtime.SlotIndex, sb.Egress()); err != nil {
 					why = "its network slot is gone: " + err.Error()
 				}
 			}

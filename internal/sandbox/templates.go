@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -153,47 +152,21 @@ func (m *Manager) ListTemplates(ctx context.Context) ([]*Template, error) {
 }
 
 // templateImage returns the local checkpoint image of tpl, fetching a stored snapshot into the
-// node-local cache (verified) when it is not there. Concurrent creates from one snapshot load
-// it once: the others wait for that load.
+// node-local cache when it is not there: verified by the store, unpacked by the driver (which
+// treats it as untrusted), complete or absent. Concurrent creates from one snapshot load it
+// once: the others wait for that load.
 func (m *Manager) templateImage(ctx context.Context, tpl *Template) (string, error) {
 	if !tpl.SnapshotStored || m.cfg.Images == nil {
 		return tpl.Image, nil
 	}
-	complete := filepath.Join(tpl.Image, ".complete")
-	if _, err := os.Stat(complete); err == nil {
-		return tpl.Image, nil
-	}
-	unlock := m.lockLoad(tpl.ID)
-	defer unlock()
-	if _, err := os.Stat(complete); err == nil {
-		return tpl.Image, nil // loaded by the create we waited for
-	}
-	os.RemoveAll(tpl.Image)
 	max := int64(2*(orDefault(tpl.DiskMB, m.cfg.DiskMB)+orDefault(tpl.MemoryMB, m.cfg.MemoryMB))) << 20
-	if err := m.loadImage(ctx, tpl.ID, tpl.Image, max); err != nil {
+	err := m.cfg.Images.Fetch(ctx, tpl.ID, tpl.Image, func(ctx context.Context, src, dst string) error {
+		return m.cfg.Driver.ImportImage(ctx, src, dst, runtime.ImportOptions{MaxBytes: max})
+	})
+	if err != nil {
 		return "", fmt.Errorf("snapshot %q: %w", tpl.ID, err)
 	}
-	if err := writeFileSync(complete); err != nil {
-		os.RemoveAll(tpl.Image)
-		return "", err
-	}
 	return tpl.Image, nil
-}
-
-// lockLoad serialises loads of one stored image.
-func (m *Manager) lockLoad(id string) (unlock func()) {
-	m.mu.Lock()
-	if m.loads == nil {
-		m.loads = map[string]*sync.Mutex{}
-	}
-	l := m.loads[id]
-	if l == nil {
-		l = &sync.Mutex{}
-		m.loads[id] = l
-	}
-	m.mu.Unlock()
-	l.Lock()
-	return l.Unlock
 }
 
 // saveImage puts the checkpoint image in dir into the image store under id, in the driver's
@@ -208,33 +181,6 @@ func (m *Manager) saveImage(ctx context.Context, id, dir string) error {
 		return err
 	}
 	return m.cfg.Images.Save(ctx, id, stage)
-}
-
-// loadImage writes the stored image id to dest (which must not exist), verified by the store
-// and unpacked by the driver, which treats it as untrusted input.
-func (m *Manager) loadImage(ctx context.Context, id, dest string, maxBytes int64) error {
-	stage, err := os.MkdirTemp(filepath.Dir(dest), "."+filepath.Base(dest)+".import-")
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(stage)
-	files := filepath.Join(stage, "files")
-	if err := m.cfg.Images.Load(ctx, id, files); err != nil {
-		return err
-	}
-	return m.cfg.Driver.ImportImage(ctx, files, dest, runtime.ImportOptions{MaxBytes: maxBytes})
-}
-
-func writeFileSync(path string) error {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	return f.Close()
 }
 
 // DeleteTemplate deletes a template or snapshot. Sandboxes that run from it keep running.

@@ -28,7 +28,7 @@ const MaxTimeout = 24 * time.Hour
 const EnvdPort = envdclient.Port
 
 // EnvdVersion is the envd protocol version ember's envd implements (gates SDK features).
-const EnvdVersion = "0.5.7"
+const EnvdVersion = "0.6.4"
 
 // Sandbox is the user-visible record of one sandbox. It is what the store persists.
 type Sandbox struct {
@@ -54,9 +54,11 @@ type Sandbox struct {
 	PausedFilesOnly bool `json:"pausedFilesOnly,omitempty"`
 	// Timeout is the lifetime asked for at create (used again by an auto-resume).
 	Timeout time.Duration `json:"timeout,omitempty"`
-	// AllowInternet: egress to the internet (NAT); false keeps the sandbox off the network
-	// except for the daemon reaching envd.
+	// AllowInternet: egress to the internet (NAT); false denies every address except those in
+	// Network.AllowOut (E2B: as denyOut 0.0.0.0/0). The daemon reaches envd either way.
 	AllowInternet bool `json:"allowInternet"`
+	// Network: egress lists and guest-port controls (E2B's network config; network.go).
+	Network *NetworkConfig `json:"network,omitempty"`
 
 	// EndReason and EndedAt say why and when a sandbox ended (State killed): "killed",
 	// "timeout", "out of memory", "exited", ... (see EndKilled and runtime.ExitReason).
@@ -90,6 +92,8 @@ type CreateRequest struct {
 	// AutoResume: traffic wakes the sandbox when paused (nil = false).
 	AutoResume    *bool
 	AllowInternet *bool // nil = default (true)
+	// Network: egress lists and guest-port controls; nil = E2B's defaults. ValidateNetwork it.
+	Network *NetworkConfig
 	// Cold boots the template's rootfs instead of restoring its checkpoint (benchmarks, fallback).
 	Cold bool
 	// NoPool skips the warm pool and restores the template's checkpoint (benchmarks).

@@ -58,6 +58,11 @@ func Run(t *testing.T, newDriver func(t *testing.T) runtime.Driver, rootfs func(
 		{"CheckpointLeaveRunning", s.testCheckpointLeaveRunning},
 		{"ForkParallel", s.testForkParallel},
 		{"PauseResume", s.testPauseResume},
+		{"WaitKilled", s.testWaitKilled},
+		{"WaitExited", s.testWaitExited},
+		{"WaitLifecycle", s.testWaitLifecycle},
+		{"MemoryHog", s.testMemoryHog},
+		{"ExportImport", s.testExportImport},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, tc.fn)

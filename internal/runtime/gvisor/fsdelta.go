@@ -58,11 +58,15 @@ func PrepareRootFS(lower, sandboxDir string) (merged string, cleanup func() erro
 	if err != nil || !lfi.IsDir() {
 		return "", nil, fmt.Errorf("gvisor: fsdelta: lower %q: not a directory: %w", lower, errdefs.ErrInvalid)
 	}
-	if err := os.MkdirAll(sandboxDir, 0o755); err != nil {
+	// The instance's directory holds its files and memory: only root may look inside.
+	if err := os.MkdirAll(sandboxDir, 0o700); err != nil {
+		return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
+	}
+	if err := os.Chmod(sandboxDir, 0o700); err != nil {
 		return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
 	}
 	layer := filepath.Join(sandboxDir, layerDirName)
-	if _, err := os.Stat(layer); errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Lstat(layer); errors.Is(err, os.ErrNotExist) {
 		if err := createLayer(layer); err != nil {
 			return "", nil, err
 		}
@@ -72,20 +76,35 @@ func PrepareRootFS(lower, sandboxDir string) (merged string, cleanup func() erro
 	upper := filepath.Join(layer, upperDirName)
 	work := filepath.Join(layer, workDirName)
 	merged = filepath.Join(sandboxDir, mergedDirName)
+	// A layer that came from an image (possibly a restored, tampered snapshot) must be made of
+	// real directories: an upper that is a symlink to a host directory would hand it to the
+	// sandbox. Checked before anything is created in them.
+	if err := checkLayerDir(layer); err != nil {
+		return "", nil, err
+	}
+	for _, d := range []string{upper, work} {
+		if err := checkLayerDir(d); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return "", nil, err
+		}
+	}
 	// The root of the merged tree takes upper's attributes: give it the template root's mode.
-	if err := os.MkdirAll(upper, 0o755); err != nil {
-		return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
+	for _, d := range []string{upper, work, merged} {
+		if err := os.Mkdir(d, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+			return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
+		}
+	}
+	for _, d := range []string{upper, work} {
+		if err := checkLayerDir(d); err != nil {
+			return "", nil, err
+		}
 	}
 	if err := os.Chmod(upper, lfi.Mode().Perm()); err != nil {
 		return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
 	}
-	for _, d := range []string{work, merged} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
-		}
-	}
+	// nosuid, nodev: root in the sandbox can leave setuid-root files and device nodes in its
+	// layer; through this mount they give a host user nothing (the sandbox sees its own mount).
 	opts := "lowerdir=" + lower + ",upperdir=" + upper + ",workdir=" + work
-	if err := unix.Mount("overlay", merged, "overlay", 0, opts); err != nil {
+	if err := unix.Mount("overlay", merged, "overlay", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 		return "", nil, fmt.Errorf("gvisor: fsdelta: mount overlay on %s: %w", merged, err)
 	}
 	cleanup = func() error {
@@ -108,13 +127,18 @@ func PrepareRootFS(lower, sandboxDir string) (merged string, cleanup func() erro
 func CloneUpper(srcSandboxDir, dstSandboxDir string) (method string, err error) {
 	src := filepath.Join(srcSandboxDir, layerDirName)
 	dst := filepath.Join(dstSandboxDir, layerDirName)
-	if _, err := os.Stat(filepath.Join(src, upperDirName)); err != nil {
+	if _, err := os.Lstat(filepath.Join(src, upperDirName)); err != nil {
 		return "", fmt.Errorf("gvisor: fsdelta: clone: source layer: %v: %w", err, errdefs.ErrNotFound)
+	}
+	for _, d := range []string{src, filepath.Join(src, upperDirName)} {
+		if err := checkLayerDir(d); err != nil {
+			return "", err
+		}
 	}
 	if _, err := os.Lstat(dst); err == nil {
 		return "", fmt.Errorf("gvisor: fsdelta: clone: %s exists: %w", dst, errdefs.ErrConflict)
 	}
-	if err := os.MkdirAll(dstSandboxDir, 0o755); err != nil {
+	if err := os.MkdirAll(dstSandboxDir, 0o700); err != nil {
 		return "", fmt.Errorf("gvisor: fsdelta: clone: %w", err)
 	}
 	if isSubvolume(src) && isBtrfs(dstSandboxDir) {
@@ -166,11 +190,33 @@ func createLayer(layer string) error {
 	parent := filepath.Dir(layer)
 	if isBtrfs(parent) {
 		if err := btrfsVolIoctl(parent, btrfsIocSubvolCreate, -1, filepath.Base(layer)); err == nil {
+			if err := os.Chmod(layer, 0o700); err != nil {
+				return fmt.Errorf("gvisor: fsdelta: layer: %w", err)
+			}
 			return nil
 		}
 	}
-	if err := os.Mkdir(layer, 0o755); err != nil {
+	if err := os.Mkdir(layer, 0o700); err != nil {
 		return fmt.Errorf("gvisor: fsdelta: layer: %w", err)
+	}
+	return nil
+}
+
+// checkLayerDir makes sure p is a real directory (not a symlink, not followed) owned by the
+// driver's user (root): a layer from an image must not lead anywhere else on the host.
+func checkLayerDir(p string) error {
+	var st unix.Stat_t
+	if err := unix.Lstat(p, &st); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("gvisor: fsdelta: %s: %w", p, os.ErrNotExist)
+		}
+		return fmt.Errorf("gvisor: fsdelta: %s: %w", p, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return fmt.Errorf("gvisor: fsdelta: layer path %s is not a directory (mode %#o): %w", p, st.Mode, errdefs.ErrInvalid)
+	}
+	if int(st.Uid) != os.Geteuid() {
+		return fmt.Errorf("gvisor: fsdelta: layer path %s is owned by uid %d: %w", p, st.Uid, errdefs.ErrInvalid)
 	}
 	return nil
 }

@@ -1,8 +1,10 @@
 // Package gvisor is the runtime.Driver that runs each sandbox in its own gVisor sandbox through
 // the runsc binary (platform systrap). It owns the runsc state directory (Config.Root), each
 // instance's OCI bundle and runsc logs under runtime.Spec.StateDir, and the cgroups runsc makes
-// for an instance. It never writes the template rootfs: the instance's writes live in runsc's
-// memory-backed overlay and so are part of every checkpoint image.
+// for an instance. It never writes the template rootfs: the instance's writes live in its own
+// host overlayfs layer under its StateDir (layers.go, fsdelta.go; mounted nosuid,nodev, in a
+// directory only root may enter), which checkpoints carry next to the memory image. It also owns
+// the exported image format (image.go) and watches instances for their exit (wait.go).
 package gvisor
 
 import (
@@ -68,8 +70,11 @@ type Driver struct {
 	log        *slog.Logger
 	cgroupDirs []string // the daemon's own cgroup directory in each hierarchy
 
-	mu      sync.Mutex
-	logDirs map[string]string // id -> <StateDir>/logs of instances started by this process
+	mu       sync.Mutex
+	logDirs  map[string]string       // id -> <StateDir>/logs of instances started by this process
+	watches  map[string]*watch       // id -> exit watcher of its sandbox process (wait.go)
+	stopping map[string]string       // id -> why the driver itself stopped it (Kill, Delete, Checkpoint)
+	exits    map[string]runtime.Exit // id -> how its last watched sandbox process ended
 }
 
 var _ runtime.Driver = (*Driver)(nil)
@@ -118,7 +123,11 @@ func New(cfg Config) (*Driver, error) {
 	if err := os.MkdirAll(cfg.Root, 0o700); err != nil {
 		return nil, fmt.Errorf("gvisor: config root: %w", err)
 	}
-	d := &Driver{cfg: cfg, log: cfg.Logger.With("driver", "gvisor"), logDirs: map[string]string{}}
+	d := &Driver{
+		cfg: cfg, log: cfg.Logger.With("driver", "gvisor"),
+		logDirs: map[string]string{}, watches: map[string]*watch{}, stopping: map[string]string{},
+		exits: map[string]runtime.Exit{},
+	}
 	if !cfg.IgnoreCgroups {
 		d.cgroupDirs = ownCgroupDirs()
 	}
@@ -218,6 +227,7 @@ func (d *Driver) launch(ctx context.Context, spec runtime.Spec, args ...string) 
 		return err
 	}
 	d.setLogDir(spec.ID, logs)
+	d.forgetExit(spec.ID)
 	return nil
 }
 
@@ -383,10 +393,14 @@ func (d *Driver) Kill(ctx context.Context, id string) error {
 	if err := validateID(id); err != nil {
 		return err
 	}
+	d.setStopping(id, "killed by the driver (Kill)")
 	if _, err := d.run(ctx, d.logDir(id), "kill", "--all", id, "KILL"); err != nil {
 		st, serr := d.State(ctx, id)
 		switch {
 		case serr != nil:
+			if errors.Is(serr, errdefs.ErrNotFound) {
+				d.setStopping(id, "")
+			}
 			return serr
 		case st.State != runtime.StateRunning:
 			return nil
@@ -427,10 +441,24 @@ func (d *Driver) Delete(ctx context.Context, id string) error {
 	if d.hostLayers() {
 		stateDir = d.instanceDir(ctx, id)
 	}
+	d.mu.Lock()
+	if d.stopping[id] == "" {
+		d.stopping[id] = "deleted by the driver (Delete)"
+	}
+	w := d.watches[id]
+	d.mu.Unlock()
 	_, err := d.run(ctx, d.logDir(id), "delete", "--force", id)
 	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 		return err
 	}
+	if w != nil {
+		// Let a pending Wait see why before the reason is forgotten.
+		select {
+		case <-w.done:
+		case <-time.After(2 * time.Second):
+		}
+	}
+	d.forgetExit(id)
 	d.setLogDir(id, "")
 	if err := releaseLayer(stateDir); err != nil {
 		return err
@@ -557,12 +585,20 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 	if d.cfg.ExcludeZeroPages {
 		args = append(args, "--exclude-committed-zero-pages")
 	}
+	if !opts.LeaveRunning {
+		// Set before runsc runs: the sandbox may exit on its own as soon as its image is written.
+		d.setStopping(id, "stopped by the driver (Checkpoint)")
+	}
 	t0 := time.Now()
 	_, cerr := d.run(ctx, d.logDir(id), append(args, id)...)
 	if cerr != nil {
+		if !opts.LeaveRunning {
+			d.setStopping(id, "")
+		}
 		return d.explain(ctx, id, cerr)
 	}
 	d.log.Debug("checkpointed", "sandbox_id", id, "leave_running", opts.LeaveRunning, "ms", time.Since(t0).Milliseconds())
+	privateFiles(imageDir)
 	if opts.LeaveRunning {
 		if stateDir != "" {
 			return d.checkpointLayer(stateDir, imageDir, true)
@@ -584,15 +620,8 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 // (<root>/<id>_sandbox:<id>.state, for the pinned runsc) to save a runsc invocation, and falls
 // back to `runsc state`.
 func (d *Driver) sandboxPid(ctx context.Context, id string) (int, error) {
-	var f struct {
-		ID      string `json:"id"`
-		Sandbox struct {
-			Pid int `json:"pid"`
-		} `json:"sandbox"`
-	}
-	b, err := os.ReadFile(filepath.Join(d.cfg.Root, id+"_sandbox:"+id+".state"))
-	if err == nil && json.Unmarshal(b, &f) == nil && f.ID == id && alive(f.Sandbox.Pid) {
-		return f.Sandbox.Pid, nil
+	if pid, err := readStatePid(d.cfg.Root, id); err == nil && alive(pid) {
+		return pid, nil
 	}
 	st, err := d.State(ctx, id)
 	if err != nil {
@@ -602,6 +631,41 @@ func (d *Driver) sandboxPid(ctx context.Context, id string) (int, error) {
 		return 0, fmt.Errorf("gvisor: %s: not running: %w", id, errdefs.ErrConflict)
 	}
 	return st.Pid, nil
+}
+
+// privateFiles makes the regular files directly in dir readable by their owner (root) only:
+// memory images hold the sandbox's secrets.
+func privateFiles(dir string) {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		if e.Type().IsRegular() {
+			_ = os.Chmod(filepath.Join(dir, e.Name()), 0o600)
+		}
+	}
+}
+
+// readStatePid reads the sandbox pid recorded in runsc's state file of id under root.
+func readStatePid(root, id string) (int, error) {
+	var f struct {
+		ID      string `json:"id"`
+		Sandbox struct {
+			Pid int `json:"pid"`
+		} `json:"sandbox"`
+	}
+	b, err := os.ReadFile(filepath.Join(root, id+"_sandbox:"+id+".state"))
+	if err != nil {
+		return 0, err
+	}
+	if err := json.Unmarshal(b, &f); err != nil {
+		return 0, err
+	}
+	if f.ID != id || f.Sandbox.Pid <= 0 {
+		return 0, fmt.Errorf("gvisor: state file of %s: no pid: %w", id, errdefs.ErrNotFound)
+	}
+	return f.Sandbox.Pid, nil
 }
 
 // explain turns a failed command on id into ErrNotFound or ErrConflict when runsc's message does

@@ -36,6 +36,9 @@ func (d *Driver) prepareLayer(spec runtime.Spec, imageDir string) (runtime.Spec,
 	if !d.hostLayers() {
 		return spec, nil
 	}
+	if err := os.MkdirAll(spec.StateDir, 0o700); err != nil {
+		return spec, fmt.Errorf("gvisor: state dir: %w", err)
+	}
 	if imageDir != "" && imageHasLayer(imageDir) {
 		dst := filepath.Join(spec.StateDir, layerDirName)
 		if spec.ConsumeImage {

@@ -116,6 +116,12 @@ func resources(s runtime.Spec) *specs.LinuxResources {
 // bundle directory.
 func (d *Driver) writeBundle(s runtime.Spec) (string, error) {
 	bundle := filepath.Join(s.StateDir, "bundle")
+	if err := os.MkdirAll(s.StateDir, 0o700); err != nil {
+		return "", fmt.Errorf("gvisor: state dir: %w", err)
+	}
+	if err := os.Chmod(s.StateDir, 0o700); err != nil { // the instance's files: root only
+		return "", fmt.Errorf("gvisor: state dir: %w", err)
+	}
 	if err := os.MkdirAll(bundle, 0o700); err != nil {
 		return "", fmt.Errorf("gvisor: bundle: %w", err)
 	}

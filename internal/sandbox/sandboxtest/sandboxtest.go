@@ -61,21 +61,21 @@ func (r *Rig) Dial(ctx context.Context, network, addr string) (net.Conn, error) 
 // Network is a fake sandbox.Network: slots are indexes with a guest address each; acquiring
 // a slot takes the lowest free one.
 type Network struct {
-	mu       sync.Mutex
-	used     []bool
-	internet map[int]bool
+	mu     sync.Mutex
+	used   []bool
+	egress map[int]sandbox.Egress
 	// FailAcquire, when set, makes Acquire fail.
 	FailAcquire error
 }
 
-func newNetwork(n int) *Network { return &Network{used: make([]bool, n), internet: map[int]bool{}} }
+func newNetwork(n int) *Network { return &Network{used: make([]bool, n), egress: map[int]sandbox.Egress{}} }
 
 func (n *Network) slot(i int) sandbox.Slot {
 	return sandbox.Slot{Index: i, NetNSPath: fmt.Sprintf("/fake/netns/%d", i), GuestIP: netip.AddrFrom4([4]byte{10, 99, byte(i >> 8), byte(i)})}
 }
 
 // Acquire implements sandbox.Network.
-func (n *Network) Acquire(ctx context.Context, allowInternet bool) (sandbox.Slot, error) {
+func (n *Network) Acquire(ctx context.Context, egress sandbox.Egress) (sandbox.Slot, error) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if n.FailAcquire != nil {
@@ -84,7 +84,7 @@ func (n *Network) Acquire(ctx context.Context, allowInternet bool) (sandbox.Slot
 	for i, u := range n.used {
 		if !u {
 			n.used[i] = true
-			n.internet[i] = allowInternet
+			n.egress[i] = egress
 			return n.slot(i), nil
 		}
 	}
@@ -92,15 +92,33 @@ func (n *Network) Acquire(ctx context.Context, allowInternet bool) (sandbox.Slot
 }
 
 // Adopt implements sandbox.Network.
-func (n *Network) Adopt(index int, allowInternet bool) (sandbox.Slot, error) {
+func (n *Network) Adopt(index int, egress sandbox.Egress) (sandbox.Slot, error) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if index < 0 || index >= len(n.used) {
 		return sandbox.Slot{}, fmt.Errorf("slot %d: %w", index, errdefs.ErrNotFound)
 	}
 	n.used[index] = true
-	n.internet[index] = allowInternet
+	n.egress[index] = egress
 	return n.slot(index), nil
+}
+
+// Update replaces a held slot's egress rules (sandbox.Manager.UpdateNetwork).
+func (n *Network) Update(ctx context.Context, index int, e sandbox.Egress) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if index < 0 || index >= len(n.used) || !n.used[index] {
+		return fmt.Errorf("slot %d: %w", index, errdefs.ErrNotFound)
+	}
+	n.egress[index] = e
+	return nil
+}
+
+// Egress returns the rules a held slot has.
+func (n *Network) Egress(index int) sandbox.Egress {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.egress[index]
 }
 
 // Release implements sandbox.Network.
