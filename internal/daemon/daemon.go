@@ -6,6 +6,7 @@ package daemon
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -33,6 +34,7 @@ import (
 	snaps3 "github.com/ember-sandbox/ember/internal/snapshot/s3"
 	"github.com/ember-sandbox/ember/internal/store"
 	"github.com/ember-sandbox/ember/internal/template"
+	"github.com/ember-sandbox/ember/internal/tlsca"
 )
 
 // Config of the daemon.
@@ -43,7 +45,11 @@ type Config struct {
 	Runsc    string
 	Envd     string // envd binary copied into templates
 	Domain   string
-	PoolSize int
+	// TLSListen, if set, is a second listener serving the same handler over HTTPS (E2B's Mode B:
+	// the SDK builds https://<port>-<id>.<domain>). TLSCert/TLSKey are the operator's PEM pair;
+	// without them ember's local CA under <DataDir>/tls issues a certificate for *.<domain>.
+	TLSListen, TLSCert, TLSKey string
+	PoolSize                   int
 	// PoolMax and PoolMemoryMB bound the warm pools (0 = the Manager's defaults).
 	PoolMax, PoolMemoryMB int
 	// SlotPoolSize is the number of network slots made ahead of need (-1 = default 4).
@@ -204,9 +210,30 @@ func Serve(ctx context.Context, cfg Config) error {
 	}
 	ln = netutil.LimitListener(ln, cfg.MaxConns)
 	defer ln.Close()
+	var tlsLn net.Listener
+	if cfg.TLSListen != "" {
+		if tlsLn, err = net.Listen("tcp", cfg.TLSListen); err != nil {
+			return err
+		}
+		tlsLn = netutil.LimitListener(tlsLn, cfg.MaxConns)
+		defer tlsLn.Close()
+	} else if cfg.TLSCert != "" || cfg.TLSKey != "" {
+		return fmt.Errorf("tls-cert, tls-key: need --tls-listen: %w", errdefs.ErrInvalid)
+	}
 	if cfg.Domain == "" {
-		// <port>-<id>.localhost:<port> reaches host routing without any DNS set-up.
+		// <port>-<id>.localhost:<port> reaches host routing without any DNS set-up. With TLS on,
+		// the domain names the TLS port: the SDK's sandbox URLs are always https.
 		cfg.Domain = "localhost:" + strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+		if tlsLn != nil {
+			cfg.Domain = "localhost" + portSuffix(tlsLn.Addr().(*net.TCPAddr).Port)
+		}
+	}
+	var tlsConf *tls.Config
+	if tlsLn != nil {
+		// Before Open: a bad certificate fails at once, not after a template build.
+		if tlsConf, err = sandboxTLS(cfg, tlsLn.Addr().String()); err != nil {
+			return err
+		}
 	}
 	node, err := Open(ctx, cfg)
 	if err != nil {
@@ -221,14 +248,21 @@ func Serve(ctx context.Context, cfg Config) error {
 		IdleTimeout:       2 * time.Minute,
 		MaxHeaderBytes:    64 << 10,
 		ErrorLog:          slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelWarn),
+		TLSConfig:         tlsConf,
 	}
 	srv.Protocols = new(http.Protocols)
 	srv.Protocols.SetHTTP1(true)
+	srv.Protocols.SetHTTP2(true) // TLS listener, negotiated by ALPN
 	srv.Protocols.SetUnencryptedHTTP2(true)
 	fmt.Fprintf(cfg.Out, "ember listening on http://%s (data %s)\n", ln.Addr(), cfg.DataDir)
-	cfg.Logger.Info("serving", "addr", ln.Addr().String(), "data_dir", cfg.DataDir)
-	errc := make(chan error, 1)
+	cfg.Logger.Info("serving", "addr", ln.Addr().String(), "data_dir", cfg.DataDir, "domain", cfg.Domain)
+	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(ln) }()
+	if tlsLn != nil {
+		fmt.Fprintf(cfg.Out, "ember listening on https://%s (Mode B: E2B_DOMAIN=%s; hosts https://api.%[2]s, https://<port>-<id>.%[2]s)\n", tlsLn.Addr(), cfg.Domain)
+		cfg.Logger.Info("serving tls", "addr", tlsLn.Addr().String(), "domain", cfg.Domain)
+		go func() { errc <- srv.ServeTLS(tlsLn, "", "") }()
+	}
 	select {
 	case err := <-errc:
 		return err
@@ -243,6 +277,45 @@ func Serve(ctx context.Context, cfg Config) error {
 		return err
 	}
 	return nil
+}
+
+// sandboxTLS is the TLS configuration of the listener at addr: the operator's certificate, or
+// one from the local CA under <DataDir>/tls (whose ca.pem is printed for clients to trust).
+func sandboxTLS(cfg Config, addr string) (*tls.Config, error) {
+	_, port, _ := net.SplitHostPort(addr)
+	if _, dport, err := net.SplitHostPort(cfg.Domain); err == nil && dport != port {
+		cfg.Logger.Warn("the domain's port is not the TLS port: sandbox URLs https://<port>-<id>."+cfg.Domain+" reach another port", "tls_listen", addr)
+	} else if err != nil && port != "443" {
+		cfg.Logger.Warn("the domain has no port, so the SDK connects to 443; forward 443 to the TLS listener or use --domain "+cfg.Domain+":"+port, "tls_listen", addr)
+	}
+	if cfg.TLSCert != "" || cfg.TLSKey != "" {
+		f, err := tlsca.LoadFiles(cfg.TLSCert, cfg.TLSKey)
+		if err != nil {
+			return nil, err
+		}
+		if !tlsca.Covers(f.Leaf(), cfg.Domain) {
+			cfg.Logger.Warn("the TLS certificate does not cover the sandbox hosts", "want", "*."+cfg.Domain, "dns_names", f.Leaf().DNSNames)
+		}
+		fmt.Fprintf(cfg.Out, "TLS certificate: %s (reloaded when it changes)\n", cfg.TLSCert)
+		return tlsca.ServerConfig(f), nil
+	}
+	l, ch, err := tlsca.NewLocal(tlsca.Options{Dir: filepath.Join(cfg.DataDir, "tls"), Domain: cfg.Domain, IPs: tlsca.ListenIPs(addr)})
+	if err != nil {
+		return nil, err
+	}
+	if ch.NewCA {
+		host, _ := tlsca.HostOf(cfg.Domain)
+		fmt.Fprintf(cfg.Out, "Created a local CA for *.%s (clients must trust the new one)\n", host)
+	}
+	fmt.Fprintf(cfg.Out, "TLS CA: %s (trust it: NODE_EXTRA_CA_CERTS=%[1]s, SSL_CERT_FILE for Python, or the system store)\n", l.CAPath())
+	return tlsca.ServerConfig(l), nil
+}
+
+func portSuffix(port int) string {
+	if port == 443 {
+		return ""
+	}
+	return ":" + strconv.Itoa(port)
 }
 
 // Names are the node-local names derived from a node id.

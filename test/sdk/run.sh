@@ -9,6 +9,13 @@
 #   EMBER_READY_TIMEOUT  seconds to wait for the daemon to answer HTTP (default: 60)
 #   EMBER_SDK_LIFECYCLE  1 = also run the pause/resume/snapshot/fork tests
 #   EMBER_SDK_KEEP_LOG   1 = keep the daemon log even when the tests pass
+#   EMBER_SDK_MODEB      1 = also set up Mode B (TLS + host routing) for test/5-modeb.test.mjs;
+#                        on by itself when an argument names a *modeb* test file. The daemon then
+#                        also serves HTTPS (--tls-listen, local CA) for --domain ember.test[:port];
+#                        the tests trust its CA (NODE_EXTRA_CA_CERTS) and resolve *.ember.test to
+#                        127.0.0.1 in-process (test/resolver.cjs). Nothing else changes.
+#   EMBER_SDK_TLS_PORT   the HTTPS port in Mode B (default: a free one, named in the domain;
+#                        443 = the portless form https://<port>-<id>.ember.test)
 # Arguments, if any, are passed to `node --test` instead of the default file list, e.g.
 #   test/sdk/run.sh test/3-files.test.mjs        (paths relative to test/sdk)
 #   test/sdk/run.sh --test-name-pattern=pty test/2-commands.test.mjs
@@ -45,6 +52,17 @@ fi
 PORT="$(node -e 'const s=require("net").createServer();s.listen(0,"127.0.0.1",()=>{console.log(s.address().port);s.close()})')" \
   || die "could not pick a free port"
 BASE_URL="http://127.0.0.1:$PORT"
+
+MODEB="${EMBER_SDK_MODEB:-0}"
+for arg in "$@"; do [[ "$arg" == *modeb* ]] && MODEB=1; done
+TLS_FLAGS=()
+if [[ "$MODEB" == 1 ]]; then
+  TLS_PORT="${EMBER_SDK_TLS_PORT:-$(node -e 'const s=require("net").createServer();s.listen(0,"127.0.0.1",()=>{console.log(s.address().port);s.close()})')}" \
+    || die "could not pick a free TLS port"
+  TEST_DOMAIN="ember.test"
+  [[ "$TLS_PORT" == 443 ]] || TEST_DOMAIN="ember.test:$TLS_PORT"
+  TLS_FLAGS=(--tls-listen "127.0.0.1:$TLS_PORT" --domain "$TEST_DOMAIN")
+fi
 
 DAEMON_PID=""
 TEST_PID=""
@@ -92,8 +110,8 @@ finish() {
 trap finish EXIT
 trap 'log "interrupted"; STATUS=130; exit 130' INT TERM
 
-log "starting $EMBER_BIN serve --listen 127.0.0.1:$PORT --data-dir $EMBER_DATA_DIR"
-"$EMBER_BIN" serve --listen "127.0.0.1:$PORT" --data-dir "$EMBER_DATA_DIR" ${EMBER_SERVE_FLAGS:-} >"$DAEMON_LOG" 2>&1 &
+log "starting $EMBER_BIN serve --listen 127.0.0.1:$PORT --data-dir $EMBER_DATA_DIR ${TLS_FLAGS[*]}"
+"$EMBER_BIN" serve --listen "127.0.0.1:$PORT" --data-dir "$EMBER_DATA_DIR" "${TLS_FLAGS[@]}" ${EMBER_SERVE_FLAGS:-} >"$DAEMON_LOG" 2>&1 &
 DAEMON_PID=$!
 
 # Ready = the API root answers with any HTTP status, and the API key file exists.
@@ -117,6 +135,14 @@ export E2B_API_URL="$BASE_URL"
 export E2B_SANDBOX_URL="$BASE_URL"
 export E2B_DOMAIN="${E2B_DOMAIN:-ember.local}"
 unset E2B_DEBUG E2B_ACCESS_TOKEN
+if [[ "$MODEB" == 1 ]]; then
+  CA_FILE="$EMBER_DATA_DIR/tls/ca.pem"
+  [[ -s "$CA_FILE" ]] || die "Mode B: the daemon wrote no $CA_FILE"
+  export EMBER_SDK_MODEB=1 EMBER_TEST_DOMAIN="$TEST_DOMAIN" E2B_DOMAIN="$TEST_DOMAIN"
+  export NODE_EXTRA_CA_CERTS="$CA_FILE"
+  export NODE_OPTIONS="${NODE_OPTIONS:+$NODE_OPTIONS }--require $SDK_DIR/test/resolver.cjs"
+  log "Mode B: https://127.0.0.1:$TLS_PORT, domain $TEST_DOMAIN, CA $CA_FILE"
+fi
 
 cd "$SDK_DIR" || die "cd $SDK_DIR"
 if [[ $# -gt 0 ]]; then
