@@ -38,11 +38,16 @@ lint:
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzControlPlaneDecode -fuzztime $(FUZZTIME) ./internal/api
 
-# The SDK suite runs on the default configuration (warm pool on), then its create and lifecycle
-# files once more with the pool off (every create restores the template's checkpoint).
+# The SDK suite runs on the default configuration (warm pool on), then Mode B (TLS, host
+# routing), then its create and lifecycle files once more with the pool off (every create
+# restores the template's checkpoint). The three daemons share one data directory, so the base
+# template is built once and each start adopts what the one before left.
+SDK_ENV = EMBER_SDK_LIFECYCLE=1 EMBER_READY_TIMEOUT=900 EMBER_BIN=$(CURDIR)/bin/ember EMBER_CACHE_DIR=$(CURDIR)/.cache
 sdk: build
-	EMBER_SDK_LIFECYCLE=1 EMBER_READY_TIMEOUT=900 EMBER_BIN=$(CURDIR)/bin/ember EMBER_CACHE_DIR=$(CURDIR)/.cache bash test/sdk/run.sh
-	EMBER_SERVE_FLAGS="--pool-size 0" EMBER_SDK_LIFECYCLE=1 EMBER_READY_TIMEOUT=900 EMBER_BIN=$(CURDIR)/bin/ember EMBER_CACHE_DIR=$(CURDIR)/.cache bash test/sdk/run.sh test/1-sandbox.test.mjs test/4-lifecycle.test.mjs
+	@set -e; d=$$(mktemp -d /tmp/ember-sdk-data.XXXXXX); trap 'umount $$d/runsc/null-netns 2>/dev/null; rm -rf $$d' EXIT; \
+	$(SDK_ENV) EMBER_DATA_DIR=$$d bash test/sdk/run.sh; \
+	$(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SDK_MODEB=1 bash test/sdk/run.sh test/5-modeb.test.mjs; \
+	$(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SERVE_FLAGS="--pool-size 0" bash test/sdk/run.sh test/1-sandbox.test.mjs test/4-lifecycle.test.mjs
 
 bench-basic: build
 	EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -run '^$$' -bench 'BenchmarkBasic' -benchtime 1x -timeout 30m ./bench/
