@@ -115,13 +115,14 @@ type guest struct {
 }
 
 type guestEcho struct {
-	Method    string `json:"method"`
-	Path      string `json:"path"`
-	Query     string `json:"query"`
-	Host      string `json:"host"`
-	Token     string `json:"token"`
-	SandboxID string `json:"sandboxId"`
-	Body      string `json:"body"`
+	Method    string            `json:"method"`
+	Path      string            `json:"path"`
+	Query     string            `json:"query"`
+	Host      string            `json:"host"`
+	Token     string            `json:"token"`
+	SandboxID string            `json:"sandboxId"`
+	Body      string            `json:"body"`
+	Headers   map[string]string `json:"headers"`
 }
 
 func newGuest(t testing.TB) *guest {
@@ -166,10 +167,14 @@ func newGuest(t testing.TB) *guest {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		b, _ := io.ReadAll(r.Body)
 		w.Header().Set("Content-Type", "application/json")
+		hdr := map[string]string{}
+		for k := range r.Header {
+			hdr[k] = r.Header.Get(k)
+		}
 		_ = json.NewEncoder(w).Encode(guestEcho{
 			Method: r.Method, Path: r.URL.Path, Query: r.URL.RawQuery, Host: r.Host,
 			Token: r.Header.Get("X-Access-Token"), SandboxID: r.Header.Get("E2b-Sandbox-Id"),
-			Body: string(b),
+			Body: string(b), Headers: hdr,
 		})
 	})
 	g.srv = httptest.NewServer(mux)

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"strings"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/auth"
@@ -56,6 +57,7 @@ func (s *server) newProxy() *httputil.ReverseProxy {
 			// the sandbox masks it (network.maskRequestHost).
 			pr.Out.Host = guestHost(pr.In)
 			pr.SetXForwarded()
+			stripCredentials(pr.Out.Header)
 		},
 		Transport:     transport,
 		FlushInterval: -1, // flush every write: Connect streams must not be buffered
@@ -72,6 +74,25 @@ func (s *server) newProxy() *httputil.ReverseProxy {
 }
 
 type proxySandboxKey struct{}
+
+// stripCredentials removes the caller's ember/E2B credentials from a request bound for a
+// sandbox: the code inside must never learn the API key (or access token) that controls every
+// sandbox of its owner. Authorization stays when it is anything else (envd's Basic user, an
+// app's own bearer token).
+func stripCredentials(h http.Header) {
+	h.Del("X-API-Key")
+	h.Del(sandbox.TrafficAccessTokenHeader)
+	if v := h.Values("Authorization"); len(v) > 0 {
+		h.Del("Authorization")
+		for _, a := range v {
+			tok, isBearer := strings.CutPrefix(a, "Bearer ")
+			if isBearer && (strings.HasPrefix(tok, "e2b_") || strings.HasPrefix(tok, "sk_e2b_")) {
+				continue
+			}
+			h.Add("Authorization", a)
+		}
+	}
+}
 
 // serveSandbox proxies r to port of sandbox id. Anything that stops the request reaching a
 // running sandbox answers 502.

@@ -273,3 +273,33 @@ func TestProxyWebSocketUpgrade(t *testing.T) {
 		t.Fatalf("hits %v", hits)
 	}
 }
+
+// The caller's API key (or E2B access token) never reaches the sandbox; envd's Basic user and
+// an app's own bearer token do.
+func TestProxyStripsCredentials(t *testing.T) {
+	e := newEnv(t)
+	a := e.fake.add(sandbox.StateRunning, nil)
+	for _, tc := range []struct {
+		name, header, value string
+		kept                bool
+	}{
+		{"api key", "X-API-Key", e.key, false},
+		{"api key as bearer", "Authorization", "Bearer " + e.key, false},
+		{"access token as bearer", "Authorization", "Bearer sk_e2b_0123456789", false},
+		{"envd user", "Authorization", "Basic dXNlcjo=", true},
+		{"app's own bearer", "Authorization", "Bearer app-token-1", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := e.do("GET", "/headers", "", "E2b-Sandbox-Id", a.ID, "E2b-Sandbox-Port", "8080", tc.header, tc.value)
+			if r.status != 200 {
+				t.Fatalf("status %d: %s", r.status, r.body)
+			}
+			var echo guestEcho
+			r.json(t, &echo)
+			got := echo.Headers[http.CanonicalHeaderKey(tc.header)]
+			if tc.kept != (got == tc.value) {
+				t.Fatalf("guest saw %s %q (kept=%v wanted)", tc.header, got, tc.kept)
+			}
+		})
+	}
+}
