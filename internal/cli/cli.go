@@ -6,7 +6,6 @@ package cli
 
 import (
 	"context"
-	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -215,7 +214,6 @@ func str(v any) string {
 	}
 }
 
-func basicUser(user string) string { return base64.StdEncoding.EncodeToString([]byte(user + ":")) }
 
 func parseKV(list []string) (map[string]string, error) {
 	if len(list) == 0 {

@@ -139,7 +139,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		cfg.SlotPoolSize = 4
 	}
 	ncfg := network.Config{PoolSize: cfg.SlotPoolSize, Logger: cfg.Logger,
-		NamePrefix: names.NetPrefix, Table: names.Table, InternetGroup: names.InternetGroup}
+		NamePrefix: names.NetPrefix, Table: names.Table, InternetGroup: names.InternetGroup, HostMark: names.HostMark}
 	if cfg.CIDR != "" {
 		p, err := parsePrefix(cfg.CIDR)
 		if err != nil {
@@ -166,6 +166,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		Builder:      &builderAdapter{b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
 		Images:       images,
 		Logger:       cfg.Logger,
+		Dial:         network.MarkedDialer(names.HostMark).DialContext,
 		PoolSize:     cfg.PoolSize,
 		PoolMax:      cfg.PoolMax,
 		PoolMemoryMB: cfg.PoolMemoryMB,
@@ -324,7 +325,10 @@ type Names struct {
 	Table         string // nftables table (inet)
 	InternetGroup uint32 // interface group of slots allowed internet
 	CgroupParent  string // cgroup under which runsc puts each instance
+	HostMark      uint32 // SO_MARK of the daemon's sockets to slots (no other host process reaches them)
 }
+
+const defaultHostMark = 0x454d0000 // "EM" in the high half; the node's number in the low half
 
 var nodeIDRe = regexp.MustCompile(`^[a-z][a-z0-9]{0,5}$`)
 
@@ -332,7 +336,7 @@ var nodeIDRe = regexp.MustCompile(`^[a-z][a-z0-9]{0,5}$`)
 func NodeNames(id string) (Names, error) {
 	if id == "" {
 		return Names{NetPrefix: network.DefaultNamePrefix, Table: network.DefaultTable,
-			InternetGroup: network.DefaultInternetGroup, CgroupParent: "ember"}, nil
+			InternetGroup: network.DefaultInternetGroup, CgroupParent: "ember", HostMark: defaultHostMark}, nil
 	}
 	if !nodeIDRe.MatchString(id) {
 		return Names{}, fmt.Errorf("node_id %q: must be 1-6 lowercase letters and digits, starting with a letter: %w", id, errdefs.ErrInvalid)
@@ -344,6 +348,7 @@ func NodeNames(id string) (Names, error) {
 		Table:         "ember_" + id,
 		InternetGroup: network.DefaultInternetGroup + 1 + h.Sum32()%0xffff,
 		CgroupParent:  "ember-" + id,
+		HostMark:      defaultHostMark + 1 + h.Sum32()%0xfffe,
 	}, nil
 }
 

@@ -71,6 +71,14 @@ table inet {{.Table}} {
 		oifname "{{.Prefix}}*" drop
 	}
 
+{{if .Mark}}
+	# Only the daemon talks to slots from the host: its sockets carry the node's mark (setting
+	# SO_MARK takes CAP_NET_ADMIN), so no other host process reaches envd or a guest port.
+	chain output {
+		type filter hook output priority filter - 10; policy accept;
+		oifname "{{.Prefix}}*" meta mark != {{.Mark}} drop
+	}
+{{end}}
 	chain postrouting {
 		type nat hook postrouting priority srcnat; policy accept;
 		ip saddr {{.CIDR}} oifname != "{{.Prefix}}*" masquerade
@@ -89,6 +97,7 @@ func (m *Manager) Ruleset() string {
 		"CIDR":    m.cfg.CIDR.String(),
 		"Denied4": strings.Join(deniedV4, ", "),
 		"Denied6": strings.Join(deniedV6, ", "),
+		"Mark":    m.cfg.HostMark,
 	})
 	return b.String()
 }

@@ -67,6 +67,9 @@ type Config struct {
 	// internet access is on). Nil means the IPv4, non-loopback nameservers of the host's
 	// /etc/resolv.conf.
 	Resolvers []netip.Addr
+	// HostMark, when non-zero, lets only host sockets carrying this mark (SO_MARK) reach the
+	// slots: the daemon dials with MarkedDialer(HostMark); every other host process is cut off.
+	HostMark uint32
 	// Logger receives background events (pool failures); nil means slog.Default().
 	Logger *slog.Logger
 }

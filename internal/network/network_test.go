@@ -815,3 +815,36 @@ func BenchmarkAcquireRelease(b *testing.B) {
 		})
 	}
 }
+
+// With HostMark set, only host sockets that carry the mark reach a slot: the daemon's (it dials
+// with MarkedDialer); a local process without it, root or not, is cut off (issue 8 finding 5:
+// nothing but the daemon may call envd in a pooled or template instance).
+func TestOnlyMarkedHostSocketsReachSlots(t *testing.T) {
+	cfg := testConfig(0)
+	cfg.HostMark = 0x454d5401
+	m, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	testutil.RequireRoot(t)
+	t.Cleanup(func() { wipe(t) })
+	if err := m.Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+	a := mustAcquire(t, m, SlotOptions{})
+	aPort := port(t, serve(t, a.NetNSPath, at(a.GuestIP, "0")))
+	if _, err := dial(t, "", at(a.GuestIP, aPort), blockedWait); err == nil {
+		t.Fatal("an unmarked host socket reached the slot")
+	}
+	c, err := MarkedDialer(cfg.HostMark).Dial("tcp4", at(a.GuestIP, aPort))
+	if err != nil {
+		t.Fatalf("the daemon's marked socket did not reach the slot: %v", err)
+	}
+	c.Close()
+	other := MarkedDialer(cfg.HostMark + 1)
+	other.Timeout = blockedWait
+	if _, err := other.Dial("tcp4", at(a.GuestIP, aPort)); err == nil {
+		t.Fatal("a socket with another mark reached the slot")
+	}
+}
