@@ -214,7 +214,6 @@ func str(v any) string {
 	}
 }
 
-
 func parseKV(list []string) (map[string]string, error) {
 	if len(list) == 0 {
 		return nil, nil
