@@ -708,6 +708,10 @@ func TestEgressUpdateIsAtomic(t *testing.T) {
 	b := SlotOptions{AllowOut: pfx(t, pubA, pubC), DenyOut: pfx(t, pubB)}
 	s := mustAcquire(t, m, a)
 	target := net.JoinHostPort(pubA, up.port)
+	// Warm up first (neighbour resolution, a loaded machine): the test is about the updates.
+	if _, err := dial(t, s.NetNSPath, target, openWait); err != nil {
+		t.Fatalf("target not reachable before any update: %v", err)
+	}
 
 	stop := make(chan struct{})
 	type tally struct{ ok, failed int }
@@ -731,7 +735,9 @@ func TestEgressUpdateIsAtomic(t *testing.T) {
 				return
 			default:
 			}
-			c, err := net.DialTimeout("tcp4", target, 500*time.Millisecond)
+			// A dropped SYN is retransmitted after 1 s: a 2 s bound tells a dropped connection
+			// (a window with no rules) from a slow machine.
+			c, err := net.DialTimeout("tcp4", target, 2*time.Second)
 			if err != nil {
 				n.failed++
 				continue
