@@ -735,9 +735,8 @@ func TestEgressUpdateIsAtomic(t *testing.T) {
 				return
 			default:
 			}
-			// A dropped SYN is retransmitted after 1 s: a 2 s bound tells a dropped connection
-			// (a window with no rules) from a slow machine.
-			c, err := net.DialTimeout("tcp4", target, 2*time.Second)
+			// Under the 1 s SYN retransmit: a SYN dropped in a window with no rules fails.
+			c, err := net.DialTimeout("tcp4", target, 900*time.Millisecond)
 			if err != nil {
 				n.failed++
 				continue
