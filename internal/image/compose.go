@@ -1,0 +1,182 @@
+package image
+
+import (
+	"context"
+	"fmt"
+	"io/fs"
+	"path"
+	"path/filepath"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+)
+
+// ComposeStats counts what Compose made.
+type ComposeStats struct {
+	Dirs, Links int
+}
+
+// Compose writes into dest (an existing, empty directory) the merged tree of layers, bottom
+// layer first: each layer's whiteouts and opaque directories hide what lower layers put there,
+// then its entries are added. Directories are created (with the topmost layer's owner, mode,
+// xattrs and time); every other entry is a hard link to the layer's own inode, so the layer's
+// bytes are shared, never copied. dest must be on the layers' filesystem. Nothing in dest is
+// ever written through: a later entry replaces the link, it does not open it. Lookups in dest
+// never follow symlinks (an image's symlinks point anywhere on the host).
+func Compose(ctx context.Context, dest string, layers []LayerDir) (ComposeStats, error) {
+	var st ComposeStats
+	root, err := unix.Open(dest, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return st, fmt.Errorf("open %s: %w", dest, err)
+	}
+	defer unix.Close(root)
+	times := map[string]unix.Timespec{}
+	for _, l := range layers {
+		if err := ctx.Err(); err != nil {
+			return st, err
+		}
+		short := strings.TrimPrefix(l.Digest, "sha256:")
+		if len(short) > 12 {
+			short = short[:12]
+		}
+		for _, d := range l.Meta.Opaque {
+			fd, err := openBeneath(root, d)
+			if err != nil {
+				continue // nothing below to hide, or hidden behind a symlink: nothing to do
+			}
+			err = removeChildren(fd)
+			unix.Close(fd)
+			if err != nil {
+				return st, fmt.Errorf("layer %s: opaque /%s: %w", short, d, err)
+			}
+		}
+		for _, w := range l.Meta.Whiteouts {
+			dir, base := path.Split(w)
+			fd, err := openBeneath(root, strings.TrimSuffix(dir, "/"))
+			if err != nil {
+				continue
+			}
+			err = removeAllAt(fd, base)
+			unix.Close(fd)
+			if err != nil {
+				return st, fmt.Errorf("layer %s: whiteout /%s: %w", short, w, err)
+			}
+		}
+		src := l.RootDir()
+		err := filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+			if err != nil {
+				return err
+			}
+			rel, _ := filepath.Rel(src, p)
+			if rel == "." {
+				return nil
+			}
+			dir, base := path.Split(filepath.ToSlash(rel))
+			parent, err := openBeneath(root, strings.TrimSuffix(dir, "/"))
+			if err != nil {
+				return pathError(rel, err)
+			}
+			defer unix.Close(parent)
+			if d.IsDir() {
+				var sst unix.Stat_t
+				if err := unix.Lstat(p, &sst); err != nil {
+					return err
+				}
+				if err := clear(parent, base, true); err != nil {
+					return err
+				}
+				if err := unix.Mkdirat(parent, base, 0o700); err != nil && err != unix.EEXIST {
+					return err
+				} else if err == nil {
+					st.Dirs++
+				}
+				fd, err := unix.Openat2(parent, base, &unix.OpenHow{Flags: unix.O_DIRECTORY | unix.O_RDONLY | unix.O_CLOEXEC, Resolve: resolveFlags})
+				if err != nil {
+					return pathError(rel, err)
+				}
+				defer unix.Close(fd)
+				if err := unix.Fchown(fd, int(sst.Uid), int(sst.Gid)); err != nil {
+					return err
+				}
+				if err := unix.Fchmod(fd, sst.Mode&0o7777); err != nil {
+					return err
+				}
+				if err := copyXattrs(p, fd); err != nil {
+					return err
+				}
+				times[rel] = sst.Mtim
+				return nil
+			}
+			if err := clear(parent, base, false); err != nil {
+				return err
+			}
+			if err := unix.Linkat(unix.AT_FDCWD, p, parent, base, 0); err != nil {
+				return fmt.Errorf("link /%s: %w", rel, err)
+			}
+			st.Links++
+			return nil
+		})
+		if err != nil {
+			return st, fmt.Errorf("layer %s: %w", short, err)
+		}
+		for _, ln := range l.Meta.Links {
+			dir, base := path.Split(ln.Name)
+			parent, err := openBeneath(root, strings.TrimSuffix(dir, "/"))
+			if err != nil {
+				return st, fmt.Errorf("layer %s: hard link /%s: %w", short, ln.Name, pathError(ln.Name, err))
+			}
+			if err := clear(parent, base, false); err != nil {
+				unix.Close(parent)
+				return st, err
+			}
+			ok, err := linkBeneath(root, ln.Target, parent, base)
+			unix.Close(parent)
+			if err != nil {
+				return st, fmt.Errorf("layer %s: hard link /%s -> /%s: %w", short, ln.Name, ln.Target, err)
+			}
+			if !ok {
+				return st, fmt.Errorf("layer %s: hard link /%s: target /%s is in no layer: %w", short, ln.Name, ln.Target, errdefs.ErrInvalid)
+			}
+			st.Links++
+		}
+	}
+	for rel, ts := range times {
+		_ = unix.UtimesNanoAt(root, rel, []unix.Timespec{ts, ts}, unix.AT_SYMLINK_NOFOLLOW)
+	}
+	if err := unix.Fchown(root, 0, 0); err != nil {
+		return st, err
+	}
+	return st, unix.Fchmod(root, 0o755)
+}
+
+// copyXattrs copies the xattrs of the layer directory p (ember's own tree) onto fd.
+func copyXattrs(p string, fd int) error {
+	sz, err := unix.Llistxattr(p, nil)
+	if err != nil || sz == 0 {
+		return nil
+	}
+	buf := make([]byte, sz)
+	sz, err = unix.Llistxattr(p, buf)
+	if err != nil {
+		return nil
+	}
+	for _, name := range strings.Split(strings.TrimRight(string(buf[:sz]), "\x00"), "\x00") {
+		if !allowedXattr(name) {
+			continue
+		}
+		vsz, err := unix.Lgetxattr(p, name, nil)
+		if err != nil {
+			continue
+		}
+		val := make([]byte, vsz)
+		if vsz, err = unix.Lgetxattr(p, name, val); err != nil {
+			continue
+		}
+		if err := unix.Fsetxattr(fd, name, val[:vsz], 0); err != nil {
+			return fmt.Errorf("xattr %s: %w", name, err)
+		}
+	}
+	return nil
+}
