@@ -85,12 +85,12 @@ type builderAdapter struct {
 
 func (a *builderAdapter) BuildRootFS(ctx context.Context, req sandbox.BuildRequest, dest string, progress func(string)) (sandbox.RootFSInfo, error) {
 	src, ok := imageSource(req)
-	if !ok {
-		return sandbox.RootFSInfo{}, a.b.BuildRootFS(ctx, dest, progress)
-	}
 	cfg, err := a.imageConfig(dest)
 	if err != nil {
 		return sandbox.RootFSInfo{}, err
+	}
+	if !ok {
+		return sandbox.RootFSInfo{}, a.b.BuildDebian(ctx, cfg, dest, progress)
 	}
 	if src.Ref != "" {
 		resolved := cfg.Resolver.Resolve(src.Ref)
@@ -101,7 +101,7 @@ func (a *builderAdapter) BuildRootFS(ctx context.Context, req sandbox.BuildReque
 			if progress != nil {
 				progress(fmt.Sprintf("image %s is ember's base template here (no registry needed)", src.Ref))
 			}
-			return sandbox.RootFSInfo{}, a.b.BuildRootFS(ctx, dest, progress)
+			return sandbox.RootFSInfo{}, a.b.BuildDebian(ctx, cfg, dest, progress)
 		}
 		if resolved != src.Ref && progress != nil {
 			progress(fmt.Sprintf("image %s: using %s", src.Ref, resolved))

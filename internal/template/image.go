@@ -343,3 +343,92 @@ func humanBytes(n int64) string {
 	}
 	return fmt.Sprintf("%d B", n)
 }
+
+// BuildDebian writes the Debian template rootfs (debootstrap, cached as a tarball) to dest like
+// BuildRootFS, but through the layer store: the tarball is one layer, unpacked once per node,
+// and the rootfs is a tree of hard links into it, so `base` and every template resolved to it
+// (e2bdev/base) share its bytes.
+func (b *Builder) BuildDebian(ctx context.Context, cfg ImageConfig, dest string, progress Progress) error {
+	if progress == nil {
+		progress = func(string) {}
+	}
+	if _, err := os.Stat(dest); err == nil {
+		return fmt.Errorf("rootfs %s already exists", dest)
+	}
+	envdSum, err := fileSHA256(b.EnvdPath)
+	if err != nil {
+		return fmt.Errorf("envd binary: %w", err)
+	}
+	tarball, err := b.debootstrapTarball(ctx, progress)
+	if err != nil {
+		return err
+	}
+	st := cfg.Layers
+	if err := os.MkdirAll(st.Root, 0o700); err != nil {
+		return err
+	}
+	l, err := tarLayer(st.Root, tarball)
+	if err != nil {
+		return err
+	}
+	ld, err := st.Layer(ctx, l, nil, image.Progress(progress))
+	if err != nil {
+		return fmt.Errorf("debootstrap layer %s: %w", filepath.Base(tarball), err)
+	}
+	envdStore, err := b.storeEnvd(st.Root, envdSum)
+	if err != nil {
+		return err
+	}
+	tmp := dest + ".tmp"
+	os.RemoveAll(tmp)
+	if err := os.MkdirAll(tmp, 0o755); err != nil {
+		return err
+	}
+	if _, err := image.Compose(ctx, tmp, []image.LayerDir{ld}); err != nil {
+		os.RemoveAll(tmp)
+		return fmt.Errorf("compose rootfs: %w", err)
+	}
+	progress("adding user `user`, sudo and envd")
+	if err := customizeTree(tmp, envdStore, image.Defaults{}); err != nil {
+		os.RemoveAll(tmp)
+		return fmt.Errorf("customize rootfs: %w", err)
+	}
+	if err := os.Rename(tmp, dest); err != nil {
+		os.RemoveAll(tmp)
+		return err
+	}
+	progress("rootfs ready")
+	return nil
+}
+
+// fileTarLayer is an uncompressed tar file as a layer (the debootstrap cache).
+type fileTarLayer struct {
+	v1.Layer // unused methods panic: the store needs only these
+	path     string
+	diff     v1.Hash
+	size     int64
+}
+
+func (l *fileTarLayer) DiffID() (v1.Hash, error)           { return l.diff, nil }
+func (l *fileTarLayer) Compressed() (io.ReadCloser, error) { return os.Open(l.path) }
+func (l *fileTarLayer) Size() (int64, error)               { return l.size, nil }
+
+// tarLayer makes tarball a layer, its digest cached in the store beside the layers (keyed by
+// the tarball's name, size and mtime; the store verifies it when unpacking anyway).
+func tarLayer(root, tarball string) (*fileTarLayer, error) {
+	fi, err := os.Stat(tarball)
+	if err != nil {
+		return nil, err
+	}
+	key := filepath.Join(root, fmt.Sprintf(".digest-%s-%d-%d", filepath.Base(tarball), fi.Size(), fi.ModTime().UnixNano()))
+	sum := ""
+	if b, err := os.ReadFile(key); err == nil && len(b) == 64 {
+		sum = string(b)
+	} else {
+		if sum, err = fileSHA256(tarball); err != nil {
+			return nil, err
+		}
+		_ = os.WriteFile(key, []byte(sum), 0o600)
+	}
+	return &fileTarLayer{path: tarball, diff: v1.Hash{Algorithm: "sha256", Hex: sum}, size: fi.Size()}, nil
+}

@@ -191,3 +191,68 @@ func TestFailedImageBuildLeavesNothing(t *testing.T) {
 		})
 	}
 }
+
+func TestBuildDebianSharesTheBaseLayer(t *testing.T) {
+	testutil.RequireRoot(t)
+	_, cfg, dir := newImageBuilder(t)
+	b := &Builder{CacheDir: filepath.Join(dir, "cache"), EnvdPath: filepath.Join(dir, "envd"), Suite: "bookworm", Mirror: "http://example.invalid/debian"}
+	os.MkdirAll(b.CacheDir, 0o755)
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, e := range []tfile{
+		{name: "./", typ: tar.TypeDir, mode: 0o755},
+		{name: "./etc/", typ: tar.TypeDir, mode: 0o755},
+		{name: "./etc/passwd", body: "root:x:0:0:root:/root:/bin/bash\n"},
+		{name: "./etc/group", body: "root:x:0:\nsudo:x:27:\n"},
+		{name: "./etc/shadow", body: "root:*:19000:0:99999:7:::\n", mode: 0o640},
+		{name: "./etc/skel/", typ: tar.TypeDir, mode: 0o755},
+		{name: "./etc/skel/.bashrc", body: "# bashrc\n"},
+		{name: "./etc/sudoers.d/", typ: tar.TypeDir, mode: 0o755},
+		{name: "./usr/bin/bash", body: "bash", mode: 0o755},
+		{name: "./usr/bin/sudo", body: "sudo", mode: 0o4755},
+		{name: "./dev/null", typ: tar.TypeChar, mode: 0o666},
+	} {
+		h := &tar.Header{Name: e.name, Typeflag: e.typ, Mode: e.mode, Size: int64(len(e.body)), ModTime: time.Unix(1700000000, 0)}
+		if h.Typeflag == 0 {
+			h.Typeflag = tar.TypeReg
+		}
+		if h.Mode == 0 {
+			h.Mode = 0o644
+		}
+		tw.WriteHeader(h)
+		tw.Write([]byte(e.body))
+	}
+	tw.Close()
+	tarball := filepath.Join(b.CacheDir, "debootstrap-bookworm-"+b.cacheKey()+".tar")
+	os.WriteFile(tarball, buf.Bytes(), 0o644)
+	var lines []string
+	for _, name := range []string{"base", "other"} {
+		dest := filepath.Join(dir, "templates", name)
+		if err := b.BuildDebian(context.Background(), cfg, dest, func(s string) { lines = append(lines, s) }); err != nil {
+			t.Fatal(err)
+		}
+		passwd, _ := os.ReadFile(filepath.Join(dest, "etc/passwd"))
+		if !strings.Contains(string(passwd), "user:x:1000:1000::/home/user:/bin/bash") {
+			t.Fatalf("%s passwd:\n%s", name, passwd)
+		}
+		shadow, _ := os.ReadFile(filepath.Join(dest, "etc/shadow"))
+		if !strings.Contains(string(shadow), "user:*:") {
+			t.Fatalf("%s shadow:\n%s", name, shadow)
+		}
+		if _, err := os.Stat(filepath.Join(dest, "home/user/.bashrc")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !strings.Contains(strings.Join(lines, "\n"), "already on this node") {
+		t.Fatalf("second build did not share the layer: %v", lines)
+	}
+	var a, o syscall.Stat_t
+	syscall.Stat(filepath.Join(dir, "templates/base/usr/bin/bash"), &a)
+	syscall.Stat(filepath.Join(dir, "templates/other/usr/bin/bash"), &o)
+	if a.Ino != o.Ino {
+		t.Fatal("templates do not share the layer's files")
+	}
+	if a.Mode&0o777 != 0o755 {
+		t.Fatalf("bash mode %o", a.Mode)
+	}
+}

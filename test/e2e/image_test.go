@@ -325,3 +325,23 @@ func TestTemplateFromImageFailures(t *testing.T) {
 		})
 	}
 }
+
+// TestE2BBaseImageIsTheBaseTemplate: E2B's fromBaseImage() (e2bdev/base) builds on ember's own
+// base without any registry, sharing the base's layer.
+func TestE2BBaseImageIsTheBaseTemplate(t *testing.T) {
+	d := need(t)
+	cmd := exec.Command(d.bin, "--url", "http://"+d.addr, "template", "build", "from-e2b-base", "--from-image", "e2bdev/base")
+	cmd.Env = append(os.Environ(), "E2B_API_KEY="+d.key)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("build: %v\n%s\n%s", err, out, d.logs())
+	}
+	t.Cleanup(func() { d.api(t, "DELETE", "/templates/from-e2b-base", nil, nil) })
+	if !strings.Contains(string(out), "ember's base template") || !strings.Contains(string(out), "already on this node") {
+		t.Errorf("e2bdev/base did not resolve to the shared base:\n%s", out)
+	}
+	s := d.create(t, map[string]any{"templateID": "from-e2b-base"})
+	if r := d.run(t, s, "whoami; pwd; python3 -c 'print(6*7)'"); r.stdout != "user\n/home/user\n42\n" {
+		t.Errorf("sandbox: %q %q", r.stdout, r.stderr)
+	}
+}
