@@ -257,6 +257,9 @@ func firstImage(idx v1.ImageIndex, file string) (v1.Image, error) {
 }
 
 func archiveNames(file string) (map[string]bool, error) {
+	if !filepath.IsAbs(file) {
+		return nil, fmt.Errorf("archive %s: the path must be absolute: %w", file, errdefs.ErrInvalid)
+	}
 	f, err := os.Open(file)
 	if err != nil {
 		if os.IsNotExist(err) {
@@ -265,6 +268,9 @@ func archiveNames(file string) (map[string]bool, error) {
 		return nil, fmt.Errorf("archive %s: %w", file, err)
 	}
 	defer f.Close()
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("archive %s: not a regular file: %w", file, errdefs.ErrInvalid)
+	}
 	names := map[string]bool{}
 	tr := tar.NewReader(bufio.NewReader(f))
 	for {

@@ -16,6 +16,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -30,6 +31,16 @@ type Store struct {
 	// MaxLayerBytes bounds one layer's unpacked content; MaxImageBytes an image's. 0 = unlimited.
 	MaxLayerBytes int64
 	MaxImageBytes int64
+
+	mu    sync.Mutex
+	holds map[string]*hold // by digest hex: builds using the layer right now
+}
+
+// hold is one layer's use count and its unpack lock (a one-slot semaphore, so waiting for it
+// follows the context). The store is one daemon's: a data dir is never shared by two daemons.
+type hold struct {
+	users int
+	sem   chan struct{}
 }
 
 // LayerDir is an unpacked layer.
@@ -69,19 +80,29 @@ func (s *Store) Layer(ctx context.Context, l v1.Layer, budget *int64, progress P
 	}
 	ld := LayerDir{Digest: diff.String(), Dir: filepath.Join(s.Root, "sha256-"+diff.Hex)}
 	short := diff.Hex[:12]
+	h := s.acquire(diff.Hex)
+	ok := false
+	defer func() {
+		if !ok {
+			s.release(diff.Hex)
+		}
+	}()
 	if m, err := readMeta(ld.Dir); err == nil {
 		ld.Meta = m
 		progress(fmt.Sprintf("layer %s: already on this node (%s), shared", short, human(m.Bytes)))
+		ok = true
 		return ld, nil
 	}
-	unlock, err := lockFile(ctx, filepath.Join(s.Root, ".lock-"+diff.Hex))
-	if err != nil {
-		return LayerDir{}, err
+	select {
+	case h.sem <- struct{}{}:
+	case <-ctx.Done():
+		return LayerDir{}, ctx.Err()
 	}
-	defer unlock()
+	defer func() { <-h.sem }()
 	if m, err := readMeta(ld.Dir); err == nil { // unpacked by the build we waited for
 		ld.Meta = m
 		progress(fmt.Sprintf("layer %s: unpacked by a concurrent build, shared", short))
+		ok = true
 		return ld, nil
 	}
 	tmp, err := os.MkdirTemp(s.Root, ".tmp-"+short+"-")
@@ -106,7 +127,7 @@ func (s *Store) Layer(ctx context.Context, l v1.Layer, budget *int64, progress P
 		rc.Close()
 		return LayerDir{}, fmt.Errorf("layer %s: %w", short, err)
 	}
-	h := sha256.New()
+	sum := sha256.New()
 	lim := Limits{MaxBytes: s.MaxLayerBytes}
 	if budget != nil && (lim.MaxBytes == 0 || *budget < lim.MaxBytes) {
 		lim.MaxBytes = *budget
@@ -114,9 +135,9 @@ func (s *Store) Layer(ctx context.Context, l v1.Layer, budget *int64, progress P
 			lim.MaxBytes = 1
 		}
 	}
-	meta, err := Unpack(ctx, io.TeeReader(un, h), filepath.Join(tmp, "root"), lim, progress)
+	meta, err := Unpack(ctx, io.TeeReader(un, sum), filepath.Join(tmp, "root"), lim, progress)
 	if err == nil {
-		_, err = io.Copy(h, un) // tar padding after the end marker is part of the digest
+		_, err = io.Copy(sum, un) // tar padding after the end marker is part of the digest
 	}
 	un.Close()
 	rc.Close()
@@ -126,7 +147,7 @@ func (s *Store) Layer(ctx context.Context, l v1.Layer, budget *int64, progress P
 		}
 		return LayerDir{}, fmt.Errorf("layer %s: %w", short, classify(err))
 	}
-	if got := hex.EncodeToString(h.Sum(nil)); got != diff.Hex {
+	if got := hex.EncodeToString(sum.Sum(nil)); got != diff.Hex {
 		return LayerDir{}, fmt.Errorf("layer %s: content digest sha256:%s does not match the image's diff id: %w", short, got, errdefs.ErrCorrupt)
 	}
 	counted.done()
@@ -144,7 +165,53 @@ func (s *Store) Layer(ctx context.Context, l v1.Layer, budget *int64, progress P
 	}
 	ld.Meta, ld.Written = meta, meta.Bytes
 	progress(fmt.Sprintf("layer %s: unpacked %s in %d entries", short, human(meta.Bytes), meta.Entries))
+	ok = true
 	return ld, nil
+}
+
+func (s *Store) acquire(hex string) *hold {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.holds == nil {
+		s.holds = map[string]*hold{}
+	}
+	h := s.holds[hex]
+	if h == nil {
+		h = &hold{sem: make(chan struct{}, 1)}
+		s.holds[hex] = h
+	}
+	h.users++
+	return h
+}
+
+func (s *Store) release(hex string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if h := s.holds[hex]; h != nil {
+		if h.users--; h.users <= 0 {
+			delete(s.holds, hex)
+		}
+	}
+}
+
+// Release ends a build's use of layers returned by Layer. With discard (a failed build), each
+// layer that this build unpacked and no other build is using is removed again, so the failure
+// leaves nothing behind; layers that were already on the node stay.
+func (s *Store) Release(layers []LayerDir, discard bool) {
+	for _, l := range layers {
+		hex := strings.TrimPrefix(l.Digest, "sha256:")
+		if discard && l.Written > 0 {
+			s.mu.Lock()
+			if h := s.holds[hex]; h != nil && h.users == 1 {
+				trash := filepath.Join(s.Root, ".tmp-discard-"+hex[:12])
+				if err := os.Rename(l.Dir, trash); err == nil {
+					defer os.RemoveAll(trash)
+				}
+			}
+			s.mu.Unlock()
+		}
+		s.release(hex)
+	}
 }
 
 // Cleanup removes temporary directories left by unpacks that a crash interrupted. Call it
@@ -192,30 +259,6 @@ func syncTree(dir string) error {
 	}
 	defer unix.Close(fd)
 	return unix.Syncfs(fd)
-}
-
-// lockFile takes an exclusive flock on p, waiting while ctx allows.
-func lockFile(ctx context.Context, p string) (func(), error) {
-	f, err := os.OpenFile(p, os.O_CREATE|os.O_RDWR, 0o600)
-	if err != nil {
-		return nil, err
-	}
-	for {
-		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-		if err == nil {
-			return func() { unix.Flock(int(f.Fd()), unix.LOCK_UN); f.Close() }, nil
-		}
-		if err != unix.EWOULDBLOCK && err != unix.EINTR {
-			f.Close()
-			return nil, err
-		}
-		select {
-		case <-ctx.Done():
-			f.Close()
-			return nil, ctx.Err()
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
 }
 
 type progressReader struct {

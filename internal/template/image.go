@@ -93,6 +93,8 @@ func (b *Builder) BuildFromImage(ctx context.Context, cfg ImageConfig, src Image
 		bp = &budget
 	}
 	dirs := make([]image.LayerDir, 0, len(layers))
+	built := false
+	defer func() { st.Release(dirs, !built) }() // a failed build takes back the layers it unpacked
 	var written int64
 	for i, l := range layers {
 		ld, err := st.Layer(ctx, l, bp, func(s string) { progress(fmt.Sprintf("[%d/%d] %s", i+1, len(layers), s)) })
@@ -133,10 +135,13 @@ func (b *Builder) BuildFromImage(ctx context.Context, cfg ImageConfig, src Image
 	if err := customizeTree(tmp, envdStore, defs); err != nil {
 		return none, fmt.Errorf("customize rootfs: %w", err)
 	}
+	if defs.User, err = userName(tmp, defs.User); err != nil {
+		return none, fmt.Errorf("image %s: %w", label, err)
+	}
 	if err := os.Rename(tmp, dest); err != nil {
 		return none, err
 	}
-	ok = true
+	ok, built = true, true
 	progress("rootfs ready")
 	return defs, nil
 }
@@ -375,6 +380,7 @@ func (b *Builder) BuildDebian(ctx context.Context, cfg ImageConfig, dest string,
 	if err != nil {
 		return fmt.Errorf("debootstrap layer %s: %w", filepath.Base(tarball), err)
 	}
+	defer st.Release([]image.LayerDir{ld}, false) // the debootstrap layer stays cached
 	envdStore, err := b.storeEnvd(st.Root, envdSum)
 	if err != nil {
 		return err
@@ -431,4 +437,26 @@ func tarLayer(root, tarball string) (*fileTarLayer, error) {
 		_ = os.WriteFile(key, []byte(sum), 0o600)
 	}
 	return &fileTarLayer{path: tarball, diff: v1.Hash{Algorithm: "sha256", Hex: sum}, size: fi.Size()}, nil
+}
+
+// userName turns an image's USER (name, uid, name:group or uid:gid) into the account name the
+// sandbox's processes run as by default; "" stays "" (ember's `user`).
+func userName(root, user string) (string, error) {
+	u, _, _ := strings.Cut(user, ":")
+	if u == "" {
+		return "", nil
+	}
+	t, err := image.OpenTree(root)
+	if err != nil {
+		return "", err
+	}
+	defer t.Close()
+	passwd, _ := t.ReadFile("etc/passwd")
+	for _, l := range strings.Split(string(passwd), "\n") {
+		f := strings.Split(l, ":")
+		if len(f) > 2 && (f[0] == u || f[2] == u) {
+			return f[0], nil
+		}
+	}
+	return "", fmt.Errorf("the image's user %q has no account in /etc/passwd: %w", user, errdefs.ErrInvalid)
 }

@@ -156,6 +156,28 @@ func TestBuildFromImage(t *testing.T) {
 	}
 }
 
+// TestFailedBuildKeepsSharedLayers: a failed build takes back only what it unpacked.
+func TestFailedBuildKeepsSharedLayers(t *testing.T) {
+	testutil.RequireRoot(t)
+	b, cfg, dir := newImageBuilder(t)
+	shared := layer(t, tfile{name: "shared", body: "s"})
+	good := pushed(t, v1.Config{}, shared)
+	if _, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: good, Insecure: true}, filepath.Join(dir, "templates", "good"), nil); err != nil {
+		t.Fatal(err)
+	}
+	bad := pushed(t, v1.Config{}, shared, layer(t, tfile{name: "new", body: "n"}), layer(t, tfile{name: "/abs", body: "x"}))
+	if _, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: bad, Insecure: true}, filepath.Join(dir, "templates", "bad"), nil); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("bad build: %v", err)
+	}
+	left, _ := filepath.Glob(filepath.Join(cfg.Layers.Root, "sha256-*"))
+	if len(left) != 1 {
+		t.Fatalf("layers after the failed build: %v (want only the shared one)", left)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "templates", "good", "shared")); err != nil || string(b) != "s" {
+		t.Fatalf("good template damaged: %q %v", b, err)
+	}
+}
+
 func TestFailedImageBuildLeavesNothing(t *testing.T) {
 	testutil.RequireRoot(t)
 	for _, tc := range []struct {
@@ -184,6 +206,9 @@ func TestFailedImageBuildLeavesNothing(t *testing.T) {
 			left, _ := filepath.Glob(filepath.Join(cfg.Layers.Root, ".tmp-*"))
 			if len(left) != 0 {
 				t.Fatalf("temporary layer dirs left: %v", left)
+			}
+			if left, _ := filepath.Glob(filepath.Join(cfg.Layers.Root, "sha256-*")); len(left) != 0 {
+				t.Fatalf("the failed build left layers it unpacked: %v", left)
 			}
 			if _, err := os.Lstat(filepath.Join(dir, "escape")); err == nil {
 				t.Fatal("escaped")
@@ -254,5 +279,20 @@ func TestBuildDebianSharesTheBaseLayer(t *testing.T) {
 	}
 	if a.Mode&0o777 != 0o755 {
 		t.Fatalf("bash mode %o", a.Mode)
+	}
+}
+
+func TestUserName(t *testing.T) {
+	root := t.TempDir()
+	os.MkdirAll(filepath.Join(root, "etc"), 0o755)
+	os.WriteFile(filepath.Join(root, "etc/passwd"), []byte("root:x:0:0::/root:/bin/sh\napp:x:1234:1234::/home/app:/bin/sh\n"), 0o644)
+	for _, tc := range []struct {
+		in, want string
+		err      bool
+	}{{"", "", false}, {"app", "app", false}, {"1234", "app", false}, {"app:app", "app", false}, {"0:0", "root", false}, {"4321", "", true}, {"ghost", "", true}} {
+		got, err := userName(root, tc.in)
+		if got != tc.want || (err != nil) != tc.err {
+			t.Errorf("userName(%q) = %q, %v; want %q (error %v)", tc.in, got, err, tc.want, tc.err)
+		}
 	}
 }
