@@ -138,7 +138,7 @@ func imageSource(req sandbox.BuildRequest) (template.ImageSource, bool) {
 func (a *builderAdapter) imageConfig(dest string) (template.ImageConfig, error) {
 	a.once.Do(func() {
 		dataDir := filepath.Dir(filepath.Dir(filepath.Dir(dest))) // <data-dir>/templates/<name>/rootfs-<id>
-		st := &image.Store{Root: filepath.Join(dataDir, "layers"), MaxLayerBytes: template.DefaultMaxLayerBytes, MaxImageBytes: template.DefaultMaxImageBytes}
+		st := &image.Store{Root: filepath.Join(dataDir, "layers"), MaxLayerBytes: template.DefaultMaxLayerBytes, MaxImageBytes: template.DefaultMaxImageBytes, MaxLayerEntries: template.DefaultMaxLayerEntries}
 		for _, v := range []struct {
 			env string
 			p   *int64

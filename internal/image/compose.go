@@ -3,7 +3,9 @@ package image
 import (
 	"context"
 	"fmt"
+	"io"
 	"io/fs"
+	"os"
 	"path"
 	"path/filepath"
 	"strings"
@@ -112,7 +114,13 @@ func Compose(ctx context.Context, dest string, layers []LayerDir) (ComposeStats,
 			if err := clear(parent, base, false); err != nil {
 				return err
 			}
-			if err := unix.Linkat(unix.AT_FDCWD, p, parent, base, 0); err != nil {
+			err = unix.Linkat(unix.AT_FDCWD, p, parent, base, 0)
+			if err == unix.EMLINK && d.Type().IsRegular() {
+				// The layer's inode has as many links as its filesystem allows: this tree
+				// gets its own copy.
+				return copyInto(p, parent, base)
+			}
+			if err != nil {
 				return fmt.Errorf("link /%s: %w", rel, err)
 			}
 			st.Links++
@@ -179,4 +187,36 @@ func copyXattrs(p string, fd int) error {
 		}
 	}
 	return nil
+}
+
+// copyInto copies the layer file p (ember's own tree) as a new file base in parent, with its
+// owner, mode, xattrs and times.
+func copyInto(p string, parent int, base string) error {
+	var sst unix.Stat_t
+	if err := unix.Lstat(p, &sst); err != nil {
+		return err
+	}
+	src, err := os.Open(p)
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+	fd, err := unix.Openat(parent, base, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	if _, err := io.Copy(fdFile{fd}, src); err != nil {
+		return err
+	}
+	if err := unix.Fchown(fd, int(sst.Uid), int(sst.Gid)); err != nil {
+		return err
+	}
+	if err := unix.Fchmod(fd, sst.Mode&0o7777); err != nil {
+		return err
+	}
+	if err := copyXattrs(p, fd); err != nil {
+		return err
+	}
+	return unix.UtimesNanoAt(parent, base, []unix.Timespec{sst.Atim, sst.Mtim}, unix.AT_SYMLINK_NOFOLLOW)
 }

@@ -31,6 +31,8 @@ type Store struct {
 	// MaxLayerBytes bounds one layer's unpacked content; MaxImageBytes an image's. 0 = unlimited.
 	MaxLayerBytes int64
 	MaxImageBytes int64
+	// MaxLayerEntries bounds one layer's tar entries (inodes); 0 = unlimited.
+	MaxLayerEntries int
 
 	mu    sync.Mutex
 	holds map[string]*hold // by digest hex: builds using the layer right now
@@ -128,7 +130,7 @@ func (s *Store) Layer(ctx context.Context, l v1.Layer, budget *int64, progress P
 		return LayerDir{}, fmt.Errorf("layer %s: %w", short, err)
 	}
 	sum := sha256.New()
-	lim := Limits{MaxBytes: s.MaxLayerBytes}
+	lim := Limits{MaxBytes: s.MaxLayerBytes, MaxEntries: s.MaxLayerEntries}
 	if budget != nil && (lim.MaxBytes == 0 || *budget < lim.MaxBytes) {
 		lim.MaxBytes = *budget
 		if lim.MaxBytes <= 0 {

@@ -34,10 +34,12 @@ type ImageConfig struct {
 	Resolver *image.Resolver
 }
 
-// Default image limits: an image of at most 16 GiB unpacked, a layer of at most 8 GiB.
+// Default image limits: an image of at most 16 GiB unpacked, a layer of at most 8 GiB and
+// 1 Mi entries.
 const (
-	DefaultMaxLayerBytes = 8 << 30
-	DefaultMaxImageBytes = 16 << 30
+	DefaultMaxLayerBytes   = 8 << 30
+	DefaultMaxImageBytes   = 16 << 30
+	DefaultMaxLayerEntries = 1 << 20
 )
 
 // BuildFromImage writes a template rootfs for src to dest (which must not exist): the image's

@@ -241,6 +241,7 @@ func TestTemplateFromImage(t *testing.T) {
 		t.Fatalf("build img-b: %v\n%s\n%s", err, out, d.logs())
 	}
 	t.Cleanup(func() { d.api(t, "DELETE", "/templates/img-b", nil, nil) })
+	t.Logf("ember template build img-b (piped):\n%s", out)
 	if !strings.Contains(out, "already on this node") {
 		t.Errorf("img-b did not reuse the base layer:\n%s", out)
 	}
