@@ -23,6 +23,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/empty"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"github.com/google/go-containerregistry/pkg/v1/types"
 
 	"github.com/ember-sandbox/ember/internal/testutil"
@@ -343,6 +344,51 @@ func TestE2BBaseImageIsTheBaseTemplate(t *testing.T) {
 	}
 	s := d.create(t, map[string]any{"templateID": "from-e2b-base"})
 	if r := d.run(t, s, "whoami; pwd; python3 -c 'print(6*7)'"); r.stdout != "user\n/home/user\n42\n" {
+		t.Errorf("sandbox: %q %q", r.stdout, r.stderr)
+	}
+}
+
+// TestImageCmdIsTheStartCommand: an image's Entrypoint/Cmd runs as the template's start
+// command (no --start-cmd given), so a new sandbox already serves.
+func TestImageCmdIsTheStartCommand(t *testing.T) {
+	d := need(t)
+	base := newFileLayer(t, debootstrapTarball(t))
+	site := tarLayer(t, tent{name: "srv/", dir: true}, tent{name: "srv/index.html", body: "served by the image's cmd\n"})
+	img := imageOf(t, v1.Config{WorkingDir: "/srv", Entrypoint: []string{"python3", "-m"}, Cmd: []string{"http.server", "8080"}}, base, site)
+	host := imageRegistry(t, map[string]v1.Image{"test/web:v1": img})
+	cmd := exec.Command(d.bin, "--url", "http://"+d.addr, "template", "build", "img-web", "--from-image", host+"/test/web:v1",
+		"--ready-cmd", "curl -sf http://127.0.0.1:8080/index.html")
+	cmd.Env = append(os.Environ(), "E2B_API_KEY="+d.key)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("build: %v\n%s\n%s", err, out, d.logs())
+	} else if !strings.Contains(string(out), "start command: python3 -m http.server 8080") {
+		t.Errorf("the image's command was not the start command:\n%s", out)
+	}
+	t.Cleanup(func() { d.api(t, "DELETE", "/templates/img-web", nil, nil) })
+	s := d.create(t, map[string]any{"templateID": "img-web"})
+	if r := d.run(t, s, "curl -sf http://127.0.0.1:8080/index.html"); r.stdout != "served by the image's cmd\n" {
+		t.Errorf("sandbox: %q %q", r.stdout, r.stderr)
+	}
+}
+
+// TestTemplateFromArchive: `--from-archive` with a `docker save` tarball.
+func TestTemplateFromArchive(t *testing.T) {
+	d := need(t)
+	base := newFileLayer(t, debootstrapTarball(t))
+	img := imageOf(t, v1.Config{Env: []string{"FROM_ARCHIVE=yes"}}, base, tarLayer(t, tent{name: "etc/archived", body: "archived\n"}))
+	file := filepath.Join(t.TempDir(), "image.tar")
+	tag, _ := name.NewTag("example.com/archived:v1")
+	if err := tarball.WriteToFile(file, tag, img); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(d.bin, "--url", "http://"+d.addr, "template", "build", "img-archive", "--from-archive", file)
+	cmd.Env = append(os.Environ(), "E2B_API_KEY="+d.key)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("build: %v\n%s\n%s", err, out, d.logs())
+	}
+	t.Cleanup(func() { d.api(t, "DELETE", "/templates/img-archive", nil, nil) })
+	s := d.create(t, map[string]any{"templateID": "img-archive"})
+	if r := d.run(t, s, `cat /etc/archived; echo "$FROM_ARCHIVE"`); r.stdout != "archived\nyes\n" {
 		t.Errorf("sandbox: %q %q", r.stdout, r.stderr)
 	}
 }
