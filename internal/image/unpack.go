@@ -110,7 +110,7 @@ func Unpack(ctx context.Context, r io.Reader, root string, lim Limits, logf func
 				logf(fmt.Sprintf("skipped device node /%s", name))
 				continue
 			}
-		case tar.TypeReg, tar.TypeRegA, tar.TypeDir, tar.TypeSymlink, tar.TypeLink:
+		case tar.TypeReg, tar.TypeDir, tar.TypeSymlink, tar.TypeLink:
 		case tar.TypeXGlobalHeader:
 			continue
 		default:
@@ -118,7 +118,7 @@ func Unpack(ctx context.Context, r io.Reader, root string, lim Limits, logf func
 			logf(fmt.Sprintf("skipped /%s (tar type %q)", name, hdr.Typeflag))
 			continue
 		}
-		if hdr.Typeflag == tar.TypeReg || hdr.Typeflag == tar.TypeRegA {
+		if hdr.Typeflag == tar.TypeReg {
 			if hdr.Size < 0 || (lim.MaxBytes > 0 && meta.Bytes+hdr.Size > lim.MaxBytes) {
 				return meta, fmt.Errorf("layer content exceeds the limit of %d bytes at /%s: %w", lim.MaxBytes, name, errdefs.ErrExhausted)
 			}
@@ -332,7 +332,7 @@ func (u *unpacker) entry(parent int, base, name string, hdr *tar.Header, r io.Re
 		}
 		u.dirTimes = append(u.dirTimes, dirTime{name: name, mtime: hdr.ModTime.UnixNano()})
 		return nil
-	case tar.TypeReg, tar.TypeRegA:
+	case tar.TypeReg:
 		if err := clear(parent, base, false); err != nil {
 			return err
 		}
