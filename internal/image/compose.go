@@ -43,6 +43,9 @@ func Compose(ctx context.Context, dest string, layers []LayerDir) (ComposeStats,
 		if len(short) > 12 {
 			short = short[:12]
 		}
+		if err := checkMeta(l.Meta); err != nil {
+			return st, fmt.Errorf("layer %s: %w", short, err)
+		}
 		for _, d := range l.Meta.Opaque {
 			fd, err := openBeneath(root, d)
 			if err != nil {
@@ -219,4 +222,27 @@ func copyInto(p string, parent int, base string) error {
 		return err
 	}
 	return unix.UtimesNanoAt(parent, base, []unix.Timespec{sst.Atim, sst.Mtim}, unix.AT_SYMLINK_NOFOLLOW)
+}
+
+// checkMeta refuses a Meta whose paths could name anything but an entry inside the tree.
+func checkMeta(m Meta) error {
+	for _, d := range m.Opaque {
+		if err := entryPath(d, true); err != nil {
+			return fmt.Errorf("opaque directory: %w", err)
+		}
+	}
+	for _, w := range m.Whiteouts {
+		if err := entryPath(w, false); err != nil {
+			return fmt.Errorf("whiteout: %w", err)
+		}
+	}
+	for _, l := range m.Links {
+		if err := entryPath(l.Name, false); err != nil {
+			return fmt.Errorf("hard link: %w", err)
+		}
+		if err := entryPath(l.Target, false); err != nil {
+			return fmt.Errorf("hard link target: %w", err)
+		}
+	}
+	return nil
 }

@@ -486,3 +486,36 @@ func tarDir(t *testing.T, src, dst string) {
 		return nil
 	})
 }
+
+// TestWhiteoutOfDotDot: a whiteout named `.wh...` (target `..`) must not remove the directory
+// above the tree: refused when unpacked, and refused by Compose if it ever got into a Meta.
+func TestWhiteoutOfDotDot(t *testing.T) {
+	testutil.RequireRoot(t)
+	for _, name := range []string{".wh...", "a/.wh...", ".wh..", "a/.wh."} {
+		t.Run(name, func(t *testing.T) {
+			root := t.TempDir()
+			_, err := Unpack(context.Background(), bytes.NewReader(tarOf(t, dir("a"), file(name, ""))), root, Limits{}, nil)
+			if !errors.Is(err, errdefs.ErrInvalid) {
+				t.Fatalf("unpack %s: %v", name, err)
+			}
+		})
+	}
+	for _, w := range []string{"..", "a/..", ".", "", "a/../.."} {
+		t.Run("compose "+w, func(t *testing.T) {
+			base := t.TempDir()
+			sibling := filepath.Join(base, "sibling")
+			os.WriteFile(sibling, []byte("keep"), 0o644)
+			dest := filepath.Join(base, "rootfs")
+			os.MkdirAll(filepath.Join(dest, "a"), 0o755)
+			empty := filepath.Join(base, "layer")
+			os.MkdirAll(filepath.Join(empty, "root"), 0o755)
+			_, err := Compose(context.Background(), dest, []LayerDir{{Digest: "sha256:00", Dir: empty, Meta: Meta{Whiteouts: []string{w}}}})
+			if !errors.Is(err, errdefs.ErrInvalid) {
+				t.Fatalf("compose whiteout %q: %v", w, err)
+			}
+			if b, _ := os.ReadFile(sibling); string(b) != "keep" {
+				t.Fatal("a file beside the tree was removed")
+			}
+		})
+	}
+}

@@ -100,7 +100,11 @@ func Unpack(ctx context.Context, r io.Reader, root string, lim Limits, logf func
 			continue
 		}
 		if strings.HasPrefix(base, whiteoutPrefix) {
-			meta.Whiteouts = append(meta.Whiteouts, path.Join(dir, strings.TrimPrefix(base, whiteoutPrefix)))
+			target := strings.TrimPrefix(base, whiteoutPrefix)
+			if target == "" || target == "." || target == ".." {
+				return meta, fmt.Errorf("layer entry %q: whiteout of %q: %w", hdr.Name, target, errdefs.ErrInvalid)
+			}
+			meta.Whiteouts = append(meta.Whiteouts, path.Join(dir, target))
 			continue
 		}
 		switch hdr.Typeflag {
@@ -164,6 +168,26 @@ func cleanName(name string) (string, error) {
 		return "", nil
 	}
 	return p, nil
+}
+
+// entryPath checks a path from a layer's Meta: relative, clean, no `..`, and (unless rootOK)
+// not the root itself.
+func entryPath(p string, rootOK bool) error {
+	if p == "" {
+		if rootOK {
+			return nil
+		}
+		return fmt.Errorf("empty path: %w", errdefs.ErrInvalid)
+	}
+	if strings.HasPrefix(p, "/") || path.Clean(p) != p || p == "." {
+		return fmt.Errorf("path %q is not clean and relative: %w", p, errdefs.ErrInvalid)
+	}
+	for _, el := range strings.Split(p, "/") {
+		if el == ".." {
+			return fmt.Errorf("path %q: `..`: %w", p, errdefs.ErrInvalid)
+		}
+	}
+	return nil
 }
 
 type dirTime struct {
@@ -255,6 +279,9 @@ func clear(parent int, base string, keepDir bool) error {
 
 // removeAllAt removes base (a file or a whole tree) under parent without following symlinks.
 func removeAllAt(parent int, base string) error {
+	if base == "" || base == "." || base == ".." || strings.Contains(base, "/") {
+		return fmt.Errorf("remove %q: not a name in its directory: %w", base, errdefs.ErrInvalid)
+	}
 	err := unix.Unlinkat(parent, base, 0)
 	if err == nil || err == unix.ENOENT {
 		return nil
