@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -292,7 +293,10 @@ func ensureUser(t *image.Tree) error {
 	if err := t.MkdirAll("home/user", 0o755, id, id); err != nil {
 		return err
 	}
-	skel, _ := os.ReadDir(filepath.Join(t.Path, "etc/skel"))
+	var skel []os.DirEntry
+	if st, err := t.Lstat("etc/skel"); err == nil && st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
+		skel, _ = os.ReadDir(filepath.Join(t.Path, "etc/skel")) // a real directory of the tree
+	}
 	for _, e := range skel {
 		if !e.Type().IsRegular() {
 			continue
