@@ -4,9 +4,12 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"encoding/base64"
 	"errors"
+	"fmt"
 	"io"
 	"log"
+	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
@@ -17,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/registry"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -517,5 +521,44 @@ func TestWhiteoutOfDotDot(t *testing.T) {
 				t.Fatal("a file beside the tree was removed")
 			}
 		})
+	}
+}
+
+// TestRegistryCredentials: a registry that wants a password gets the build request's
+// credentials, else those of ~/.docker/config.json ($DOCKER_CONFIG); none or wrong ones are
+// ErrUnauthorized naming the registry.
+func TestRegistryCredentials(t *testing.T) {
+	reg := registry.New(registry.Logger(log.New(io.Discard, "", 0)))
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if u, p, ok := r.BasicAuth(); !ok || u != "alice" || p != "s3cret" {
+			w.Header().Set("WWW-Authenticate", `Basic realm="test"`)
+			w.WriteHeader(http.StatusUnauthorized)
+			return
+		}
+		reg.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	host := strings.TrimPrefix(srv.URL, "http://")
+	ref := host + "/team/private:v1"
+	r, _ := name.ParseReference(ref)
+	if err := remote.Write(r, testImage(t, v1.Config{}, layerOf(t, file("x", "y"))), remote.WithAuth(&authn.Basic{Username: "alice", Password: "s3cret"})); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("DOCKER_CONFIG", t.TempDir())
+	res := &Resolver{}
+	ctx := context.Background()
+	if _, err := res.Pull(ctx, ref, true, nil); !errors.Is(err, errdefs.ErrUnauthorized) || !strings.Contains(err.Error(), host) {
+		t.Fatalf("no credentials: %v", err)
+	}
+	if _, err := res.Pull(ctx, ref, true, &Auth{Username: "alice", Password: "wrong"}); !errors.Is(err, errdefs.ErrUnauthorized) {
+		t.Fatalf("wrong credentials: %v", err)
+	}
+	if _, err := res.Pull(ctx, ref, true, &Auth{Username: "alice", Password: "s3cret"}); err != nil {
+		t.Fatalf("request credentials: %v", err)
+	}
+	cfg := fmt.Sprintf(`{"auths":{%q:{"auth":%q}}}`, host, base64.StdEncoding.EncodeToString([]byte("alice:s3cret")))
+	os.WriteFile(filepath.Join(os.Getenv("DOCKER_CONFIG"), "config.json"), []byte(cfg), 0o600)
+	if _, err := res.Pull(ctx, ref, true, nil); err != nil {
+		t.Fatalf("docker config credentials: %v", err)
 	}
 }

@@ -10,7 +10,9 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -293,6 +295,46 @@ func TestUserName(t *testing.T) {
 		got, err := userName(root, tc.in)
 		if got != tc.want || (err != nil) != tc.err {
 			t.Errorf("userName(%q) = %q, %v; want %q (error %v)", tc.in, got, err, tc.want, tc.err)
+		}
+	}
+}
+
+// TestConcurrentBuildsShareOneUnpack: builds of different images on one base, at once, unpack
+// the base once and both get a complete rootfs.
+func TestConcurrentBuildsShareOneUnpack(t *testing.T) {
+	testutil.RequireRoot(t)
+	b, cfg, dir := newImageBuilder(t)
+	files := []tfile{{name: "etc/", typ: tar.TypeDir, mode: 0o755}, {name: "etc/passwd", body: "root:x:0:0::/root:/bin/sh\n"}}
+	for i := 0; i < 200; i++ {
+		files = append(files, tfile{name: "usr/share/f" + strings.Repeat("x", i%7) + string(rune('a'+i%26)) + strconv.Itoa(i), body: strings.Repeat("b", 1000)})
+	}
+	base := layer(t, files...)
+	refs := []string{pushed(t, v1.Config{}, base, layer(t, tfile{name: "one", body: "1"})), pushed(t, v1.Config{}, base, layer(t, tfile{name: "two", body: "2"}))}
+	errs := make(chan error, 2)
+	var mu sync.Mutex
+	var lines []string
+	for i, ref := range refs {
+		go func() {
+			_, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: ref, Insecure: true}, filepath.Join(dir, "templates", strconv.Itoa(i)), func(s string) {
+				mu.Lock()
+				lines = append(lines, s)
+				mu.Unlock()
+			})
+			errs <- err
+		}()
+	}
+	for range refs {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	unpacked := strings.Count(strings.Join(lines, "\n"), "in 202 entries")
+	if unpacked != 1 {
+		t.Fatalf("base unpacked %d times:\n%s", unpacked, strings.Join(lines, "\n"))
+	}
+	for i := range refs {
+		if e, _ := os.ReadDir(filepath.Join(dir, "templates", strconv.Itoa(i), "usr/share")); len(e) != 200 {
+			t.Fatalf("template %d has %d files in usr/share", i, len(e))
 		}
 	}
 }
