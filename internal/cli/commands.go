@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -231,14 +232,31 @@ func sandboxCmd(g *globals) *cobra.Command {
 
 func templateCmd(g *globals) *cobra.Command {
 	c := &cobra.Command{Use: "template", Aliases: []string{"tpl"}, Short: "Build and list templates"}
-	var startCmd, readyCmd string
-	var force bool
+	var startCmd, readyCmd, fromImage, fromArchive string
+	var force, insecure bool
 	build := &cobra.Command{
 		Use:   "build NAME",
-		Short: "Build a template from Debian bookworm (debootstrap), boot it once and checkpoint it",
+		Short: "Build a template from Debian bookworm (debootstrap) or an OCI/Docker image, boot it once and checkpoint it",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			body := map[string]any{"from": "debian:bookworm", "startCmd": startCmd, "readyCmd": readyCmd, "force": force}
+			from := "debian:bookworm"
+			switch {
+			case fromImage != "" && fromArchive != "":
+				return fmt.Errorf("--from-image and --from-archive exclude each other")
+			case fromImage != "" && insecure:
+				from = "docker+http://" + fromImage
+			case fromImage != "":
+				from = "docker://" + fromImage
+			case fromArchive != "":
+				abs, err := filepath.Abs(fromArchive)
+				if err != nil {
+					return err
+				}
+				from = "archive:" + abs
+			case insecure:
+				return fmt.Errorf("--insecure-registry needs --from-image")
+			}
+			body := map[string]any{"from": from, "startCmd": startCmd, "readyCmd": readyCmd, "force": force}
 			tty := isTTY() && !g.asJSON
 			start := time.Now()
 			var result map[string]any
@@ -281,6 +299,9 @@ func templateCmd(g *globals) *cobra.Command {
 	build.Flags().StringVar(&startCmd, "start-cmd", "", "command started in the template before its checkpoint")
 	build.Flags().StringVar(&readyCmd, "ready-cmd", "", "command that must succeed before the checkpoint")
 	build.Flags().BoolVar(&force, "force", false, "rebuild even if it exists")
+	build.Flags().StringVar(&fromImage, "from-image", "", "build from an OCI/Docker image in a registry (python:3.12, localhost:5000/app:v1)")
+	build.Flags().StringVar(&fromArchive, "from-archive", "", "build from a `docker save` or OCI layout tarball on the daemon's host")
+	build.Flags().BoolVar(&insecure, "insecure-registry", false, "reach --from-image's registry over plain HTTP")
 	ls := &cobra.Command{
 		Use: "ls", Short: "List templates and snapshots", Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {

@@ -4,9 +4,14 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/image"
 	"github.com/ember-sandbox/ember/internal/network"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/snapshot"
@@ -73,10 +78,137 @@ func (a *netAdapter) Reconcile(ctx context.Context, keep []int) error {
 	return a.m.Reconcile(ctx, keep)
 }
 
-type builderAdapter struct{ b *template.Builder }
+// builderAdapter presents template.Builder as sandbox.RootFSBuilder: a Debian suite
+// (debootstrap) or an image from a registry or an archive. Image settings come from the
+// environment until the daemon has flags for them:
+//
+//	EMBER_IMAGE_ALIASES       REF=TARGET,...  (TARGET an image reference or template:NAME;
+//	                          e2bdev/base=template:base is built in)
+//	EMBER_REGISTRY_MIRRORS    REGISTRY=MIRROR,...  (docker.io=mirror.local:5000)
+//	EMBER_INSECURE_REGISTRIES HOST[:PORT],...  (plain HTTP)
+//	EMBER_DEFAULT_REGISTRY    registry for references without one (docker.io)
+//	EMBER_MAX_LAYER_BYTES, EMBER_MAX_IMAGE_BYTES  unpacked size limits
+//
+// Layers live in <data-dir>/layers, beside <data-dir>/templates (hard links need one
+// filesystem); the data dir is found from the rootfs destination the Manager gives.
+type builderAdapter struct {
+	b    *template.Builder
+	once sync.Once
+	img  template.ImageConfig
+	err  error
+}
 
 func (a *builderAdapter) BuildRootFS(ctx context.Context, req sandbox.BuildRequest, dest string, progress func(string)) (sandbox.RootFSInfo, error) {
-	return sandbox.RootFSInfo{}, a.b.BuildRootFS(ctx, dest, progress)
+	src, ok := imageSource(req)
+	cfg, err := a.imageConfig(dest)
+	if err != nil {
+		return sandbox.RootFSInfo{}, err
+	}
+	if !ok {
+		return sandbox.RootFSInfo{}, a.b.BuildDebian(ctx, cfg, dest, progress)
+	}
+	if src.Ref != "" {
+		resolved := cfg.Resolver.Resolve(src.Ref)
+		if name, ok := strings.CutPrefix(resolved, "template:"); ok {
+			if name != "base" {
+				return sandbox.RootFSInfo{}, fmt.Errorf("image %s is an alias of template %q; only the base template can stand in for an image: %w", src.Ref, name, errdefs.ErrInvalid)
+			}
+			if progress != nil {
+				progress(fmt.Sprintf("image %s is ember's base template here (no registry needed)", src.Ref))
+			}
+			return sandbox.RootFSInfo{}, a.b.BuildDebian(ctx, cfg, dest, progress)
+		}
+		if resolved != src.Ref && progress != nil {
+			progress(fmt.Sprintf("image %s: using %s", src.Ref, resolved))
+		}
+		src.Ref = resolved
+	}
+	defs, err := a.b.BuildFromImage(ctx, cfg, src, dest, progress)
+	if err != nil {
+		return sandbox.RootFSInfo{}, err
+	}
+	return sandbox.RootFSInfo{Env: defs.Env, User: defs.User, Workdir: defs.Workdir, StartCmd: defs.StartCmd}, nil
+}
+
+// imageSource reads the image a build request names, if any.
+func imageSource(req sandbox.BuildRequest) (template.ImageSource, bool) {
+	src := template.ImageSource{Ref: req.FromImage, Archive: req.FromArchive, Insecure: req.Insecure}
+	if req.Auth != nil {
+		src.Auth = &image.Auth{Username: req.Auth.Username, Password: req.Auth.Password, Token: req.Auth.Token}
+	}
+	switch {
+	case src.Ref != "" || src.Archive != "":
+	case strings.HasPrefix(req.From, "docker://"):
+		src.Ref = strings.TrimPrefix(req.From, "docker://")
+	case strings.HasPrefix(req.From, "docker+http://"):
+		src.Ref, src.Insecure = strings.TrimPrefix(req.From, "docker+http://"), true
+	case strings.HasPrefix(req.From, "archive:"):
+		src.Archive = strings.TrimPrefix(req.From, "archive:")
+	default:
+		return src, false
+	}
+	return src, true
+}
+
+func (a *builderAdapter) imageConfig(dest string) (template.ImageConfig, error) {
+	a.once.Do(func() {
+		dataDir := filepath.Dir(filepath.Dir(filepath.Dir(dest))) // <data-dir>/templates/<name>/rootfs-<id>
+		st := &image.Store{Root: filepath.Join(dataDir, "layers"), MaxLayerBytes: template.DefaultMaxLayerBytes, MaxImageBytes: template.DefaultMaxImageBytes, MaxLayerEntries: template.DefaultMaxLayerEntries}
+		for _, v := range []struct {
+			env string
+			p   *int64
+		}{{"EMBER_MAX_LAYER_BYTES", &st.MaxLayerBytes}, {"EMBER_MAX_IMAGE_BYTES", &st.MaxImageBytes}} {
+			if s := os.Getenv(v.env); s != "" {
+				n, err := strconv.ParseInt(s, 10, 64)
+				if err != nil || n < 0 {
+					a.err = fmt.Errorf("%s: %q is not a byte count: %w", v.env, s, errdefs.ErrInvalid)
+					return
+				}
+				*v.p = n
+			}
+		}
+		r := &image.Resolver{DefaultRegistry: os.Getenv("EMBER_DEFAULT_REGISTRY")}
+		var err error
+		if r.Aliases, err = parseMap("EMBER_IMAGE_ALIASES"); err != nil {
+			a.err = err
+			return
+		}
+		mirrors, err := parseMap("EMBER_REGISTRY_MIRRORS")
+		if err != nil {
+			a.err = err
+			return
+		}
+		r.Mirrors = map[string]string{}
+		for k, v := range mirrors {
+			if k == "docker.io" {
+				k = "index.docker.io"
+			}
+			r.Mirrors[k] = v
+		}
+		for _, h := range strings.Split(os.Getenv("EMBER_INSECURE_REGISTRIES"), ",") {
+			if h = strings.TrimSpace(h); h != "" {
+				r.Insecure = append(r.Insecure, h)
+			}
+		}
+		a.err = st.Cleanup()
+		a.img = template.ImageConfig{Layers: st, Resolver: r}
+	})
+	return a.img, a.err
+}
+
+func parseMap(env string) (map[string]string, error) {
+	m := map[string]string{}
+	for _, kv := range strings.Split(os.Getenv(env), ",") {
+		if kv = strings.TrimSpace(kv); kv == "" {
+			continue
+		}
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" || v == "" {
+			return nil, fmt.Errorf("%s: %q is not KEY=VALUE: %w", env, kv, errdefs.ErrInvalid)
+		}
+		m[k] = v
+	}
+	return m, nil
 }
 
 // imageAdapter stores exported checkpoint images (flat directories of regular files, in the

@@ -46,10 +46,22 @@ type Service interface {
 // BuildRequest asks for a template build.
 type BuildRequest struct {
 	Name     string // template id / alias, e.g. "base"
-	From     string // "debian:bookworm" (default)
+	From     string // "debian:bookworm" (default), "docker://REF", "docker+http://REF", "archive:PATH"
 	StartCmd string // optional command started before the checkpoint
 	ReadyCmd string // optional command that must succeed before the checkpoint
 	CPUCount int
 	MemoryMB int
 	Force    bool // rebuild the rootfs even if cached
+
+	// FromImage builds from an OCI/Docker image in a registry; FromArchive from a `docker save`
+	// or OCI layout tarball on the node. Insecure reaches FromImage's registry over plain HTTP.
+	FromImage   string
+	FromArchive string
+	Insecure    bool
+	Auth        *RegistryAuth // credentials for FromImage's registry (else ~/.docker/config.json)
+}
+
+// RegistryAuth is a registry credential: a username and password, or a token.
+type RegistryAuth struct {
+	Username, Password, Token string
 }

@@ -22,8 +22,8 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 	if !nameRe.MatchString(req.Name) {
 		return nil, fmt.Errorf("template name %q: must match %s: %w", req.Name, nameRe, errdefs.ErrInvalid)
 	}
-	if req.From != "" && req.From != "debian:bookworm" {
-		return nil, fmt.Errorf("from %q: only debian:bookworm is supported: %w", req.From, errdefs.ErrInvalid)
+	if !validFrom(req) {
+		return nil, fmt.Errorf("from %q: use debian:bookworm, docker://IMAGE, docker+http://IMAGE or archive:PATH: %w", req.From, errdefs.ErrInvalid)
 	}
 	ctx, done, err := m.op(ctx)
 	if err != nil {
@@ -54,6 +54,7 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 	progress(fmt.Sprintf("[1/3] rootfs for %q (build %s)", req.Name, buildID))
 	info, err := m.cfg.Builder.BuildRootFS(ctx, req, rootfs, progress)
 	if err != nil {
+		os.Remove(dir) // only when empty: a first build that failed leaves no directory
 		return nil, err
 	}
 	if req.StartCmd == "" {
@@ -142,6 +143,20 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 	}
 	progress(fmt.Sprintf("checkpoint written in %s", time.Since(t1).Round(time.Millisecond)))
 	return nil
+}
+
+// validFrom reports whether req names a rootfs source the builder knows.
+func validFrom(req BuildRequest) bool {
+	if req.FromImage != "" || req.FromArchive != "" {
+		return req.From == "" || req.From == "debian:bookworm"
+	}
+	switch {
+	case req.From == "", req.From == "debian:bookworm":
+		return true
+	case strings.HasPrefix(req.From, "docker://"), strings.HasPrefix(req.From, "docker+http://"), strings.HasPrefix(req.From, "archive:"):
+		return true
+	}
+	return false
 }
 
 func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }

@@ -1,8 +1,12 @@
 // Package template makes template root filesystems: a Debian suite installed with debootstrap
-// (cached as a tarball keyed by suite, mirror and package list), then made into an E2B-style
-// base image (user `user`, uid 1000, passwordless sudo, envd as the init process). Booting a
-// template and checkpointing it is the sandbox Manager's job; this package only writes
-// directories. A finished rootfs is never modified again: sandboxes share it read-only.
+// (cached as a tarball keyed by suite, mirror and package list) or an OCI/Docker image (from a
+// registry or an archive), made into an E2B-style template (user `user`, uid 1000 where free,
+// passwordless sudo where sudo exists, envd as the init process). Image layers, and the
+// debootstrap tarball, are unpacked once per node by internal/image and composed as a tree of
+// hard links; this package's own files are new inodes in that tree, never writes into a shared
+// layer. Booting a template and checkpointing it is the sandbox Manager's job; this package
+// only writes directories. A finished rootfs is never modified again: sandboxes share it
+// read-only.
 package template
 
 import (

@@ -1,0 +1,323 @@
+package bench
+
+import (
+	"archive/tar"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"math/rand"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/registry"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/types"
+	"golang.org/x/sys/unix"
+
+	"github.com/ember-sandbox/ember/internal/daemon"
+	"github.com/ember-sandbox/ember/internal/image"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/template"
+	"github.com/ember-sandbox/ember/internal/testutil"
+)
+
+// uncompressed layers: a file (the debootstrap base) or bytes.
+type fileLayer struct {
+	path string
+	hash v1.Hash
+	size int64
+}
+
+func (l *fileLayer) Digest() (v1.Hash, error)             { return l.hash, nil }
+func (l *fileLayer) DiffID() (v1.Hash, error)             { return l.hash, nil }
+func (l *fileLayer) Compressed() (io.ReadCloser, error)   { return os.Open(l.path) }
+func (l *fileLayer) Uncompressed() (io.ReadCloser, error) { return os.Open(l.path) }
+func (l *fileLayer) Size() (int64, error)                 { return l.size, nil }
+func (l *fileLayer) MediaType() (types.MediaType, error)  { return types.OCIUncompressedLayer, nil }
+
+func hashFile(b *testing.B, p string) *fileLayer {
+	f, err := os.Open(p)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer f.Close()
+	h := sha256.New()
+	n, _ := io.Copy(h, f)
+	return &fileLayer{path: p, size: n, hash: v1.Hash{Algorithm: "sha256", Hex: hex.EncodeToString(h.Sum(nil))}}
+}
+
+// ownLayer writes a tar of files with random (incompressible) content totalling size bytes.
+func ownLayer(b *testing.B, dir, tag string, files int, size int) *fileLayer {
+	p := filepath.Join(dir, "layer-"+tag+".tar")
+	f, err := os.Create(p)
+	if err != nil {
+		b.Fatal(err)
+	}
+	tw := tar.NewWriter(f)
+	rng := rand.New(rand.NewSource(int64(len(tag)) + int64(tag[len(tag)-1])))
+	buf := make([]byte, size/files)
+	tw.WriteHeader(&tar.Header{Name: "opt/" + tag + "/", Typeflag: tar.TypeDir, Mode: 0o755, ModTime: time.Now()})
+	for i := 0; i < files; i++ {
+		rng.Read(buf)
+		copy(buf, tag)
+		tw.WriteHeader(&tar.Header{Name: fmt.Sprintf("opt/%s/f%04d", tag, i), Typeflag: tar.TypeReg, Mode: 0o644, Size: int64(len(buf)), ModTime: time.Now()})
+		tw.Write(buf)
+	}
+	tw.Close()
+	f.Close()
+	return hashFile(b, p)
+}
+
+func imageOf(b *testing.B, layers ...v1.Layer) v1.Image {
+	img, err := mutate.AppendLayers(empty.Image, layers...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	cf, _ := img.ConfigFile()
+	cf = cf.DeepCopy()
+	cf.OS, cf.Architecture = "linux", "amd64"
+	cf.Config.Env = []string{"PATH=/usr/local/bin:/usr/bin:/bin"}
+	img, _ = mutate.ConfigFile(img, cf)
+	return img
+}
+
+// fsUsed is the bytes in use on p's filesystem, after making everything durable.
+func fsUsed(p string) int64 {
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+	if err == nil {
+		unix.Syncfs(fd)
+		unix.Close(fd)
+	}
+	var st unix.Statfs_t
+	unix.Statfs(p, &st)
+	return int64(st.Blocks-st.Bfree) * st.Bsize
+}
+
+func mib(n int64) string { return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20)) }
+
+// BenchmarkImage: templates from OCI images (issue: bring your own environment). A ~300 MB
+// image in a local registry: ember's rootfs build against plain pull + untar of the same
+// layers, a full template build, the bytes the second template of a pair writes, and the
+// disk 20 templates on one base use.
+func BenchmarkImage(b *testing.B) {
+	testutil.RequireRoot(b)
+	n := startImageNode(b)
+	ctx := context.Background()
+	cache := os.Getenv("EMBER_CACHE_DIR")
+	if cache == "" {
+		cache = filepath.Join(testutil.RepoRoot(), ".cache")
+	}
+	tarballs, _ := filepath.Glob(filepath.Join(cache, "debootstrap", "debootstrap-bookworm-*.tar"))
+	if len(tarballs) == 0 {
+		b.Skip("no debootstrap tarball")
+	}
+	work := filepath.Join(n.dataDir, "bench-image")
+	os.MkdirAll(work, 0o700)
+	defer os.RemoveAll(work)
+	scratch := filepath.Join(filepath.Dir(n.dataDir), "image-src")
+	os.MkdirAll(scratch, 0o700)
+	defer os.RemoveAll(scratch)
+
+	base := hashFile(b, tarballs[0])
+	app := ownLayer(b, scratch, "app", 400, 40<<20)
+	pair := ownLayer(b, scratch, "pair", 16, 1<<20)
+	imgs := map[string]v1.Image{"bench/app:v1": imageOf(b, base, app), "bench/pair:v1": imageOf(b, base, pair)}
+	var own20 int64
+	for i := 0; i < 20; i++ {
+		l := ownLayer(b, scratch, fmt.Sprintf("t%02d", i), 4, 64<<10)
+		own20 += l.size
+		imgs[fmt.Sprintf("bench/t%02d:v1", i)] = imageOf(b, base, l)
+	}
+	os.MkdirAll(filepath.Join(scratch, "blobs"), 0o700)
+	srv := httptest.NewServer(registry.New(registry.Logger(log.New(io.Discard, "", 0)), registry.WithBlobHandler(registry.NewDiskBlobHandler(filepath.Join(scratch, "blobs")))))
+	defer srv.Close()
+	host := strings.TrimPrefix(srv.URL, "http://")
+	for ref, img := range imgs {
+		r, _ := name.ParseReference(host + "/" + ref)
+		if err := remote.Write(r, img); err != nil {
+			b.Fatal(err)
+		}
+	}
+	imgBytes := base.size + app.size
+	fmt.Printf("\n== ember images (local registry, uncompressed layers, data dir on %s) ==\n", n.fs)
+	fmt.Printf("image bench/app:v1: 2 layers, %s (base %s + app %s)\n", mib(imgBytes), mib(base.size), mib(app.size))
+
+	// Baseline: plain HTTP GET of each layer blob piped into tar, on the same filesystem.
+	var plain, plainSync dist
+	for i := 0; i < 3; i++ {
+		dir := filepath.Join(work, fmt.Sprintf("plain-%d", i))
+		os.MkdirAll(dir, 0o755)
+		start := time.Now()
+		for _, l := range []*fileLayer{base, app} {
+			resp, err := http.Get(srv.URL + "/v2/bench/app/blobs/" + l.hash.String())
+			if err != nil {
+				b.Fatal(err)
+			}
+			cmd := exec.Command("tar", "--numeric-owner", "-xpf", "-", "-C", dir)
+			cmd.Stdin = resp.Body
+			if out, err := cmd.CombinedOutput(); err != nil {
+				b.Fatalf("tar: %v %s", err, out)
+			}
+			resp.Body.Close()
+		}
+		plain = append(plain, time.Since(start))
+		fsUsed(dir)
+		plainSync = append(plainSync, time.Since(start))
+		os.RemoveAll(dir)
+	}
+	report(b, "baseline: HTTP GET | tar -x (2 layers)", plain)
+	report(b, "baseline: HTTP GET | tar -x, then syncfs", plainSync)
+
+	// ember's rootfs from the image with an empty layer store (pull, verify, unpack, compose,
+	// user account, envd, syncfs).
+	bld := &template.Builder{EnvdPath: filepath.Join(filepath.Dir(n.dataDir), "envd")}
+	var cold dist
+	for i := 0; i < 3; i++ {
+		cfg := template.ImageConfig{Layers: &image.Store{Root: filepath.Join(work, fmt.Sprintf("layers-%d", i))}, Resolver: &image.Resolver{}}
+		dest := filepath.Join(work, fmt.Sprintf("rootfs-%d", i))
+		start := time.Now()
+		if _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: host + "/bench/app:v1", Insecure: true}, dest, nil); err != nil {
+			b.Fatal(err)
+		}
+		cold = append(cold, time.Since(start))
+		os.RemoveAll(dest)
+		os.RemoveAll(cfg.Layers.Root)
+	}
+	report(b, "ember rootfs from image, empty layer store", cold)
+	fmt.Printf("ratio ember / plain pull+untar (p50): %.2fx (vs with syncfs: %.2fx)\n",
+		float64(cold.pct(0.5))/float64(plain.pct(0.5)), float64(cold.pct(0.5))/float64(plainSync.pct(0.5)))
+
+	// A full template build through the Manager (rootfs + boot + checkpoint).
+	start := time.Now()
+	if _, err := n.Manager.BuildTemplate(ctx, sandbox.BuildRequest{Name: "bench-app", From: "docker://" + host + "/bench/app:v1"}, nil); err != nil {
+		b.Fatal(err)
+	}
+	report(b, "ember template build (rootfs+boot+checkpoint)", dist{time.Since(start)})
+	defer n.Manager.DeleteTemplate(ctx, "bench-app")
+
+	// The second template of a pair sharing the base: bytes it writes.
+	cfg := template.ImageConfig{Layers: &image.Store{Root: filepath.Join(n.dataDir, "layers")}, Resolver: &image.Resolver{}}
+	before := fsUsed(work)
+	start = time.Now()
+	if _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: host + "/bench/pair:v1", Insecure: true}, filepath.Join(work, "pair"), nil); err != nil {
+		b.Fatal(err)
+	}
+	second := time.Since(start)
+	wrote := fsUsed(work) - before
+	fmt.Printf("second template of a pair: %s written on the filesystem (own layer %s; allowance own + 1 MiB = %s) in %s\n",
+		mib(wrote), mib(pair.size), mib(pair.size+1<<20), second.Round(time.Millisecond))
+	b.ReportMetric(float64(wrote)/(1<<20), "second_template_written_MiB")
+
+	// The alternative measured: the same pair as an overlayfs lower stack (the layer directories
+	// as lowers, nothing composed), with a sandbox-style writable overlay stacked on it.
+	pairRoot := filepath.Join(cfg.Layers.Root, "sha256-"+pair.hash.Hex, "root")
+	baseRoot := filepath.Join(cfg.Layers.Root, "sha256-"+base.hash.Hex, "root")
+	mnt, up, wk, top := filepath.Join(work, "ovl"), filepath.Join(work, "ovl-up"), filepath.Join(work, "ovl-work"), filepath.Join(work, "ovl-top")
+	for _, d := range []string{mnt, up, wk, top} {
+		os.MkdirAll(d, 0o755)
+	}
+	before = fsUsed(work)
+	start = time.Now()
+	if err := unix.Mount("overlay", mnt, "overlay", unix.MS_RDONLY, "lowerdir="+pairRoot+":"+baseRoot); err != nil {
+		fmt.Printf("overlay lower stack: mount failed: %v\n", err)
+	} else {
+		mountTime := time.Since(start)
+		stacked := unix.Mount("overlay", top, "overlay", 0, "lowerdir="+mnt+",upperdir="+up+",workdir="+wk)
+		fmt.Printf("alternative, overlay lower stack for the pair: %s written, mount %s; a writable overlay on top of it: %v\n",
+			mib(fsUsed(work)-before), mountTime.Round(time.Microsecond), map[bool]string{true: "mounts", false: fmt.Sprint(stacked)}[stacked == nil])
+		if stacked == nil {
+			unix.Unmount(top, unix.MNT_DETACH)
+		}
+		unix.Unmount(mnt, unix.MNT_DETACH)
+	}
+
+	// 20 templates on one base.
+	before = fsUsed(work)
+	start = time.Now()
+	for i := 0; i < 20; i++ {
+		if _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: fmt.Sprintf("%s/bench/t%02d:v1", host, i), Insecure: true}, filepath.Join(work, fmt.Sprintf("t%02d", i)), nil); err != nil {
+			b.Fatal(err)
+		}
+	}
+	all := time.Since(start)
+	used := fsUsed(work) - before
+	var baseDisk int64
+	filepath.Walk(filepath.Join(cfg.Layers.Root, "sha256-"+base.hash.Hex), func(_ string, info os.FileInfo, err error) error {
+		if err == nil {
+			baseDisk += info.Sys().(*syscall.Stat_t).Blocks * 512
+		}
+		return nil
+	})
+	fmt.Printf("20 templates on one base: %s more on disk (their own layers: %s; %s per template beyond its layer) in %s; the shared base layer holds %s once\n",
+		mib(used), mib(own20), mib((used-own20)/20), all.Round(time.Millisecond), mib(baseDisk))
+	b.ReportMetric(float64(used)/(1<<20), "twenty_templates_MiB")
+}
+
+type imageNode struct {
+	*daemon.Node
+	dataDir, fs string
+}
+
+// startImageNode opens a node of its own (no base template, no pools) on a btrfs loop device
+// like the shared bench node, named by $EMBER_NODE_ID and $EMBER_CIDR so that it never shares
+// node-local names with another daemon on the host.
+func startImageNode(b *testing.B) *imageNode {
+	runsc := testutil.Runsc(b)
+	tmp, err := os.MkdirTemp("", "ember-bench-image-")
+	if err != nil {
+		b.Fatal(err)
+	}
+	envd := filepath.Join(tmp, "envd")
+	cmd := exec.Command("go", "build", "-o", envd, "./cmd/envd")
+	cmd.Dir = testutil.RepoRoot()
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		b.Fatalf("build envd: %v: %s", err, out)
+	}
+	dataDir := filepath.Join(tmp, "data")
+	os.MkdirAll(dataDir, 0o755)
+	fs := fsType(tmp)
+	if _, err := exec.LookPath("mkfs.btrfs"); err == nil && os.Getenv("EMBER_BENCH_LAYER_FS") != "host" {
+		img := filepath.Join(tmp, "layers.img")
+		f, _ := os.Create(img)
+		f.Truncate(32 << 30)
+		f.Close()
+		if out, err := exec.Command("mkfs.btrfs", "-q", img).CombinedOutput(); err != nil {
+			b.Fatalf("mkfs.btrfs: %v %s", err, out)
+		}
+		if out, err := exec.Command("mount", "-o", "loop", img, dataDir).CombinedOutput(); err != nil {
+			b.Fatalf("mount: %v %s", err, out)
+		}
+		fs = "btrfs (loop device on " + fs + ")"
+	}
+	n, err := daemon.Open(context.Background(), daemon.Config{
+		DataDir: dataDir, CacheDir: filepath.Join(tmp, "cache"), Runsc: runsc, Envd: envd, PoolSize: 0, SlotPoolSize: -1,
+		NodeID: os.Getenv("EMBER_NODE_ID"), CIDR: os.Getenv("EMBER_CIDR"),
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Out:    io.Discard,
+	})
+	if err != nil {
+		cleanupDataDir(dataDir)
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		n.Close()
+		cleanupDataDir(dataDir)
+	})
+	return &imageNode{Node: n, dataDir: dataDir, fs: fs}
+}
