@@ -176,8 +176,11 @@ func CloneUpper(srcSandboxDir, dstSandboxDir string) (method string, err error) 
 // RemoveLayer deletes sandboxDir's writable layer (unmount its rootfs first).
 func RemoveLayer(sandboxDir string) error {
 	layer := filepath.Join(sandboxDir, layerDirName)
-	if err := unmountDiskLayer(layer); err != nil {
-		return err
+	// Its data is discarded: a lazy detach (when still busy) is fine here.
+	if isMountPoint(layer) {
+		if err := unmount(layer); err != nil {
+			return err
+		}
 	}
 	if isSubvolume(layer) {
 		if err := btrfsVolIoctl(filepath.Dir(layer), btrfsIocSnapDestroy, -1, filepath.Base(layer)); err == nil {

@@ -123,6 +123,7 @@ func New(cfg Config) (*Driver, error) {
 	if err := os.MkdirAll(cfg.Root, 0o700); err != nil {
 		return nil, fmt.Errorf("gvisor: config root: %w", err)
 	}
+	privateFile(filepath.Join(cfg.Root, "runsc.log"))
 	d := &Driver{
 		cfg: cfg, log: cfg.Logger.With("driver", "gvisor"),
 		logDirs: map[string]string{}, watches: map[string]*watch{}, stopping: map[string]string{},
@@ -219,6 +220,9 @@ func (d *Driver) Restore(ctx context.Context, spec runtime.Spec, imageDir string
 // session of its own so the sandbox outlives the daemon.
 func (d *Driver) launch(ctx context.Context, spec runtime.Spec, args ...string) error {
 	logs := filepath.Join(spec.StateDir, "logs")
+	// runsc creates its log 0644 and its state file 0640, and keeps the mode of files that
+	// exist: make them owner-only first (the directories above are 0700 too).
+	privateFile(filepath.Join(logs, "runsc.log"))
 	err := d.launchOnce(ctx, spec.ID, logs, args)
 	if errors.Is(err, errdefs.ErrConflict) {
 		// An instance of that id exists: replace it only if it no longer runs.
@@ -235,7 +239,21 @@ func (d *Driver) launch(ctx context.Context, spec runtime.Spec, args ...string) 
 	}
 	d.setLogDir(spec.ID, logs)
 	d.forgetExit(spec.ID)
+	if err := os.Chmod(filepath.Join(d.cfg.Root, spec.ID+"_sandbox:"+spec.ID+".state"), 0o600); err != nil && !errors.Is(err, os.ErrNotExist) {
+		d.log.Warn("state file mode", "instance", spec.ID, "err", err)
+	}
 	return nil
+}
+
+// privateFile creates path 0600 (or makes it 0600) so a program that opens it later keeps it
+// owner-only.
+func privateFile(path string) {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		return
+	}
+	f.Chmod(0o600)
+	f.Close()
 }
 
 func (d *Driver) launchOnce(ctx context.Context, id, logs string, args []string) error {

@@ -94,6 +94,25 @@ func unmount(p string) error {
 	}
 }
 
+// unmountStrict unmounts p, waiting up to timeout while it is busy (an exiting gofer), and never
+// detaches lazily: it returns an error instead.
+func unmountStrict(p string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		err := unix.Unmount(p, 0)
+		switch {
+		case err == nil:
+			continue // stacked mounts: repeat until none is left
+		case errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOENT):
+			return nil
+		case errors.Is(err, unix.EBUSY) && time.Now().Before(deadline):
+			time.Sleep(20 * time.Millisecond)
+		default:
+			return fmt.Errorf("gvisor: unmount %s: %w", p, err)
+		}
+	}
+}
+
 // instanceDir finds the state directory of an instance (the parent of its bundle).
 func (d *Driver) instanceDir(ctx context.Context, id string) string {
 	if l := d.logDir(id); l != "" {
@@ -118,13 +137,21 @@ func (d *Driver) checkpointLayer(stateDir, imageDir string, leaveRunning bool) e
 		_, err := CloneUpper(stateDir, imageDir)
 		return err
 	}
-	if err := unmount(filepath.Join(stateDir, mergedDirName)); err != nil {
+	layer := filepath.Join(stateDir, layerDirName)
+	if isMountPoint(layer) {
+		// A disk-limited layer is an ext4 filesystem: it must be really unmounted (its data
+		// written back) before it moves, or a later mount of its image would see stale data.
+		// No lazy detach, neither of it nor of the overlay that holds it busy.
+		if err := unmountStrict(filepath.Join(stateDir, mergedDirName), 15*time.Second); err != nil {
+			return err
+		}
+		if err := unmountStrict(layer, 15*time.Second); err != nil {
+			return err
+		}
+	} else if err := unmount(filepath.Join(stateDir, mergedDirName)); err != nil {
 		return err
 	}
-	if err := unmountDiskLayer(filepath.Join(stateDir, layerDirName)); err != nil {
-		return err
-	}
-	if err := os.Rename(filepath.Join(stateDir, layerDirName), filepath.Join(imageDir, layerDirName)); err != nil {
+	if err := os.Rename(layer, filepath.Join(imageDir, layerDirName)); err != nil {
 		return fmt.Errorf("gvisor: move layer into image: %w", err)
 	}
 	return nil

@@ -293,7 +293,7 @@ func unmountDiskLayer(layer string) error {
 	if !isMountPoint(layer) {
 		return nil
 	}
-	return unmount(layer)
+	return unmountStrict(layer, 15*time.Second)
 }
 
 // isMountPoint reports whether p is the root of a mount (its mount id differs from its
