@@ -222,24 +222,14 @@ func (r resources) equal(o resources) bool {
 		strings.Join(r.links, ",") == strings.Join(o.links, ",") && r.runsc == o.runsc
 }
 
-// snapshotResources lists what ember holds on the host: its network namespaces and veths (name
-// prefix "emb"), the runsc processes of the shared daemon's data directory, processes and mounts.
+// snapshotResources lists what the shared daemon holds on the host: its network namespaces and
+// veths (prefix "e<node id>"), the runsc processes of its data directory, processes and mounts.
 func snapshotResources(t *testing.T) resources {
 	t.Helper()
 	dataDir := shared.dataDir
 	var r resources
-	out, _ := exec.Command("ip", "netns", "list").Output()
-	for _, l := range strings.Split(strings.TrimSpace(string(out)), "\n") {
-		if f := strings.Fields(l); len(f) > 0 && strings.HasPrefix(f[0], "emb-") {
-			r.netns = append(r.netns, f[0])
-		}
-	}
-	ifs, _ := net.Interfaces()
-	for _, i := range ifs {
-		if strings.HasPrefix(i.Name, "emb") {
-			r.links = append(r.links, i.Name)
-		}
-	}
+	r.netns = shared.netnsList()
+	r.links = shared.vethList()
 	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
 	var sb strings.Builder
 	for _, p := range procs {
