@@ -246,6 +246,20 @@ func (d *daemon) logf(format string, args ...any) {
 	fmt.Fprintf(d.log, "=== e2e: "+format+"\n", args...)
 }
 
+// logLines returns the daemon's log lines that mention s (at most max, the last ones).
+func (d *daemon) logLines(s string, max int) string {
+	var out []string
+	for _, l := range strings.Split(d.allLogs(), "\n") {
+		if strings.Contains(l, s) {
+			out = append(out, l)
+		}
+	}
+	if len(out) > max {
+		out = out[len(out)-max:]
+	}
+	return strings.Join(out, "\n")
+}
+
 // netPrefix is the daemon's netns and veth name prefix ("e" + node id).
 func (d *daemon) netPrefix() string { return "e" + d.nodeID }
 

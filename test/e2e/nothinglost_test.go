@@ -543,3 +543,34 @@ func ifIndex(name string) int {
 	}
 	return i.Index
 }
+
+// TestCreateFromCheckpointPoolOff keeps the pool-off path covered now that the suite runs with
+// the default pool: with --pool-size 0 every create restores the template's checkpoint (no
+// instance runs before the first create), and the sandbox works, pauses and resumes. Node c2.
+// Bound: ~30 s.
+func TestCreateFromCheckpointPoolOff(t *testing.T) {
+	d := newDaemonWith(t, daemonOpts{NodeID: "c2", CIDR: nodeCIDR(2), DataDir: filepath.Join(buildDir, "c2"),
+		Flags: []string{"--pool-size", "0", "--slot-pool-size", "0"}})
+	d.killAll(t)
+	time.Sleep(time.Second)
+	if insts := d.instances(); len(insts) != 0 {
+		t.Fatalf("pool off, no sandbox: runsc runs %+v", insts)
+	}
+	s := d.create(t, nil)
+	if how := d.createdHow(s.SandboxID); how != "" && how != "restore" {
+		t.Fatalf("pool off: sandbox created by %q, want restore (from the template's checkpoint)", how)
+	}
+	if r := d.run(t, s, "python3 -c 'print(6*7)' && echo kept > /home/user/k.txt"); r.stdout != "42\n" || r.exitCode != 0 {
+		t.Fatalf("pool off: %+v", r)
+	}
+	if code := d.api(t, "POST", "/sandboxes/"+s.SandboxID+"/pause", map[string]any{}, nil); code != 204 {
+		t.Fatalf("pause: %d", code)
+	}
+	var again sbx
+	if code := d.api(t, "POST", "/v2/sandboxes/"+s.SandboxID+"/connect", map[string]any{"timeout": 120}, &again); code != 201 {
+		t.Fatalf("resume: %d", code)
+	}
+	if r := d.run(t, again, "cat /home/user/k.txt"); r.stdout != "kept\n" {
+		t.Fatalf("after resume: %q", r.stdout)
+	}
+}
