@@ -516,10 +516,20 @@ func TestDeadSandboxIsNoticed(t *testing.T) {
 	if !released {
 		t.Errorf("5 s after its instance died, the sandbox still holds its netns %s and veth %s", ns, veth)
 	}
-	for _, i := range d.instances() {
-		if i.ID == inst.ID {
-			t.Errorf("runsc still knows the dead instance %s (%s)", i.ID, i.Status)
+	var still []instance
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		still = still[:0]
+		for _, i := range d.instances() {
+			if i.ID == inst.ID {
+				still = append(still, i)
+			}
 		}
+		if len(still) == 0 || time.Now().After(deadline) {
+			break
+		}
+	}
+	for _, i := range still {
+		t.Errorf("runsc still knows the dead instance %s (%s) after 5 s", i.ID, i.Status)
 	}
 }
 
