@@ -45,9 +45,16 @@ func TestCrashInjection(t *testing.T) {
 	}
 	t.Logf("seed %d (EMBER_CRASH_SEED=%d replays the plan), %d rounds, budget %s", seed, seed, rounds, budget)
 	rng := rand.New(rand.NewSource(seed))
-	d := lostNode(t)
-	d.waitInstances(t, 1, 90*time.Second)
-	c := &crashRun{t: t, d: d, rng: rng, live: map[string]*tracked{}, inFlight: map[string]int{}, done: map[string]int{}, failed: map[string]int{}}
+	// EMBER_CRASH_POOL_OFF=1 runs the loop with --pool-size 0 (every create restores).
+	pool, flags := crashPoolSize, []string(nil)
+	if os.Getenv("EMBER_CRASH_POOL_OFF") == "1" {
+		pool, flags = 0, []string{"--pool-size", "0"}
+	}
+	d := lostNode(t, flags...)
+	if pool > 0 {
+		d.waitInstances(t, 1, 90*time.Second)
+	}
+	c := &crashRun{t: t, d: d, rng: rng, pool: pool, live: map[string]*tracked{}, inFlight: map[string]int{}, done: map[string]int{}, failed: map[string]int{}}
 	start := time.Now()
 	var restarts []time.Duration
 	ran := 0
@@ -74,9 +81,10 @@ func TestCrashInjection(t *testing.T) {
 	}
 	elapsed := time.Since(start)
 	d.killAll(t)
+	c.live = map[string]*tracked{}
 	c.settle()
 	h := d.host()
-	checkOnlyPool(t, d, h, crashPoolSize, crashSlotPool)
+	checkOnlyPool(t, d, h, pool, crashSlotPool)
 	if !d.stop() {
 		t.Errorf("the daemon did not stop within 60 s of SIGTERM")
 	}
@@ -144,9 +152,10 @@ type tracked struct {
 }
 
 type snapRec struct {
-	id    string
-	files map[string]string
-	src   string
+	id       string
+	files    map[string]string
+	src      string
+	verified bool // restored once after a restart, with its files
 }
 
 type crashRun struct {
@@ -154,6 +163,7 @@ type crashRun struct {
 	d     *daemon
 	rng   *rand.Rand
 	round int
+	pool  int // the daemon's --pool-size
 
 	mu        sync.Mutex
 	live      map[string]*tracked
@@ -558,6 +568,9 @@ func (c *crashRun) check() {
 		case ls.State == "running" && tr.paused && tr.cut != "resume":
 			c.violate("sandbox %s was paused and came back running", id)
 		}
+		if ls.State == "running" {
+			tr.paused = false
+		}
 		if ls.State == "paused" {
 			tr.paused = true
 			if c.rng.Intn(2) == 0 && tr.cut == "" {
@@ -649,23 +662,56 @@ func (c *crashRun) checkSnapshots() {
 		}
 	}
 	c.cutSnaps = nil
+	// Every snapshot the API reported created restores, with its files (checked once each,
+	// after the restart that followed it).
+	for i := range c.snaps {
+		sn := &c.snaps[i]
+		if sn.verified {
+			continue
+		}
+		sn.verified = true
+		var s sbx
+		code, body, err := d.call(90*time.Second, "POST", "/v2/sandboxes", map[string]any{"templateID": sn.id, "timeout": 900}, &s)
+		if code != 201 {
+			c.violate("snapshot %s (reported created) does not restore after the restart: %d %s %v", sn.id, code, body, err)
+			continue
+		}
+		if err := c.checkFiles(&tracked{s: s}, sn.files); err != nil {
+			c.violate("snapshot %s (reported created) restores without its files: %v", sn.id, err)
+		} else {
+			c.snapsOK++
+		}
+		d.call(30*time.Second, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil)
+	}
 	for len(c.snaps) > 2 {
 		d.call(30*time.Second, "DELETE", "/templates/"+c.snaps[0].id, nil, nil)
 		c.snaps = c.snaps[1:]
 	}
 }
 
-// settle waits (bounded) until the pool has refilled and no restore runs.
+// settle waits (at most 10 s) until no restore runs and runsc runs at least the live running
+// sandboxes plus a full pool.
 func (c *crashRun) settle() {
-	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(300 * time.Millisecond) {
+	want := c.pool
+	for _, tr := range c.live {
+		if !tr.paused {
+			want++
+		}
+	}
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
 		restoring := false
 		for _, p := range c.d.runscProcs() {
 			if strings.Contains(p.args, " restore ") {
 				restoring = true
 			}
 		}
-		extra, _ := c.d.unowned(c.t)
-		if !restoring && len(extra) >= crashPoolSize {
+		running := 0
+		for _, i := range c.d.instances() {
+			if i.Status == "running" {
+				running++
+			}
+		}
+		if !restoring && running >= want {
 			return
 		}
 	}
@@ -711,21 +757,35 @@ func (c *crashRun) checkHost() {
 			extra = append(extra, i.ID)
 		}
 	}
-	if len(extra) > crashPoolSize+1 {
-		c.violate("%d instances belong to no sandbox (pool size %d): %v", len(extra), crashPoolSize, extra)
+	if len(extra) > c.pool+1 {
+		c.violate("%d instances belong to no sandbox (pool size %d): %v", len(extra), c.pool, extra)
 	}
-	spare := 0
-	netns := d.netnsList()
-	for _, n := range netns {
-		if !used[n] {
-			spare++
+	// Slots are made in the background (slot pool): look again before calling a mismatch.
+	var netProblem string
+	for try := 0; try < 4; try++ {
+		if try > 0 {
+			time.Sleep(500 * time.Millisecond)
+		}
+		netProblem = ""
+		spare := 0
+		netns := d.netnsList()
+		for _, n := range netns {
+			if !used[n] {
+				spare++
+			}
+		}
+		if v := d.vethList(); len(v) != len(netns) {
+			netProblem = fmt.Sprintf("veths %v do not match netns %v", v, netns)
+		}
+		if spare > crashSlotPool+1 {
+			netProblem = fmt.Sprintf("%d netns belong to no instance (slot pool %d): %v", spare, crashSlotPool, netns)
+		}
+		if netProblem == "" {
+			break
 		}
 	}
-	if spare > crashSlotPool+1 {
-		c.violate("%d netns belong to no instance (slot pool %d): %v", spare, crashSlotPool, netns)
-	}
-	if v := d.vethList(); len(v) != len(netns) {
-		c.violate("veths %v do not match netns %v", v, netns)
+	if netProblem != "" {
+		c.violate("%s", netProblem)
 	}
 	under := func(p string) bool {
 		for _, s := range stateDirs {
