@@ -741,13 +741,10 @@ func (c *crashRun) checkHost() {
 		tr.instID = i.ID
 	}
 	var extra []string
-	stateDirs := []string{}
 	used := map[string]bool{}
 	for _, i := range insts {
 		if _, err := os.Stat(i.Bundle); err != nil {
 			c.violate("instance %s (sandbox %q) runs with its state dir gone", i.ID, owned[i.ID])
-		} else {
-			stateDirs = append(stateDirs, filepath.Dir(i.Bundle))
 		}
 		if i.Status != "running" {
 			c.violate("instance %s (sandbox %q) is %s and still kept", i.ID, owned[i.ID], i.Status)
@@ -787,29 +784,52 @@ func (c *crashRun) checkHost() {
 	if netProblem != "" {
 		c.violate("%s", netProblem)
 	}
-	under := func(p string) bool {
-		for _, s := range stateDirs {
-			if p == s || strings.HasPrefix(p, s+"/") {
-				return true
+	// Mounts, instance dirs and runsc processes that no instance owns. A launch makes its dir
+	// and mounts just before runsc knows the instance: look again before calling one a stray.
+	strays := func() []string {
+		insts := d.instances()
+		var dirs []string
+		for _, i := range insts {
+			dirs = append(dirs, filepath.Dir(i.Bundle))
+		}
+		under := func(p string) bool {
+			for _, s := range dirs {
+				if p == s || strings.HasPrefix(p, s+"/") {
+					return true
+				}
+			}
+			return false
+		}
+		var out []string
+		h := d.host()
+		for _, m := range h.mounts {
+			if !under(m) {
+				out = append(out, "mount "+m+" belongs to no running instance")
 			}
 		}
-		return false
+		for _, dir := range h.dirs {
+			if !under(dir) {
+				out = append(out, "instance dir "+dir+" belongs to no running instance")
+			}
+		}
+		for _, p := range h.procs {
+			if isSandboxOrGofer(p) && procInstance(p, insts) == "" {
+				out = append(out, fmt.Sprintf("runsc process %d belongs to no instance: %.200s", p.pid, p.args))
+			}
+		}
+		return out
 	}
-	h := d.host()
-	for _, m := range h.mounts {
-		if !under(m) {
-			c.violate("mount %s belongs to no running instance", m)
+	var found []string
+	for try := 0; try < 4; try++ {
+		if try > 0 {
+			time.Sleep(500 * time.Millisecond)
+		}
+		if found = strays(); len(found) == 0 {
+			break
 		}
 	}
-	for _, dir := range h.dirs {
-		if !under(dir) {
-			c.violate("instance dir %s belongs to no running instance", dir)
-		}
-	}
-	for _, p := range h.procs {
-		if isSandboxOrGofer(p) && procInstance(p, insts) == "" {
-			c.violate("runsc process %d belongs to no instance: %.200s", p.pid, p.args)
-		}
+	for _, f := range found {
+		c.violate("%s", f)
 	}
 	// Sandbox dirs: only listed sandboxes have one.
 	dirs, _ := filepath.Glob(filepath.Join(d.dataDir, "sandboxes", "*"))
