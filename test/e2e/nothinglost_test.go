@@ -249,10 +249,10 @@ func contains(l []string, s string) bool {
 // the pool size, each with its state dir), every netns/veth belongs to an instance or to the
 // slot pool (at most --slot-pool-size spare), every mount under the data dir belongs to an
 // instance; after a clean SIGTERM nothing at all is left (no instance, runsc process, netns,
-// veth, mount or instance dir). Bound: 8 rounds (EMBER_E2E_ROUNDS), ~1 min.
+// veth, mount or instance dir). Bound: 12 rounds (EMBER_E2E_ROUNDS), ~70 s. The race it looks for (a restore the killed daemon started lands after the next start reconciled) is hit in about one round in six on this machine.
 func TestRestartsLeaveNoOrphanPoolInstances(t *testing.T) {
 	const poolSize, slotPool = 2, 4
-	rounds := 8
+	rounds := 12
 	if v, err := strconv.Atoi(os.Getenv("EMBER_E2E_ROUNDS")); err == nil && v > 0 {
 		rounds = v
 	}
