@@ -249,7 +249,9 @@ func contains(l []string, s string) bool {
 // the pool size, each with its state dir), every netns/veth belongs to an instance or to the
 // slot pool (at most --slot-pool-size spare), every mount under the data dir belongs to an
 // instance; after a clean SIGTERM nothing at all is left (no instance, runsc process, netns,
-// veth, mount or instance dir). Bound: 12 rounds (EMBER_E2E_ROUNDS), ~70 s. The race it looks for (a restore the killed daemon started lands after the next start reconciled) is hit in about one round in six on this machine.
+// veth, mount or instance dir). Bound: 12 rounds (EMBER_E2E_ROUNDS), ~70 s. The race it looks
+// for (a restore the killed daemon started lands after the next start reconciled) is hit in
+// about one round in six on a 2-core machine.
 func TestRestartsLeaveNoOrphanPoolInstances(t *testing.T) {
 	const poolSize, slotPool = 2, 4
 	rounds := 12
