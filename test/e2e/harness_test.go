@@ -37,6 +37,7 @@ type daemon struct {
 	flags                                []string // extra `ember serve` flags
 	cmd                                  *exec.Cmd
 	done                                 chan struct{} // closed when cmd has exited
+	started                              bool          // came up once (templates built)
 	log                                  *bytes.Buffer
 	logMu                                sync.Mutex
 }
@@ -306,7 +307,11 @@ func (d *daemon) start() error {
 	cmd := d.cmd
 	var exitErr error
 	go func() { exitErr = cmd.Wait(); close(done) }()
-	deadline := time.Now().Add(15 * time.Minute) // first start builds the base template
+	bound := 15 * time.Minute // the first start on a data dir builds the base template
+	if d.started {
+		bound = 2 * time.Minute
+	}
+	deadline := time.Now().Add(bound)
 	for time.Now().Before(deadline) {
 		select {
 		case <-done:
@@ -320,11 +325,13 @@ func (d *daemon) start() error {
 				return err
 			}
 			d.key = strings.TrimSpace(string(key))
+			d.started = true
 			return nil
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	return fmt.Errorf("ember serve did not come up")
+	d.crash()
+	return fmt.Errorf("ember serve did not come up within %s", bound)
 }
 
 // crash kills the daemon with SIGKILL (no cleanup at all) and waits until it is gone.

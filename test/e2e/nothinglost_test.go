@@ -249,12 +249,13 @@ func contains(l []string, s string) bool {
 // the pool size, each with its state dir), every netns/veth belongs to an instance or to the
 // slot pool (at most --slot-pool-size spare), every mount under the data dir belongs to an
 // instance; after a clean SIGTERM nothing at all is left (no instance, runsc process, netns,
-// veth, mount or instance dir). Bound: 12 rounds (EMBER_E2E_ROUNDS), ~70 s. The race it looks
-// for (a restore the killed daemon started lands after the next start reconciled) is hit in
-// about one round in six on a 2-core machine.
+// veth, mount or instance dir). Each round: SIGTERM while the pool refills, then twice kill -9
+// while it refills, then the check. Bound: 10 rounds (EMBER_E2E_ROUNDS), ~90 s. The race it
+// looks for (a restore the killed daemon started lands after the next start reconciled) is hit
+// in about one kill in ten on a 2-core machine.
 func TestRestartsLeaveNoOrphanPoolInstances(t *testing.T) {
 	const poolSize, slotPool = 2, 4
-	rounds := 12
+	rounds := 10
 	if v, err := strconv.Atoi(os.Getenv("EMBER_E2E_ROUNDS")); err == nil && v > 0 {
 		rounds = v
 	}
@@ -262,7 +263,7 @@ func TestRestartsLeaveNoOrphanPoolInstances(t *testing.T) {
 	// The daemon dies (kill -9, then SIGTERM) while the pool refills: right when a runsc
 	// restore of a pool instance runs, or a little later (seeded by the round).
 	delays := []time.Duration{0, 100 * time.Millisecond, 0, 300 * time.Millisecond}
-	hits := 0
+	hits, held := 0, 0
 	for r := 0; r < rounds; r++ {
 		d.waitInstances(t, 1, 90*time.Second)
 		// Creates drain the pool; the daemon stops while it refills, first cleanly, then by
@@ -272,12 +273,30 @@ func TestRestartsLeaveNoOrphanPoolInstances(t *testing.T) {
 			hits++
 		}
 		d.restart(t, syscall.SIGTERM)
-		d.createNoCleanup(t, nil)
-		d.createNoCleanup(t, nil)
-		if d.waitRestore(5*time.Second, delays[(r+1)%len(delays)]) {
-			hits++
+		// Twice: drain the pool, kill -9 while it refills, restart. The first time, catch the
+		// pool's `runsc restore` before runsc has recorded its instance and hold it (SIGSTOP)
+		// across the kill and the next start, as a slow runsc on a loaded host does; then let
+		// it go: its instance lands after the start has reconciled.
+		for k := 0; k < 2; k++ {
+			d.createNoCleanup(t, nil)
+			d.createNoCleanup(t, nil)
+			if k == 0 {
+				if pid := d.holdNewRestore(5 * time.Second); pid > 0 {
+					hits++
+					held++
+					// Never let a held runsc block a start for long.
+					release := time.AfterFunc(20*time.Second, func() { syscall.Kill(pid, syscall.SIGCONT) })
+					d.restart(t, syscall.SIGKILL)
+					release.Stop()
+					syscall.Kill(pid, syscall.SIGCONT)
+					continue
+				}
+			}
+			if d.waitRestore(5*time.Second, delays[(r+k+1)%len(delays)]) {
+				hits++
+			}
+			d.restart(t, syscall.SIGKILL)
 		}
-		d.restart(t, syscall.SIGKILL)
 		// Wait for the pool to refill (and whatever the dead daemon had in flight to land).
 		var extra []instance
 		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(500 * time.Millisecond) {
@@ -296,7 +315,7 @@ func TestRestartsLeaveNoOrphanPoolInstances(t *testing.T) {
 		for _, i := range extra {
 			ids = append(ids, i.ID)
 			if _, err := os.Stat(i.Bundle); err != nil {
-				t.Errorf("round %d: instance %s (%s) is no sandbox's and has no state dir (orphan of an earlier run)", r, i.ID, i.Status)
+				t.Errorf("round %d: instance %s (%s) is no sandbox's and has no state dir (orphan of an earlier run); the daemon said of it:\n%s", r, i.ID, i.Status, d.logLines(i.ID, 12))
 			}
 		}
 		if len(extra) > poolSize+1 {
@@ -305,7 +324,7 @@ func TestRestartsLeaveNoOrphanPoolInstances(t *testing.T) {
 		t.Logf("round %d: %d sandboxes, unowned instances %v; %s", r, len(d.listAll(t)), ids, d.host())
 		d.killAll(t)
 	}
-	t.Logf("%d of %d stops hit a pool restore in flight", hits, 2*rounds)
+	t.Logf("%d of %d stops hit a pool restore in flight (%d held across the restart before runsc recorded the instance)", hits, 3*rounds, held)
 	d.killAll(t)
 	// Running with no sandboxes: once the pool has settled, only the current pool is left.
 	var h hostState
@@ -369,6 +388,49 @@ func (d *daemon) waitRestore(bound, after time.Duration) bool {
 		}
 	}
 	return false
+}
+
+// holdNewRestore waits (at most bound) for a `runsc restore` child of the daemon that runsc has
+// not recorded yet (no state or lock file for its id under the root) and stops it (SIGSTOP). It
+// returns the pid (the caller sends SIGCONT), 0 if it caught none in time.
+func (d *daemon) holdNewRestore(bound time.Duration) int {
+	if d.cmd == nil || d.cmd.Process == nil {
+		return 0
+	}
+	recorded := func(id string) bool {
+		m, _ := filepath.Glob(filepath.Join(d.runscRoot(), "*"+id+".*"))
+		return len(m) > 0
+	}
+	for deadline := time.Now().Add(bound); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", d.cmd.Process.Pid))
+		for _, f := range tasks {
+			b, _ := os.ReadFile(f)
+			for _, c := range strings.Fields(string(b)) {
+				cl, err := os.ReadFile("/proc/" + c + "/cmdline")
+				if err != nil {
+					continue
+				}
+				args := strings.Split(strings.TrimRight(string(cl), "\x00"), "\x00")
+				if !contains(args, "restore") || len(args) < 2 {
+					continue
+				}
+				id := args[len(args)-1]
+				if recorded(id) {
+					continue
+				}
+				pid, _ := strconv.Atoi(c)
+				if syscall.Kill(pid, syscall.SIGSTOP) != nil {
+					continue
+				}
+				if recorded(id) { // too late: runsc wrote its state meanwhile
+					syscall.Kill(pid, syscall.SIGCONT)
+					continue
+				}
+				return pid
+			}
+		}
+	}
+	return 0
 }
 
 // checkOnlyPool checks host state h of a daemon with no sandboxes: only pool instances (at most
