@@ -28,12 +28,29 @@ import (
 	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
-// daemon is one `ember serve` process on a data directory.
+// daemon is one `ember serve` process on a data directory, with a node id and CIDR of its own
+// (every node-local name derives from the node id, so tests never touch another daemon's
+// netns, veths, nftables table or cgroups).
 type daemon struct {
 	bin, envd, runsc, dataDir, addr, key string
+	nodeID, cidr                         string
+	flags                                []string // extra `ember serve` flags
 	cmd                                  *exec.Cmd
+	done                                 chan struct{} // closed when cmd has exited
+	started                              bool          // came up once (templates built)
 	log                                  *bytes.Buffer
 	logMu                                sync.Mutex
+}
+
+// daemonOpts configures a daemon a test starts for itself (newDaemonWith).
+type daemonOpts struct {
+	// NodeID: "c" then up to 5 letters or digits; CIDR: inside 10.220.0.0/14. Both default to
+	// a fresh pair from nextNode.
+	NodeID, CIDR string
+	// DataDir defaults to <buildDir>/<NodeID>; a data dir keeps its node id and CIDR for life.
+	DataDir string
+	// Flags are extra `ember serve` flags (e.g. "--pool-size", "0"); none = the defaults.
+	Flags []string
 }
 
 var (
@@ -41,31 +58,68 @@ var (
 	sharedErr  error
 	sharedOnce sync.Once
 	buildDir   string
+
+	nodeMu   sync.Mutex
+	nodeNext = 10 // c0..c9 are named by tests; automatic ones start at c10
+	daemons  []*daemon
 )
 
+// nextNode returns an unused node id and a /20 of 10.220.0.0/14 for it.
+func nextNode() (string, string) {
+	nodeMu.Lock()
+	defer nodeMu.Unlock()
+	n := nodeNext
+	nodeNext++
+	return fmt.Sprintf("c%d", n), nodeCIDR(n)
+}
+
+// nodeCIDR is node n's slot network: 10.220.0.0/20 for c0, 10.220.16.0/20 for c1, ...
+func nodeCIDR(n int) string {
+	off := n * 16
+	return fmt.Sprintf("10.%d.%d.0/20", 220+off/256, off%256)
+}
+
 func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "ember-e2e-")
-	if err != nil {
+	// EMBER_E2E_DIR keeps data dirs (and their built templates) between runs; by default
+	// everything lives in a temp dir removed at the end.
+	dir, keep := os.Getenv("EMBER_E2E_DIR"), true
+	if dir == "" {
+		var err error
+		if dir, err = os.MkdirTemp("", "ember-e2e-"); err != nil {
+			panic(err)
+		}
+		keep = false
+	} else if err := os.MkdirAll(dir, 0o755); err != nil {
 		panic(err)
 	}
 	buildDir = dir
 	code := m.Run()
-	if shared != nil {
-		shared.stop()
-		exec.Command("umount", filepath.Join(shared.dataDir, "runsc", "null-netns")).Run()
+	nodeMu.Lock()
+	all := append([]*daemon(nil), daemons...)
+	nodeMu.Unlock()
+	clean := true
+	for _, d := range all {
+		d.stop()
+		if left := d.purge(); len(left) > 0 {
+			fmt.Fprintf(os.Stderr, "e2e: node %s: could not remove %v\n", d.nodeID, left)
+			clean = false
+		}
 	}
-	os.RemoveAll(dir)
+	if clean && !keep {
+		os.RemoveAll(dir)
+	}
 	os.Exit(code)
 }
 
-// need returns the shared daemon (base template built), starting it on first use.
+// need returns the shared daemon (base template built), starting it on first use. It runs
+// with ember's default configuration (warm pool and slot pool on) as node c0.
 func need(t *testing.T) *daemon {
 	t.Helper()
 	testutil.RequireRoot(t)
 	runsc := testutil.Runsc(t)
 	sharedOnce.Do(func() {
 		var d *daemon
-		d, sharedErr = newDaemon(runsc, filepath.Join(buildDir, "data"))
+		d, sharedErr = newDaemonOpts(runsc, daemonOpts{NodeID: "c0", CIDR: nodeCIDR(0), DataDir: filepath.Join(buildDir, "data")})
 		if sharedErr == nil {
 			sharedErr = d.start()
 		}
@@ -77,15 +131,57 @@ func need(t *testing.T) *daemon {
 	return shared
 }
 
+// newDaemonWith starts a daemon of the test's own (node id, CIDR, data dir, flags) and stops
+// and cleans it up (processes, netns, veths, nftables table, mounts, cgroups) when t ends.
+// The first start on a fresh data dir builds the base template (about a minute).
+func newDaemonWith(t *testing.T, o daemonOpts) *daemon {
+	t.Helper()
+	testutil.RequireRoot(t)
+	runsc := testutil.Runsc(t)
+	d, err := newDaemonOpts(runsc, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		d.stop()
+		if left := d.purge(); len(left) > 0 {
+			t.Errorf("node %s: could not clean up %v", d.nodeID, left)
+		}
+	})
+	if err := d.start(); err != nil {
+		t.Fatalf("starting ember (node %s): %v\n%s", d.nodeID, err, d.logs())
+	}
+	return d
+}
+
+// newDaemon prepares (does not start) a daemon on dataDir with a fresh node id and CIDR.
 func newDaemon(runsc, dataDir string) (*daemon, error) {
+	return newDaemonOpts(runsc, daemonOpts{DataDir: dataDir})
+}
+
+func newDaemonOpts(runsc string, o daemonOpts) (*daemon, error) {
+	if o.NodeID == "" || o.CIDR == "" {
+		id, cidr := nextNode()
+		if o.NodeID == "" {
+			o.NodeID = id
+		}
+		if o.CIDR == "" {
+			o.CIDR = cidr
+		}
+	}
+	if o.DataDir == "" {
+		o.DataDir = filepath.Join(buildDir, o.NodeID)
+	}
 	root := testutil.RepoRoot()
 	bin := filepath.Join(buildDir, "ember")
 	envd := filepath.Join(buildDir, "envd")
-	if _, err := os.Stat(bin); err != nil {
+	buildMu.Lock()
+	defer buildMu.Unlock()
+	if !built {
 		for _, b := range []struct {
 			out, pkg string
 			env      []string
-		}{{bin, "./cmd/ember", nil}, {envd, "./cmd/envd", []string{"CGO_ENABLED=0"}}} {
+		}{{envd, "./cmd/envd", []string{"CGO_ENABLED=0"}}, {bin, "./cmd/ember", nil}} {
 			cmd := exec.Command("go", "build", "-o", b.out, b.pkg)
 			cmd.Dir = root
 			cmd.Env = append(os.Environ(), b.env...)
@@ -93,9 +189,20 @@ func newDaemon(runsc, dataDir string) (*daemon, error) {
 				return nil, fmt.Errorf("go build %s: %v\n%s", b.pkg, err, out)
 			}
 		}
+		built = true
 	}
-	return &daemon{bin: bin, envd: envd, runsc: runsc, dataDir: dataDir, log: &bytes.Buffer{}}, nil
+	d := &daemon{bin: bin, envd: envd, runsc: runsc, dataDir: o.DataDir, nodeID: o.NodeID, cidr: o.CIDR,
+		flags: o.Flags, log: &bytes.Buffer{}}
+	nodeMu.Lock()
+	daemons = append(daemons, d)
+	nodeMu.Unlock()
+	return d, nil
 }
+
+var (
+	buildMu sync.Mutex
+	built   bool // the binaries are built once per test process
+)
 
 func freePort() string {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -127,7 +234,54 @@ func (d *daemon) logs() string {
 	return s
 }
 
-// start runs `ember serve` and waits until its API answers.
+// allLogs is every line the daemon (all its runs) wrote.
+func (d *daemon) allLogs() string {
+	d.logMu.Lock()
+	defer d.logMu.Unlock()
+	return d.log.String()
+}
+
+func (d *daemon) logf(format string, args ...any) {
+	d.logMu.Lock()
+	defer d.logMu.Unlock()
+	fmt.Fprintf(d.log, "=== e2e: "+format+"\n", args...)
+}
+
+// logLines returns the daemon's log lines that mention s (at most max, the last ones).
+func (d *daemon) logLines(s string, max int) string {
+	var out []string
+	for _, l := range strings.Split(d.allLogs(), "\n") {
+		if strings.Contains(l, s) {
+			out = append(out, l)
+		}
+	}
+	if len(out) > max {
+		out = out[len(out)-max:]
+	}
+	return strings.Join(out, "\n")
+}
+
+// netPrefix is the daemon's netns and veth name prefix ("e" + node id).
+func (d *daemon) netPrefix() string { return "e" + d.nodeID }
+
+// runscRoot is the daemon's runsc --root.
+func (d *daemon) runscRoot() string { return filepath.Join(d.dataDir, "runsc") }
+
+// running reports whether the daemon process is alive.
+func (d *daemon) running() bool {
+	if d.done == nil {
+		return false
+	}
+	select {
+	case <-d.done:
+		return false
+	default:
+		return true
+	}
+}
+
+// start runs `ember serve` and waits until its API answers. A restart keeps the data dir, node
+// id, CIDR and port.
 func (d *daemon) start() error {
 	if d.addr == "" {
 		d.addr = freePort()
@@ -136,55 +290,90 @@ func (d *daemon) start() error {
 	if cache == "" {
 		cache = filepath.Join(testutil.RepoRoot(), ".cache")
 	}
-	d.cmd = exec.Command(d.bin, "serve", "--listen", d.addr, "--data-dir", d.dataDir, "--cache-dir", cache,
-		"--runsc", d.runsc, "--envd", d.envd, "--templates", "base", "--pool-size", "0", "--slot-pool-size", "0", "--verbose")
+	args := []string{"serve", "--listen", d.addr, "--data-dir", d.dataDir, "--cache-dir", cache,
+		"--runsc", d.runsc, "--envd", d.envd, "--templates", "base", "--verbose",
+		"--node-id", d.nodeID, "--cidr", d.cidr}
+	d.cmd = exec.Command(d.bin, append(args, d.flags...)...)
+	d.cmd.Env = append(os.Environ(), "EMBER_NODE_ID="+d.nodeID, "EMBER_CIDR="+d.cidr)
 	d.cmd.Stdout = lockedWriter{d}
 	d.cmd.Stderr = lockedWriter{d}
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	d.logf("start %s", strings.Join(d.cmd.Args, " "))
 	if err := d.cmd.Start(); err != nil {
 		return err
 	}
-	exited := make(chan error, 1)
-	go func() { exited <- d.cmd.Wait() }()
-	deadline := time.Now().Add(15 * time.Minute) // first start builds the base template
+	done := make(chan struct{})
+	d.done = done
+	cmd := d.cmd
+	var exitErr error
+	go func() { exitErr = cmd.Wait(); close(done) }()
+	bound := 15 * time.Minute // the first start on a data dir builds the base template
+	if d.started {
+		bound = 2 * time.Minute
+	}
+	deadline := time.Now().Add(bound)
 	for time.Now().Before(deadline) {
 		select {
-		case err := <-exited:
-			return fmt.Errorf("ember serve exited: %v", err)
+		case <-done:
+			return fmt.Errorf("ember serve exited: %v", exitErr)
 		default:
 		}
-		if resp, err := http.Get("http://" + d.addr + "/health"); err == nil {
+		if resp, err := httpClient.Get("http://" + d.addr + "/health"); err == nil {
 			resp.Body.Close()
 			key, err := os.ReadFile(filepath.Join(d.dataDir, "api-key"))
 			if err != nil {
 				return err
 			}
 			d.key = strings.TrimSpace(string(key))
-			go func() { <-exited }()
+			d.started = true
 			return nil
 		}
-		time.Sleep(200 * time.Millisecond)
+		time.Sleep(100 * time.Millisecond)
 	}
-	return fmt.Errorf("ember serve did not come up")
+	d.crash()
+	return fmt.Errorf("ember serve did not come up within %s", bound)
 }
 
-// crash kills the daemon with SIGKILL (no cleanup at all).
+// crash kills the daemon with SIGKILL (no cleanup at all) and waits until it is gone.
 func (d *daemon) crash() {
-	d.cmd.Process.Kill()
-	time.Sleep(200 * time.Millisecond)
-}
-
-func (d *daemon) stop() {
-	if d.cmd == nil || d.cmd.Process == nil {
+	if !d.running() {
 		return
 	}
+	d.logf("kill -9")
+	d.cmd.Process.Kill()
+	<-d.done
+}
+
+// stop sends SIGTERM and waits (bounded: 60 s, then SIGKILL). It reports whether the daemon
+// exited by itself within the bound.
+func (d *daemon) stop() bool {
+	if !d.running() {
+		return true
+	}
+	d.logf("SIGTERM")
 	d.cmd.Process.Signal(syscall.SIGTERM)
-	done := make(chan struct{})
-	go func() { d.cmd.Process.Wait(); close(done) }()
 	select {
-	case <-done:
-	case <-time.After(15 * time.Second):
+	case <-d.done:
+		return true
+	case <-time.After(60 * time.Second):
+		d.logf("still running 60 s after SIGTERM: kill -9")
 		d.cmd.Process.Kill()
+		<-d.done
+		return false
+	}
+}
+
+// restart stops the daemon with sig (SIGKILL = crash, SIGTERM = graceful stop) and starts it
+// again on the same data dir, node id, CIDR and port.
+func (d *daemon) restart(t *testing.T, sig syscall.Signal) {
+	t.Helper()
+	if sig == syscall.SIGKILL {
+		d.crash()
+	} else if !d.stop() {
+		t.Errorf("node %s: daemon did not stop within 60 s of SIGTERM", d.nodeID)
+	}
+	if err := d.start(); err != nil {
+		t.Fatalf("restart node %s: %v\n%s", d.nodeID, err, d.logs())
 	}
 }
 
@@ -221,6 +410,49 @@ func (d *daemon) apiBody(t *testing.T, method, path string, in, out any) (int, s
 		t.Logf("%s %s -> %d %s", method, path, resp.StatusCode, data)
 	}
 	return resp.StatusCode, string(data)
+}
+
+// call is api for goroutines and tests that expect failures: bounded by timeout, no t; err is a
+// transport error (connection refused or reset, timeout).
+func (d *daemon) call(timeout time.Duration, method, path string, in, out any) (int, string, error) {
+	var body io.Reader
+	if in != nil {
+		b, _ := json.Marshal(in)
+		body = bytes.NewReader(b)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, method, "http://"+d.addr+path, body)
+	if err != nil {
+		return 0, "", err
+	}
+	req.Header.Set("X-API-Key", d.key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return resp.StatusCode, string(data), err
+	}
+	if out != nil && resp.StatusCode/100 == 2 && len(data) > 0 {
+		if err := json.Unmarshal(data, out); err != nil {
+			return resp.StatusCode, string(data), fmt.Errorf("decode %q: %w", data, err)
+		}
+	}
+	return resp.StatusCode, string(data), nil
+}
+
+// listAll lists every running and paused sandbox.
+func (d *daemon) listAll(t *testing.T) []sbx {
+	t.Helper()
+	var l []sbx
+	if code, body, err := d.call(30*time.Second, "GET", "/v2/sandboxes?state=running,paused&limit=100", nil, &l); err != nil || code != 200 {
+		t.Fatalf("list sandboxes: %d %s %v", code, body, err)
+	}
+	return l
 }
 
 type sbx struct {
@@ -283,6 +515,18 @@ func (d *daemon) run(t *testing.T, s sbx, cmdline string) result {
 func (d *daemon) tryRun(s sbx, cmdline, user string) (result, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
+	return d.runCtx(ctx, s, cmdline, user)
+}
+
+// runFor is tryRun (as the default user) bounded by timeout.
+func (d *daemon) runFor(timeout time.Duration, s sbx, cmdline string) (result, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	return d.runCtx(ctx, s, cmdline, "")
+}
+
+// runCtx runs a bash command line in the sandbox through envd, bounded by ctx.
+func (d *daemon) runCtx(ctx context.Context, s sbx, cmdline, user string) (result, error) {
 	no := false
 	req := connect.NewRequest(&process.StartRequest{
 		Process: &process.ProcessConfig{Cmd: "/bin/bash", Args: []string{"-l", "-c", cmdline}},

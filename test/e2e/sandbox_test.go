@@ -149,51 +149,74 @@ func TestSandboxCannotReachAnotherSandbox(t *testing.T) {
 
 func TestKillReleasesEverything(t *testing.T) {
 	d := need(t)
-	before := snapshotResources(t)
+	before := settledResources(t)
 	s := d.create(t, nil)
 	d.background(t, s, "exec sleep 999")
-	during := snapshotResources(t)
-	if len(during.netns) <= len(before.netns) || len(during.links) <= len(before.links) || during.runsc <= before.runsc {
-		t.Fatalf("a running sandbox should add a netns, a veth and runsc processes: before %+v during %+v", before.summary(), during.summary())
+	// The sandbox has a running instance, with its netns and state dir (wherever the daemon
+	// keeps it: with the warm pool on, the instance may have been started ahead of the create).
+	inst, ns := d.instanceOf(t, s)
+	if inst.Status != "running" {
+		t.Fatalf("instance %s of the sandbox is %s", inst.ID, inst.Status)
 	}
-	dir := filepath.Join(d.dataDir, "sandboxes", s.SandboxID)
-	if _, err := os.Stat(dir); err != nil {
+	stateDir := filepath.Dir(inst.Bundle)
+	if _, err := os.Stat(stateDir); err != nil {
 		t.Fatalf("sandbox state dir missing while running: %v", err)
+	}
+	if inode(filepath.Join("/run/netns", ns)) == 0 {
+		t.Fatalf("sandbox netns %s missing while running", ns)
 	}
 	if code := d.api(t, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil); code != 204 {
 		t.Fatalf("kill: %d", code)
 	}
-	var after resources
-	for i := 0; i < 50; i++ {
-		after = snapshotResources(t)
-		if after.equal(before) {
-			break
+	gone := func() string {
+		for _, i := range d.instances() {
+			if i.ID == inst.ID {
+				return "runsc still knows instance " + inst.ID
+			}
 		}
+		for _, p := range d.runscProcs() {
+			if strings.Contains(p.args, inst.ID) {
+				return "a process of the killed sandbox is still running: " + p.args
+			}
+		}
+		for _, m := range d.mountsUnder() {
+			if strings.Contains(m, inst.ID) || strings.Contains(m, s.SandboxID) || strings.HasPrefix(m, stateDir+"/") {
+				return "a mount of the killed sandbox remains: " + m
+			}
+		}
+		if _, err := os.Stat(stateDir); !os.IsNotExist(err) {
+			return fmt.Sprintf("sandbox state dir %s remains: %v", stateDir, err)
+		}
+		if _, err := os.Stat(filepath.Join(d.dataDir, "sandboxes", s.SandboxID)); !os.IsNotExist(err) {
+			return fmt.Sprintf("sandbox dir remains: %v", err)
+		}
+		return ""
+	}
+	left := "?"
+	for i := 0; i < 50 && left != ""; i++ {
+		left = gone()
 		time.Sleep(100 * time.Millisecond)
 	}
-	if !after.equal(before) {
+	if left != "" {
+		t.Fatal(left)
+	}
+	// The pool refills what the create took: once settled, as many netns, veths and runsc
+	// processes as before.
+	if after := settledResources(t); !after.sameCounts(before) {
 		t.Fatalf("resources leaked after kill:\nbefore %+v\nafter  %+v", before.summary(), after.summary())
-	}
-	if strings.Contains(after.procs, s.SandboxID) {
-		t.Fatal("a process of the killed sandbox is still running")
-	}
-	if strings.Contains(after.mounts, s.SandboxID) {
-		t.Fatal("a mount of the killed sandbox remains")
-	}
-	if _, err := os.Stat(dir); !os.IsNotExist(err) {
-		t.Fatalf("sandbox state dir remains: %v", err)
 	}
 	if code := d.api(t, "GET", "/sandboxes/"+s.SandboxID, nil, nil); code != 404 {
 		t.Fatalf("get after kill: %d, want 404", code)
 	}
 }
 
-// settledResources waits until the host's ember resources stop changing (at most 10 s).
+// settledResources waits until the shared daemon's resources have not changed for 1 s (at most
+// 20 s; the warm pool refills in the background).
 func settledResources(t *testing.T) resources {
 	t.Helper()
 	prev := snapshotResources(t)
 	stable := 0
-	for i := 0; i < 100 && stable < 3; i++ {
+	for i := 0; i < 200 && stable < 10; i++ {
 		time.Sleep(100 * time.Millisecond)
 		cur := snapshotResources(t)
 		if cur.equal(prev) {
@@ -217,29 +240,24 @@ func (r resources) summary() string {
 	return fmt.Sprintf("netns=%v links=%v runsc=%d", r.netns, r.links, r.runsc)
 }
 
+// sameCounts: as many netns, veths and runsc processes (names may differ: the pools refill).
+func (r resources) sameCounts(o resources) bool {
+	return len(r.netns) == len(o.netns) && len(r.links) == len(o.links) && r.runsc == o.runsc
+}
+
 func (r resources) equal(o resources) bool {
 	return strings.Join(r.netns, ",") == strings.Join(o.netns, ",") &&
 		strings.Join(r.links, ",") == strings.Join(o.links, ",") && r.runsc == o.runsc
 }
 
-// snapshotResources lists what ember holds on the host: its network namespaces and veths (name
-// prefix "emb"), the runsc processes of the shared daemon's data directory, processes and mounts.
+// snapshotResources lists what the shared daemon holds on the host: its network namespaces and
+// veths (prefix "e<node id>"), the runsc processes of its data directory, processes and mounts.
 func snapshotResources(t *testing.T) resources {
 	t.Helper()
 	dataDir := shared.dataDir
 	var r resources
-	out, _ := exec.Command("ip", "netns", "list").Output()
-	for _, l := range strings.Split(strings.TrimSpace(string(out)), "\n") {
-		if f := strings.Fields(l); len(f) > 0 && strings.HasPrefix(f[0], "emb-") {
-			r.netns = append(r.netns, f[0])
-		}
-	}
-	ifs, _ := net.Interfaces()
-	for _, i := range ifs {
-		if strings.HasPrefix(i.Name, "emb") {
-			r.links = append(r.links, i.Name)
-		}
-	}
+	r.netns = shared.netnsList()
+	r.links = shared.vethList()
 	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
 	var sb strings.Builder
 	for _, p := range procs {
