@@ -18,6 +18,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
 	"time"
 
 	"golang.org/x/net/netutil"
@@ -330,7 +331,9 @@ type Names struct {
 
 const defaultHostMark = 0x454d0000 // "EM" in the high half; the node's number in the low half
 
-var nodeIDRe = regexp.MustCompile(`^[a-z][a-z0-9]{0,5}$`)
+// Node ids have no 'x': it ends the node's name prefix, so no node's prefix is a prefix of
+// another's interface names (nodes "c1" and "c11" would both name a veth "ec115h" otherwise).
+var nodeIDRe = regexp.MustCompile(`^[a-wyz][a-wyz0-9]{0,5}$`)
 
 // NodeNames derives the node-local names of node id ("" = the single-node defaults).
 func NodeNames(id string) (Names, error) {
@@ -339,12 +342,16 @@ func NodeNames(id string) (Names, error) {
 			InternetGroup: network.DefaultInternetGroup, CgroupParent: "ember", HostMark: defaultHostMark}, nil
 	}
 	if !nodeIDRe.MatchString(id) {
-		return Names{}, fmt.Errorf("node_id %q: must be 1-6 lowercase letters and digits, starting with a letter: %w", id, errdefs.ErrInvalid)
+		return Names{}, fmt.Errorf("node_id %q: must be 1-6 lowercase letters (but x) and digits, starting with a letter: %w", id, errdefs.ErrInvalid)
+	}
+	if strings.HasPrefix(id, "mb") {
+		// "e"+"mb..." would start with the single-node prefix "emb".
+		return Names{}, fmt.Errorf("node_id %q: must not start with \"mb\": %w", id, errdefs.ErrInvalid)
 	}
 	h := fnv.New32a()
 	h.Write([]byte(id))
 	return Names{
-		NetPrefix:     "e" + id,
+		NetPrefix:     "e" + id + "x",
 		Table:         "ember_" + id,
 		InternetGroup: network.DefaultInternetGroup + 1 + h.Sum32()%0xffff,
 		CgroupParent:  "ember-" + id,

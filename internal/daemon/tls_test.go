@@ -107,3 +107,29 @@ func TestSandboxTLSOperatorFiles(t *testing.T) {
 		t.Errorf("cert without key: %v, want ErrInvalid", err)
 	}
 }
+
+// No node's interface names can be taken for another's: node "c1" slot 15 and node "c11" slot
+// 5 once both named their veth "ec115h".
+func TestNodeNamesNeverOverlap(t *testing.T) {
+	ids := []string{"", "c1", "c11", "c115", "a", "ab", "n2"}
+	prefixes := map[string]string{}
+	for _, id := range ids {
+		n, err := NodeNames(id)
+		if err != nil {
+			t.Fatalf("%q: %v", id, err)
+		}
+		prefixes[id] = n.NetPrefix
+	}
+	for a, pa := range prefixes {
+		for b, pb := range prefixes {
+			if a != b && strings.HasPrefix(pb, pa) {
+				t.Fatalf("node %q's prefix %q is a prefix of node %q's %q", a, pa, b, pb)
+			}
+		}
+	}
+	for _, bad := range []string{"x1", "cx", "mb1", "1a", "abcdefg", "A"} {
+		if _, err := NodeNames(bad); err == nil {
+			t.Fatalf("node id %q accepted", bad)
+		}
+	}
+}

@@ -92,6 +92,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		Timeout:          timeout,
 		AllowInternet:    allow,
 		Network:          req.Network.ForNew(),
+		RootFS:           tpl.RootFS,
 	}
 	if len(tpl.Aliases) > 0 {
 		sb.Alias = tpl.Aliases[0]

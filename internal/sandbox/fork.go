@@ -205,6 +205,7 @@ func (m *Manager) forkChild(ctx context.Context, parent *Sandbox, tpl *Template,
 		AutoResume:       parent.AutoResume,
 		Timeout:          timeout,
 		Network:          parent.Network.ForNew(),
+		RootFS:           parent.RootFS,
 		AllowInternet:    parent.AllowInternet,
 	}
 	p, err := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, image: image, init: child, initToken: parent.AccessToken,

@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -228,10 +229,22 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 	return nil
 }
 
+// templateOf returns the template sb runs on. A deleted template (or snapshot) leaves its
+// rootfs in place for the sandboxes that run on it: they keep working from the rootfs they
+// recorded.
 func (m *Manager) templateOf(ctx context.Context, sb *Sandbox) (*Template, error) {
 	tpl, err := m.cfg.Store.GetTemplate(ctx, sb.TemplateID)
-	if err != nil {
-		return nil, fmt.Errorf("template %q of sandbox %q: %w", sb.TemplateID, sb.ID, err)
+	switch {
+	case err == nil:
+		if sb.RootFS == "" || tpl.RootFS == sb.RootFS {
+			return tpl, nil
+		}
+		// Rebuilt since: the sandbox stays on the rootfs it started on.
+		c := *tpl
+		c.RootFS = sb.RootFS
+		return &c, nil
+	case errors.Is(err, errdefs.ErrNotFound) && sb.RootFS != "":
+		return &Template{ID: sb.TemplateID, Kind: "template", RootFS: sb.RootFS, Ready: true}, nil
 	}
-	return tpl, nil
+	return nil, fmt.Errorf("template %q of sandbox %q: %w", sb.TemplateID, sb.ID, err)
 }

@@ -748,3 +748,34 @@ func TestStoredSnapshotsLoadOnceAndRefuseTampering(t *testing.T) {
 		t.Fatalf("create from a tampered stored snapshot: %v", err)
 	}
 }
+
+// Deleting a snapshot (or template) leaves the sandboxes made from it working: they resume,
+// snapshot and fork from the rootfs they recorded.
+func TestSandboxOutlivesItsDeletedSnapshot(t *testing.T) {
+	n := newNode(t, nil)
+	n.build("base")
+	src := n.create(sandbox.CreateRequest{})
+	n.write(src.ID, "/v", "1")
+	if _, err := n.m.Snapshot(context.Background(), src.ID, "gone-snap"); err != nil {
+		t.Fatal(err)
+	}
+	child := n.create(sandbox.CreateRequest{TemplateID: "gone-snap"})
+	if err := n.m.DeleteTemplate(context.Background(), "gone-snap"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.m.Snapshot(context.Background(), child.ID, "again"); err != nil {
+		t.Fatalf("snapshot of a sandbox whose snapshot was deleted: %v", err)
+	}
+	if _, err := n.m.Fork(context.Background(), child.ID, 1, 0); err != nil {
+		t.Fatalf("fork: %v", err)
+	}
+	if err := n.m.Pause(context.Background(), child.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := n.m.Connect(context.Background(), child.ID, time.Minute); err != nil {
+		t.Fatalf("resume: %v", err)
+	}
+	if v, _ := n.read(child.ID, "/v"); v != "1" {
+		t.Fatalf("file after resume: %q", v)
+	}
+}

@@ -52,6 +52,9 @@ type Sandbox struct {
 	AutoResume       bool `json:"autoResume,omitempty"`
 	// PausedFilesOnly: the current pause kept the filesystem only; resume boots on it.
 	PausedFilesOnly bool `json:"pausedFilesOnly,omitempty"`
+	// RootFS is the template rootfs the sandbox runs on, kept so that it can be resumed,
+	// snapshotted and forked after its template (or snapshot) is deleted.
+	RootFS string `json:"rootfs,omitempty"`
 	// Timeout is the lifetime asked for at create (used again by an auto-resume).
 	Timeout time.Duration `json:"timeout,omitempty"`
 	// AllowInternet: egress to the internet (NAT); false denies every address except those in

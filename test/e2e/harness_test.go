@@ -261,8 +261,8 @@ func (d *daemon) logLines(s string, max int) string {
 	return strings.Join(out, "\n")
 }
 
-// netPrefix is the daemon's netns and veth name prefix ("e" + node id).
-func (d *daemon) netPrefix() string { return "e" + d.nodeID }
+// netPrefix is the daemon's netns and veth name prefix ("e" + node id + "x").
+func (d *daemon) netPrefix() string { return "e" + d.nodeID + "x" }
 
 // runscRoot is the daemon's runsc --root.
 func (d *daemon) runscRoot() string { return filepath.Join(d.dataDir, "runsc") }

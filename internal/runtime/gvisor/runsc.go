@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
@@ -40,6 +41,17 @@ func (d *Driver) globalFlags(logDir string) []string {
 // checkpoint, list, events) and returns its stdout. Errors carry runsc's stderr and are
 // classified into errdefs categories.
 func (d *Driver) run(ctx context.Context, logDir string, args ...string) ([]byte, error) {
+	// A wedged runsc (one stopped by a signal, holding a container lock) must not hang the
+	// daemon forever, start-up's reconcile included: every command is bounded.
+	if _, ok := ctx.Deadline(); !ok {
+		bound := time.Minute
+		if len(args) > 0 && args[0] == "checkpoint" {
+			bound = 10 * time.Minute
+		}
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, bound)
+		defer cancel()
+	}
 	full := append(d.globalFlags(logDir), args...)
 	cmd := exec.CommandContext(ctx, d.cfg.Runsc, full...)
 	var stdout, stderr bytes.Buffer
