@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -62,6 +63,23 @@ func idleMemory(b *testing.B, n *node, count int) {
 	for _, id := range ids {
 		n.Manager.Kill(ctx, id)
 	}
+}
+
+// pausedBytes is the disk a paused sandbox's image takes (allocated blocks).
+func pausedBytes(n *node, id string) int64 {
+	var total int64
+	dirs, _ := filepath.Glob(filepath.Join(n.dataDir, "sandboxes", id, "image-*"))
+	for _, d := range dirs {
+		filepath.Walk(d, func(_ string, fi os.FileInfo, err error) error {
+			if err == nil && fi.Mode().IsRegular() {
+				if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+					total += st.Blocks * 512
+				}
+			}
+			return nil
+		})
+	}
+	return total
 }
 
 // BenchmarkLifecycle prints the snapshot-first lifecycle figures (issue: snapshot-first).
@@ -119,6 +137,35 @@ func BenchmarkLifecycle(b *testing.B) {
 	}
 	report(b, "pause (checkpoint + release)", pause)
 	report(b, "resume (restore, same id)", resume)
+
+	// A filesystem-only pause (E2B keepMemory:false) keeps the files and drops the memory: what
+	// it costs to pause, to boot back, and on disk per paused sandbox, next to a memory pause.
+	var fsPause, fsResume dist
+	var memBytes, fsBytes int64
+	for i := 0; i < iterations; i++ {
+		if err := n.Manager.Pause(ctx, sb.ID); err != nil {
+			b.Fatal(err)
+		}
+		memBytes = pausedBytes(n, sb.ID)
+		if _, _, err := n.Manager.Connect(ctx, sb.ID, time.Minute); err != nil {
+			b.Fatal(err)
+		}
+		t0 := time.Now()
+		if err := n.Manager.PauseWith(ctx, sb.ID, sandbox.PauseOptions{KeepMemory: false}); err != nil {
+			b.Fatal(err)
+		}
+		fsPause = append(fsPause, time.Since(t0))
+		fsBytes = pausedBytes(n, sb.ID)
+		t1 := time.Now()
+		if _, _, err := n.Manager.Connect(ctx, sb.ID, time.Minute); err != nil {
+			b.Fatal(err)
+		}
+		fsResume = append(fsResume, time.Since(t1))
+	}
+	report(b, "pause, filesystem only (keepMemory false)", fsPause)
+	report(b, "resume of it (boot on its files + /init)", fsResume)
+	fmt.Printf("paused sandbox on disk: memory pause %.1f MiB, filesystem-only pause %.1f MiB (host memory: none for either)\n",
+		float64(memBytes)/(1<<20), float64(fsBytes)/(1<<20))
 
 	var snap dist
 	for i := 0; i < iterations; i++ {
@@ -235,4 +282,52 @@ func runcStart(b *testing.B, n *node) dist {
 		mu.Unlock()
 	}
 	return d
+}
+
+// BenchmarkLoad: 100 concurrent creates, each running a command, then every sandbox killed:
+// wall time, throughput and per-create latency (issue 7 item 8, issue 11's throughput row).
+func BenchmarkLoad(b *testing.B) {
+	n := getNode(b, 2)
+	ctx := context.Background()
+	const count = 100
+	fmt.Printf("\n== ember load: %d concurrent creates + a command each ==\n", count)
+	var mu sync.Mutex
+	var lat dist
+	var ids []string
+	failed := 0
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := 0; i < count; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t0 := time.Now()
+			sb, err := n.Manager.Create(ctx, sandbox.CreateRequest{TemplateID: "base"})
+			if err == nil {
+				_, err = n.run(sb, "echo ok")
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				failed++
+				fmt.Printf("  create+command failed: %v\n", err)
+				if sb != nil {
+					ids = append(ids, sb.ID)
+				}
+				return
+			}
+			lat = append(lat, time.Since(t0))
+			ids = append(ids, sb.ID)
+		}()
+	}
+	wg.Wait()
+	wall := time.Since(start)
+	report(b, "create + command, under 100 concurrent", lat)
+	fmt.Printf("%d ok, %d failed in %s: %.1f creates/s\n", len(lat), failed, wall.Round(time.Millisecond), float64(len(lat))/wall.Seconds())
+	b.ReportMetric(float64(len(lat))/wall.Seconds(), "creates_per_s")
+	t0 := time.Now()
+	for _, id := range ids {
+		n.Manager.Kill(ctx, id)
+	}
+	fmt.Printf("killed %d sandboxes in %s\n", len(ids), time.Since(t0).Round(time.Millisecond))
 }
