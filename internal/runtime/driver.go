@@ -34,7 +34,9 @@ type Spec struct {
 	// is moved out of the image, else cloned.
 	LayerFrom string
 	// ConsumeImage tells Restore that the image is not used again (resume of a paused sandbox):
-	// the driver may move its contents instead of copying them.
+	// the driver may move its contents instead of copying them. Until the caller removes the
+	// image directory (once the resume is recorded), deleting the instance gives the moved
+	// contents back to the image, so a resume that fails or is cut by a crash loses nothing.
 	ConsumeImage bool
 	// Resource limits; zero means the driver's default.
 	CPUCount int

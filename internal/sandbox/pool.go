@@ -45,6 +45,7 @@ type demand struct {
 	misses    int       // creates that found it empty
 	lastMiss  time.Time
 	refilling bool
+	owner     string // the id of the instance being restored
 }
 
 // PoolState is one template's pool, as the API and CLI show it.
@@ -59,6 +60,9 @@ type PoolState struct {
 	Hits       int     `json:"hits"`
 	Misses     int     `json:"misses"`
 	Refilling  bool    `json:"refilling"`
+	// SandboxIDs are the ids the pool's instances (ready, and the one being restored) will be
+	// assigned with: their state already lives under sandboxes/<id>.
+	SandboxIDs []string `json:"sandboxIDs"`
 }
 
 func newPool(m *Manager) *pool {
@@ -215,9 +219,16 @@ func (p *pool) state() []PoolState {
 	out := make([]PoolState, 0, len(ids))
 	for id := range ids {
 		d := p.demandLocked(id)
+		owners := []string{}
+		for _, pe := range p.ready[id] {
+			owners = append(owners, pe.owner)
+		}
+		if d.refilling {
+			owners = append(owners, d.owner)
+		}
 		out = append(out, PoolState{TemplateID: id, Ready: len(p.ready[id]), Target: p.targetLocked(id, now),
 			Min: p.m.cfg.PoolSize, Max: p.m.cfg.PoolMax, CreateRate: d.decayed(now), RefillMs: d.refill * 1000,
-			Hits: d.hits, Misses: d.misses, Refilling: d.refilling})
+			Hits: d.hits, Misses: d.misses, Refilling: d.refilling, SandboxIDs: owners})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].TemplateID < out[j].TemplateID })
 	return out
@@ -267,11 +278,13 @@ func (p *pool) fill() {
 			case <-time.After(2 * time.Millisecond):
 			}
 		}
+		owner := newID()
 		p.mu.Lock()
 		p.demandLocked(tpl.ID).refilling = true
+		p.demandLocked(tpl.ID).owner = owner
 		p.mu.Unlock()
 		start := time.Now()
-		pe, err := p.restore(ctx, tpl)
+		pe, err := p.restore(ctx, tpl, owner)
 		p.mu.Lock()
 		d := p.demandLocked(tpl.ID)
 		d.refilling = false
@@ -335,9 +348,9 @@ func (p *pool) next(ctx context.Context) *Template {
 	return best
 }
 
-func (p *pool) restore(ctx context.Context, tpl *Template) (*pooled, error) {
+func (p *pool) restore(ctx context.Context, tpl *Template, owner string) (*pooled, error) {
 	m := p.m
-	pe := &pooled{owner: newID(), buildID: tpl.BuildID,
+	pe := &pooled{owner: owner, buildID: tpl.BuildID,
 		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), mem: orDefault(tpl.MemoryMB, m.cfg.MemoryMB)}
 	place, err := m.launch(ctx, launchSpec{owner: pe.owner, tpl: tpl, image: tpl.Image,
 		cpu: pe.cpu, memMB: pe.mem, diskMB: orDefault(tpl.DiskMB, m.cfg.DiskMB), egress: Egress{AllowInternet: true}})

@@ -831,9 +831,14 @@ func (c *crashRun) checkHost() {
 	for _, f := range found {
 		c.violate("%s", f)
 	}
-	// Sandbox dirs: only listed sandboxes have one.
+	// Sandbox dirs: only listed sandboxes, and the pool's instances (which live under the id
+	// they will be assigned with), have one.
+	pool := d.poolSandboxIDs()
 	dirs, _ := filepath.Glob(filepath.Join(d.dataDir, "sandboxes", "*"))
 	for _, dir := range dirs {
+		if pool[filepath.Base(dir)] {
+			continue
+		}
 		if _, ok := c.live[filepath.Base(dir)]; !ok {
 			if code := c.getCode(filepath.Base(dir)); code != 200 {
 				c.violate("sandbox dir %s belongs to no sandbox (GET %d)", dir, code)

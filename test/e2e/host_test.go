@@ -246,3 +246,21 @@ func (d *daemon) purge() []string {
 	left = append(left, d.mountsUnder()...)
 	return left
 }
+
+// poolSandboxIDs are the ids the daemon's pool instances (ready or being restored) will be
+// assigned with (GET /ember/pools): their state lives under sandboxes/<id> before any create.
+func (d *daemon) poolSandboxIDs() map[string]bool {
+	var pools []struct {
+		SandboxIDs []string `json:"sandboxIDs"`
+	}
+	out := map[string]bool{}
+	if code, _, err := d.call(10*time.Second, "GET", "/ember/pools", nil, &pools); err != nil || code != 200 {
+		return out
+	}
+	for _, p := range pools {
+		for _, id := range p.SandboxIDs {
+			out[id] = true
+		}
+	}
+	return out
+}

@@ -59,6 +59,7 @@ func Run(t *testing.T, newDriver func(t *testing.T) runtime.Driver, rootfs func(
 		{"ForkParallel", s.testForkParallel},
 		{"PauseResume", s.testPauseResume},
 		{"FilesOnlyPause", s.testFilesOnlyPause},
+		{"ConsumedImageSurvivesAbortedResume", s.testConsumedImageSurvivesAbortedResume},
 		{"WaitKilled", s.testWaitKilled},
 		{"WaitExited", s.testWaitExited},
 		{"WaitLifecycle", s.testWaitLifecycle},
@@ -509,6 +510,35 @@ func (s *suite) testPauseResume(t *testing.T) {
 			t.Errorf("restored under a new id: %q", got)
 		}
 	})
+}
+
+// testConsumedImageSurvivesAbortedResume: a resume (ConsumeImage) whose instance is deleted
+// before the caller removed the image (the resume failed after the restore, or the daemon
+// crashed and reconcile deleted the orphan) leaves the image whole: a later resume has the files.
+func (s *suite) testConsumedImageSurvivesAbortedResume(t *testing.T) {
+	e := s.env(t)
+	sp := e.start()
+	e.sh(sp.ID, 0, "mkdir -p /var/app && echo precious > /var/app/f")
+	img := t.TempDir()
+	if err := e.d.Checkpoint(ctx(t), sp.ID, img, runtime.CheckpointOptions{}); err != nil {
+		t.Fatalf("Checkpoint: %v", err)
+	}
+	aborted := sp
+	aborted.StateDir = filepath.Join(t.TempDir(), "aborted")
+	aborted.ConsumeImage = true
+	if err := e.d.Restore(ctx(t), aborted, img); err != nil {
+		t.Fatalf("Restore: %v", err)
+	}
+	if err := e.d.Delete(ctx(t), aborted.ID); err != nil {
+		t.Fatalf("Delete: %v", err)
+	}
+	again := sp
+	again.StateDir = filepath.Join(t.TempDir(), "again")
+	again.ConsumeImage = true
+	e.restore(again, img)
+	if got := e.sh(sp.ID, 0, "cat /var/app/f"); got != "precious\n" {
+		t.Fatalf("after an aborted resume the image lost its files: %q", got)
+	}
 }
 
 // testFilesOnlyPause: a filesystem-only checkpoint keeps the instance's files but not its

@@ -42,6 +42,12 @@ func (d *Driver) prepareLayer(spec runtime.Spec, imageDir string) (runtime.Spec,
 	if imageDir != "" && imageHasLayer(imageDir) {
 		dst := filepath.Join(spec.StateDir, layerDirName)
 		if spec.ConsumeImage {
+			// Remember where the layer came from: until the caller removes that image (its
+			// resume is recorded), a failed or crashed resume gives the layer back to it instead
+			// of deleting the sandbox's files (releaseLayer).
+			if err := os.WriteFile(filepath.Join(spec.StateDir, layerFromName), []byte(imageDir), 0o600); err != nil {
+				return spec, fmt.Errorf("gvisor: take layer of %s: %w", imageDir, err)
+			}
 			if err := os.Rename(filepath.Join(imageDir, layerDirName), dst); err != nil {
 				return spec, fmt.Errorf("gvisor: take layer of %s: %w", imageDir, err)
 			}
@@ -60,10 +66,34 @@ func (d *Driver) prepareLayer(spec runtime.Spec, imageDir string) (runtime.Spec,
 	return spec, nil
 }
 
-// releaseLayer unmounts an instance's overlay and removes its layer.
+// layerFromName, in an instance's state dir, names the image its layer was moved out of.
+const layerFromName = "layer-from"
+
+// releaseLayer unmounts an instance's overlay and removes its layer, unless the layer was
+// taken from an image that still exists without it (a resume that failed, or was cut by a
+// crash, before the caller removed the image): then the layer goes back into that image, so
+// the paused sandbox keeps its files.
 func releaseLayer(stateDir string) error {
 	if stateDir == "" {
 		return nil
+	}
+	if b, err := os.ReadFile(filepath.Join(stateDir, layerFromName)); err == nil {
+		image := string(b)
+		layer := filepath.Join(stateDir, layerDirName)
+		if dirExists(image) && !imageHasLayer(image) && dirExists(layer) {
+			if err := unmountStrict(filepath.Join(stateDir, mergedDirName), 15*time.Second); err != nil {
+				return err
+			}
+			if isMountPoint(layer) {
+				if err := unmountStrict(layer, 15*time.Second); err != nil {
+					return err
+				}
+			}
+			if err := os.Rename(layer, filepath.Join(image, layerDirName)); err != nil {
+				return fmt.Errorf("gvisor: give the layer back to %s: %w", image, err)
+			}
+		}
+		os.Remove(filepath.Join(stateDir, layerFromName))
 	}
 	var errs []error
 	if err := unmount(filepath.Join(stateDir, mergedDirName)); err != nil {
@@ -92,6 +122,11 @@ func unmount(p string) error {
 			return fmt.Errorf("gvisor: unmount %s: %w", p, err)
 		}
 	}
+}
+
+func dirExists(p string) bool {
+	fi, err := os.Lstat(p)
+	return err == nil && fi.IsDir()
 }
 
 // unmountStrict unmounts p, waiting up to timeout while it is busy (an exiting gofer), and never
