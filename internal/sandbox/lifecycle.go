@@ -127,6 +127,11 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory bool) er
 		os.RemoveAll(image)
 		return fmt.Errorf("checkpoint: %w", err)
 	}
+	// The image is complete: say so on disk before the record does, so that a crash in
+	// between finds a paused sandbox (reconcile), not a lost one.
+	if err := markComplete(image, !keepMemory); err != nil {
+		m.logger(sb.ID).Warn("mark pause image complete", "err", err)
+	}
 	old := sb.Runtime
 	sb.State = StatePaused
 	sb.PausedFilesOnly = !keepMemory

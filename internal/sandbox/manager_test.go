@@ -779,3 +779,32 @@ func TestSandboxOutlivesItsDeletedSnapshot(t *testing.T) {
 		t.Fatalf("file after resume: %q", v)
 	}
 }
+
+// A pause whose checkpoint completed but whose record was not written (the daemon died in
+// between) is recovered as paused at the next start, with its files.
+func TestPauseCutByCrashIsRecovered(t *testing.T) {
+	n := newNode(t, nil)
+	n.build("base")
+	sb := n.create(sandbox.CreateRequest{})
+	n.write(sb.ID, "/p", "kept")
+	n.m.Close()
+	n.m = nil
+	// What pauseLocked had done when the daemon died: the checkpoint, its completion mark.
+	image := filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID, "image-abcdef")
+	os.MkdirAll(image, 0o700)
+	if err := n.rig.Driver.Checkpoint(context.Background(), sb.Runtime.InstanceID, image, runtime.CheckpointOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(image, ".ember-complete"), []byte("memory"), 0o600)
+	n.start()
+	got, err := n.m.Get(context.Background(), sb.ID)
+	if err != nil || got.State != sandbox.StatePaused {
+		t.Fatalf("after restart: %+v %v, want paused", got, err)
+	}
+	if _, _, err := n.m.Connect(context.Background(), sb.ID, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if v, _ := n.read(sb.ID, "/p"); v != "kept" {
+		t.Fatalf("file after recovery: %q", v)
+	}
+}

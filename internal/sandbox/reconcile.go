@@ -62,6 +62,19 @@ func (m *Manager) reconcile(ctx context.Context) error {
 				log.Info("reconcile: adopted running sandbox", "instance", sb.Runtime.InstanceID)
 				continue
 			}
+			// A pause whose image was complete when the daemon died before recording it: the
+			// sandbox is paused.
+			if image, filesOnly := completePauseImage(m.sandboxDir(sb.ID)); image != "" {
+				sb.State, sb.PausedFilesOnly = StatePaused, filesOnly
+				sb.Runtime = Placement{Image: image, SlotIndex: noSlot}
+				if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
+					return err
+				}
+				keepDirs[sb.ID] = true
+				m.live[sb.ID] = &entry{sb: sb}
+				log.Info("reconcile: a pause cut by the crash had completed; the sandbox is paused", "image", image)
+				continue
+			}
 			// Its instance (if any) is deleted with the orphans below, before its directory.
 			log.Warn("reconcile: running sandbox cannot be adopted; it ended", "instance", sb.Runtime.InstanceID, "why", why)
 			m.tombstone(ctx, sb, EndLost)
@@ -115,6 +128,19 @@ func (m *Manager) reconcile(ctx context.Context) error {
 			if !keepRun[r] {
 				m.log.Info("reconcile: removed stale instance directory", "dir", r)
 				removeTree(r)
+			}
+		}
+		// Pause images but the one a paused sandbox resumes from (a resume recorded before
+		// its image was removed, or an earlier pause).
+		keepImage := ""
+		if e := m.live[d.Name()]; e != nil && e.sb.State == StatePaused {
+			keepImage = e.sb.Runtime.Image
+		}
+		images, _ := filepath.Glob(filepath.Join(dir, "image-*"))
+		for _, img := range images {
+			if img != keepImage {
+				m.log.Info("reconcile: removed stale pause image", "image", img)
+				removeTree(img)
 			}
 		}
 		// Stage directories of exports and imports interrupted by a crash.
@@ -175,6 +201,43 @@ func (m *Manager) adoptable(ctx context.Context, sb *Sandbox, known map[string]b
 		return "its instance directory is missing"
 	}
 	return ""
+}
+
+// completeName marks a pause image that Checkpoint finished ("files" for a filesystem-only one).
+const completeName = ".ember-complete"
+
+func markComplete(image string, filesOnly bool) error {
+	content := "memory"
+	if filesOnly {
+		content = "files"
+	}
+	f, err := os.OpenFile(filepath.Join(image, completeName), os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteString(content)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// completePauseImage finds the newest complete pause image in a sandbox directory.
+func completePauseImage(dir string) (image string, filesOnly bool) {
+	marks, _ := filepath.Glob(filepath.Join(dir, "image-*", completeName))
+	var newest time.Time
+	for _, mk := range marks {
+		fi, err := os.Stat(mk)
+		if err != nil || fi.ModTime().Before(newest) {
+			continue
+		}
+		b, _ := os.ReadFile(mk)
+		newest, image, filesOnly = fi.ModTime(), filepath.Dir(mk), string(b) == "files"
+	}
+	return image, filesOnly
 }
 
 // tombstone records that sb ended (at start-up, with nothing left to release but what the
