@@ -3,6 +3,8 @@ package api
 import (
 	"context"
 	"crypto/subtle"
+	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"log/slog"
 	"net/http"
@@ -28,10 +30,36 @@ func writeNotRunning(w http.ResponseWriter, id string) { writeNotRunningErr(w, i
 
 // writeNotRunningErr is writeNotRunning that says why when err tells that the sandbox ended.
 func writeNotRunningErr(w http.ResponseWriter, id string, err error) {
+	writeNotRunningTo(w, nil, id, err)
+}
+
+// writeNotRunningTo answers a request for a sandbox that does not run: E2B's 502, in the form
+// the caller reads. A Connect stream (envd's process and watch streams) gets an end-of-stream
+// error (code unavailable, which the SDKs map as they map the 502), and a unary Connect call an
+// error body, so that Connect clients show the message; everything else gets the JSON 502.
+func writeNotRunningTo(w http.ResponseWriter, r *http.Request, id string, err error) {
 	msg := "sandbox " + quoteID(id) + " is not running or does not exist"
 	var gone *sandbox.GoneError
 	if errors.As(err, &gone) {
 		msg = "sandbox " + quoteID(id) + " is not running: it stopped (" + gone.Reason + ") at " + gone.At.UTC().Format(time.RFC3339)
+	}
+	if r != nil {
+		ct := r.Header.Get("Content-Type")
+		connectErr := map[string]any{"code": "unavailable", "message": msg}
+		switch {
+		case strings.HasPrefix(ct, "application/connect+"):
+			end, _ := json.Marshal(map[string]any{"error": connectErr})
+			frame := make([]byte, 5, 5+len(end))
+			frame[0] = 0x02 // end-of-stream
+			binary.BigEndian.PutUint32(frame[1:], uint32(len(end)))
+			w.Header().Set("Content-Type", ct)
+			w.WriteHeader(http.StatusOK)
+			_, _ = w.Write(append(frame, end...))
+			return
+		case r.Header.Get("Connect-Protocol-Version") != "":
+			writeJSON(w, http.StatusBadGateway, connectErr)
+			return
+		}
 	}
 	writeJSON(w, http.StatusBadGateway, notRunningBody{Code: http.StatusBadGateway, Message: msg, SandboxID: id})
 }
@@ -106,7 +134,7 @@ func (s *server) serveSandbox(w http.ResponseWriter, r *http.Request, id string,
 		if statusOf(err) == http.StatusInternalServerError {
 			s.log.Warn("guest url", "sandbox_id", id, "port", port, "err", err)
 		}
-		writeNotRunningErr(w, id, err)
+		writeNotRunningTo(w, r, id, err)
 		return
 	}
 	target, err := url.Parse(base)

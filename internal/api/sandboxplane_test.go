@@ -2,6 +2,11 @@ package api
 
 import (
 	"bufio"
+	"connectrpc.com/connect"
+	"context"
+	"github.com/ember-sandbox/ember/api/gen/process"
+	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
+	"github.com/ember-sandbox/ember/internal/runtime"
 	"io"
 	"net"
 	"net/http"
@@ -302,4 +307,48 @@ func TestProxyStripsCredentials(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A Connect client calling a sandbox that ended learns why (code unavailable, as the SDKs map a
+// 502, with the reason in the message), for streams and unary calls alike.
+func TestConnectCallsToAnEndedSandboxSayWhy(t *testing.T) {
+	e := newEnv(t)
+	sb := e.fake.add(sandbox.StateRunning, nil)
+	if err := e.fake.rig.Driver.Crash(sb.Runtime.InstanceID, runtime.ExitOOM); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for e.fake.state(sb.ID) != sandbox.StateKilled && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	hc := &http.Client{Transport: headerTransport{id: sb.ID, token: sb.AccessToken}}
+	pc := processconnect.NewProcessClient(hc, e.api.URL)
+	no := false
+	stream, err := pc.Start(context.Background(), connect.NewRequest(&process.StartRequest{
+		Process: &process.ProcessConfig{Cmd: "/bin/true"}, Stdin: &no}))
+	if err == nil {
+		for stream.Receive() {
+		}
+		err = stream.Err()
+		stream.Close()
+	}
+	if connect.CodeOf(err) != connect.CodeUnavailable || !strings.Contains(err.Error(), "out of memory") {
+		t.Fatalf("stream to an ended sandbox: %v (code %v), want unavailable naming the reason", err, connect.CodeOf(err))
+	}
+	_, err = pc.List(context.Background(), connect.NewRequest(&process.ListRequest{}))
+	if connect.CodeOf(err) != connect.CodeUnavailable || !strings.Contains(err.Error(), "out of memory") {
+		t.Fatalf("unary call to an ended sandbox: %v (code %v)", err, connect.CodeOf(err))
+	}
+	// The SDKs' plain HTTP calls (/files) still get E2B's JSON 502.
+	r := e.do("GET", "/files?path=/x", "", "E2b-Sandbox-Id", sb.ID)
+	r.wantError(t, 502)
+}
+
+type headerTransport struct{ id, token string }
+
+func (h headerTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context())
+	r.Header.Set("E2b-Sandbox-Id", h.id)
+	r.Header.Set("X-Access-Token", h.token)
+	return http.DefaultTransport.RoundTrip(r)
 }

@@ -217,9 +217,8 @@ func startEgressDaemon(t *testing.T) *daemon {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Setenv("EMBER_NODE_ID", egressNodeID)
-	t.Setenv("EMBER_CIDR", egressCIDR)
-	d, err := newDaemon(runsc, filepath.Join(dir, "data"))
+	// Its own node id and CIDR: the upstream's policy routing matches that CIDR.
+	d, err := newDaemonOpts(runsc, daemonOpts{NodeID: egressNodeID, CIDR: egressCIDR, DataDir: filepath.Join(dir, "data")})
 	if err != nil {
 		t.Fatal(err)
 	}

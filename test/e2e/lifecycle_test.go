@@ -39,10 +39,12 @@ func TestDaemonCrashAndRestart(t *testing.T) {
 	if r := d.run(t, s, "cat /home/user/c.txt"); r.stdout != "before-crash\n" {
 		t.Fatalf("after restart: %q", r.stdout)
 	}
-	// The warm pool and the slot pool are rebuilt after a restart: compare counts, settled.
+	// The warm pool and the slot pool are rebuilt after a restart, and the pool's size follows
+	// demand (the restarted daemon has seen none): nothing may be held beyond what was before.
+	// (Loss is checked by reading the sandboxes' files.)
 	after := settledResources(t)
-	if !after.sameCounts(before) {
-		t.Fatalf("restart changed resources (leak or loss):\nbefore %s\nafter  %s", before.summary(), after.summary())
+	if !after.notMore(before) {
+		t.Fatalf("restart leaked resources:\nbefore %s\nafter  %s", before.summary(), after.summary())
 	}
 	// The paused sandbox survived too and resumes with its file.
 	var resumed sbx

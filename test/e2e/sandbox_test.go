@@ -245,6 +245,10 @@ func (r resources) sameCounts(o resources) bool {
 	return len(r.netns) == len(o.netns) && len(r.links) == len(o.links) && r.runsc == o.runsc
 }
 
+func (r resources) notMore(o resources) bool {
+	return len(r.netns) <= len(o.netns) && len(r.links) <= len(o.links) && r.runsc <= o.runsc
+}
+
 func (r resources) equal(o resources) bool {
 	return strings.Join(r.netns, ",") == strings.Join(o.netns, ",") &&
 		strings.Join(r.links, ",") == strings.Join(o.links, ",") && r.runsc == o.runsc
