@@ -142,6 +142,11 @@ type Driver interface {
 	Delete(ctx context.Context, id string) error
 	// List returns the ids of every instance the driver knows, for reconciliation at start-up.
 	List(ctx context.Context) ([]string, error)
+	// Sweep stops and deletes every instance of this driver's that is not in keep, including
+	// launches another process (an earlier daemon that died) left in flight, so that nothing
+	// can come up afterwards under a directory reconciliation then removes. It returns the ids
+	// it removed.
+	Sweep(ctx context.Context, keep []string) ([]string, error)
 	// Wait blocks until the instance stops, or ctx is done (then it returns ctx's error), and
 	// reports why. It works for instances started by an earlier process of the daemon (adopted
 	// after a restart) as well. An unknown or already stopped instance returns at once: unknown

@@ -98,16 +98,18 @@ func (m *Manager) reconcile(ctx context.Context) error {
 			m.cfg.Store.DeleteSandbox(ctx, sb.ID)
 		}
 	}
-	// Instances first: nothing below may remove a directory an instance still uses.
-	for _, id := range ids {
-		if adopted[id] {
-			continue
-		}
-		if err := m.cfg.Driver.Delete(ctx, id); err != nil {
-			m.log.Warn("reconcile: delete orphan instance", "instance", id, "err", err)
-			return fmt.Errorf("delete orphan instance %s: %w", id, err)
-		}
+	// Instances first (and launches an earlier run left in flight): nothing below may remove
+	// a directory an instance still uses.
+	keep := make([]string, 0, len(adopted))
+	for id := range adopted {
+		keep = append(keep, id)
+	}
+	removed, err := m.cfg.Driver.Sweep(ctx, keep)
+	for _, id := range removed {
 		m.log.Info("reconcile: removed orphan instance", "instance", id)
+	}
+	if err != nil {
+		return fmt.Errorf("remove orphan instances: %w", err)
 	}
 	if err := m.cfg.Network.Reconcile(ctx, keepSlots); err != nil {
 		return fmt.Errorf("network: %w", err)

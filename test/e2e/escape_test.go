@@ -1381,6 +1381,19 @@ func TestEscapeHostUserReadsDataDir(t *testing.T) {
 			t.Errorf("HOLE: %s is %v, want 0700", dir, fi.Mode().Perm())
 		}
 	}
+	// runsc creates its state file 0640 and the driver makes it 0600 once the launch returns: a
+	// file caught mid-launch (the warm pool refills all the time) is looked at again.
+	if len(loose) > 0 {
+		time.Sleep(1500 * time.Millisecond)
+		var still []string
+		for _, l := range loose {
+			f := strings.SplitN(l, " ", 2)
+			if fi, err := os.Stat(d.dataDir + f[1]); err == nil && fi.Mode().Perm()&0o077 != 0 {
+				still = append(still, l)
+			}
+		}
+		loose = still
+	}
 	if len(loose) > 0 {
 		t.Errorf("HOLE (issue 8 finding 2, files 0600; defence in depth: today only the 0700 directories keep host users out): daemon files with group/other bits: %v", loose)
 	}

@@ -487,6 +487,25 @@ func (d *Driver) List(ctx context.Context) ([]string, error) {
 	return ids, nil
 }
 
+// Sweep implements runtime.Driver: every instance not in keep is deleted.
+func (d *Driver) Sweep(ctx context.Context, keep []string) ([]string, error) {
+	kept := map[string]bool{}
+	for _, id := range keep {
+		kept[id] = true
+	}
+	ids, _ := d.List(ctx)
+	var removed []string
+	for _, id := range ids {
+		if !kept[id] {
+			if err := d.Delete(ctx, id); err != nil {
+				return removed, err
+			}
+			removed = append(removed, id)
+		}
+	}
+	return removed, nil
+}
+
 // Wait implements runtime.Driver.
 func (d *Driver) Wait(ctx context.Context, id string) (runtime.Exit, error) {
 	in, err := d.get(id)
