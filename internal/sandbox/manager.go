@@ -93,6 +93,8 @@ type Config struct {
 	// PoolMax bounds one template's pool (default 16). PoolMemoryMB bounds the memory all pool
 	// instances may use, counted at PoolInstanceMB each (defaults 1024 and 32).
 	PoolMax, PoolMemoryMB, PoolInstanceMB int
+	// PoolDecay is how fast the observed create rate fades when creates stop (default 30 s).
+	PoolDecay time.Duration
 	// Default resources of a sandbox.
 	CPUCount int
 	MemoryMB int
@@ -176,6 +178,9 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	}
 	if cfg.DiskMB == 0 {
 		cfg.DiskMB = 2048
+	}
+	if cfg.PoolDecay == 0 {
+		cfg.PoolDecay = 30 * time.Second
 	}
 	if cfg.PoolMax == 0 {
 		cfg.PoolMax = 16

@@ -808,3 +808,15 @@ func TestPauseCutByCrashIsRecovered(t *testing.T) {
 		t.Fatalf("file after recovery: %q", v)
 	}
 }
+
+func TestPoolShrinksWhenDemandFalls(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 1; c.PoolMax = 6; c.PoolDecay = 2 * time.Second })
+	n.build("base")
+	eventually(t, 5*time.Second, "pool at its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
+	for i := 0; i < 30; i++ {
+		n.m.Kill(context.Background(), n.create(sandbox.CreateRequest{}).ID)
+	}
+	eventually(t, 5*time.Second, "pool grew", func() bool { return len(n.rig.Driver.Running()) > 1 })
+	// The rate decays with no creates: the pool returns to its minimum.
+	eventually(t, 30*time.Second, "pool shrank back to its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
+}

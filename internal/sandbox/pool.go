@@ -120,25 +120,25 @@ func (p *pool) demandLocked(id string) *demand {
 }
 
 // observe records a create of template id (for the rate).
-func (d *demand) observe(now time.Time) {
+func (d *demand) observe(p *pool, now time.Time) {
 	if !d.last.IsZero() {
 		gap := now.Sub(d.last).Seconds()
 		if gap < 1e-3 {
 			gap = 1e-3
 		}
 		// An EWMA of the instantaneous rate, weighted towards the last ~8 creates.
-		d.rate = 0.875*d.decayed(now) + 0.125/gap
+		d.rate = 0.875*d.decayed(now, p.m.cfg.PoolDecay) + 0.125/gap
 	}
 	d.last = now
 }
 
-// decayed is the rate as of now: it falls off when no create came for a while.
-func (d *demand) decayed(now time.Time) float64 {
+// decayed is the rate as of now: it falls off (time constant tau) when no create came.
+func (d *demand) decayed(now time.Time, tau time.Duration) float64 {
 	if d.last.IsZero() {
 		return 0
 	}
 	idle := now.Sub(d.last).Seconds()
-	return d.rate * math.Exp(-idle/30)
+	return d.rate * math.Exp(-idle/tau.Seconds())
 }
 
 // targetLocked is how many ready instances template id should have now.
@@ -150,8 +150,8 @@ func (p *pool) targetLocked(id string, now time.Time) int {
 		refill = 0.25
 	}
 	// Enough to cover the creates that arrive while one refill runs, twice over.
-	want := int(math.Ceil(2 * d.decayed(now) * refill))
-	if !d.lastMiss.IsZero() && now.Sub(d.lastMiss) < 30*time.Second {
+	want := int(math.Ceil(2 * d.decayed(now, cfg.PoolDecay) * refill))
+	if !d.lastMiss.IsZero() && now.Sub(d.lastMiss) < cfg.PoolDecay {
 		want++ // a recent miss: one more than the rate alone says
 	}
 	return max(cfg.PoolSize, min(want, cfg.PoolMax))
@@ -177,7 +177,7 @@ func (p *pool) take(tpl *Template, cpu, mem int) *pooled {
 	defer p.poke()
 	d := p.demandLocked(tpl.ID)
 	now := time.Now()
-	d.observe(now)
+	d.observe(p, now)
 	list := p.ready[tpl.ID]
 	for i, pe := range list {
 		if pe.buildID != tpl.BuildID || pe.cpu != cpu || pe.mem != mem {
@@ -227,7 +227,7 @@ func (p *pool) state() []PoolState {
 			owners = append(owners, d.owner)
 		}
 		out = append(out, PoolState{TemplateID: id, Ready: len(p.ready[id]), Target: p.targetLocked(id, now),
-			Min: p.m.cfg.PoolSize, Max: p.m.cfg.PoolMax, CreateRate: d.decayed(now), RefillMs: d.refill * 1000,
+			Min: p.m.cfg.PoolSize, Max: p.m.cfg.PoolMax, CreateRate: d.decayed(now, p.m.cfg.PoolDecay), RefillMs: d.refill * 1000,
 			Hits: d.hits, Misses: d.misses, Refilling: d.refilling, SandboxIDs: owners})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].TemplateID < out[j].TemplateID })
@@ -337,8 +337,15 @@ func (p *pool) next(ctx context.Context) *Template {
 				stale = append(stale, pe)
 			}
 		}
+		target := p.targetLocked(tpl.ID, now)
+		// Demand fell: instances beyond the target are given back (the oldest first), one a
+		// round, so the pool shrinks as it grew.
+		if len(keep) > target {
+			stale = append(stale, keep[0])
+			keep = keep[1:]
+		}
 		p.ready[tpl.ID] = keep
-		if gap := p.targetLocked(tpl.ID, now) - len(keep); gap > bestGap {
+		if gap := target - len(keep); gap > bestGap {
 			best, bestGap = tpl, gap
 		}
 	}
