@@ -1,0 +1,44 @@
+package e2e
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+// A process that allocates far past the sandbox's memory (1 GiB by default) does not hang its
+// caller: gVisor cannot kill only that process, so the sandbox is stopped, the command fails
+// at once, and GET /sandboxes/{id} says "out of memory" (issue 8, limits).
+func TestMemoryLimitStopsTheSandboxWithAReason(t *testing.T) {
+	d := need(t)
+	s := d.create(t, nil)
+	start := time.Now()
+	r, err := d.tryRun(s, `python3 -c "x = bytearray(8 << 30)"`, "")
+	took := time.Since(start)
+	t.Logf("command: %v exit %d after %s", err, r.exitCode, took.Round(time.Millisecond))
+	if err == nil && r.exitCode == 0 {
+		t.Fatal("an 8 GiB allocation succeeded in a 1 GiB sandbox")
+	}
+	if took > 30*time.Second {
+		t.Fatalf("the command took %s: it hung instead of failing", took)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		code, body := d.apiBody(t, "GET", "/sandboxes/"+s.SandboxID, nil, nil)
+		if code == 404 && strings.Contains(body, "out of memory") {
+			t.Logf("GET: %s", body)
+			break
+		}
+		if code == 200 && err != nil {
+			// The process alone was killed (exit 137) and the sandbox lives on: also fine.
+			if rr := d.run(t, s, "echo alive"); rr.stdout == "alive\n" {
+				t.Logf("the sandbox survived, the process was killed")
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("5 s after the allocation: GET %d %s, want 404 naming out of memory", code, body)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
