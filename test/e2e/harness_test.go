@@ -154,10 +154,6 @@ func newDaemonWith(t *testing.T, o daemonOpts) *daemon {
 	return d
 }
 
-// newDaemon prepares (does not start) a daemon on dataDir with a fresh node id and CIDR.
-func newDaemon(runsc, dataDir string) (*daemon, error) {
-	return newDaemonOpts(runsc, daemonOpts{DataDir: dataDir})
-}
 
 func newDaemonOpts(runsc string, o daemonOpts) (*daemon, error) {
 	if o.NodeID == "" || o.CIDR == "" {

@@ -287,14 +287,6 @@ func attachLoop(file string) (string, int, error) {
 	return "", -1, fmt.Errorf("gvisor: disk limit: no free loop device: %w", errdefs.ErrUnavailable)
 }
 
-// unmountDiskLayer unmounts a limited layer's image (if mounted), which writes back its data
-// and frees the loop device. A plain layer is left alone.
-func unmountDiskLayer(layer string) error {
-	if !isMountPoint(layer) {
-		return nil
-	}
-	return unmountStrict(layer, 15*time.Second)
-}
 
 // isMountPoint reports whether p is the root of a mount (its mount id differs from its
 // parent's; btrfs subvolumes, which differ in st_dev only, are not mount points).
