@@ -154,7 +154,6 @@ func newDaemonWith(t *testing.T, o daemonOpts) *daemon {
 	return d
 }
 
-
 func newDaemonOpts(runsc string, o daemonOpts) (*daemon, error) {
 	if o.NodeID == "" || o.CIDR == "" {
 		id, cidr := nextNode()

@@ -287,7 +287,6 @@ func attachLoop(file string) (string, int, error) {
 	return "", -1, fmt.Errorf("gvisor: disk limit: no free loop device: %w", errdefs.ErrUnavailable)
 }
 
-
 // isMountPoint reports whether p is the root of a mount (its mount id differs from its
 // parent's; btrfs subvolumes, which differ in st_dev only, are not mount points).
 func isMountPoint(p string) bool {
