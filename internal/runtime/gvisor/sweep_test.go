@@ -5,6 +5,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"syscall"
 	"testing"
 	"time"
 
@@ -30,14 +31,16 @@ func TestSweepRemovesOrphansAndLaunchesInFlight(t *testing.T) {
 	start("gv-sweepkeep1")
 	start("gv-sweepdrop1")
 	// What `runsc restore --detach <id>` of a daemon that died looks like from /proc.
-	// (busybox sh -c keeps its extra arguments in its own argv, as runsc's are.)
-	inflight := exec.Command("/bin/busybox", "sh", "-c", "sleep 1000", "--root="+root, "gv-sweepfly01")
+	// A shell that keeps its extra arguments in its argv, as runsc's launch does (two commands,
+	// so it does not exec the last one in its own place).
+	inflight := exec.Command("/bin/busybox", "sh", "-c", "sleep 1000; :", "--root="+root, "gv-sweepfly01")
+	inflight.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := inflight.Start(); err != nil {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
 	go func() { done <- inflight.Wait() }()
-	t.Cleanup(func() { inflight.Process.Kill() })
+	t.Cleanup(func() { syscall.Kill(-inflight.Process.Pid, syscall.SIGKILL) })
 
 	removed, err := d.Sweep(ctx, []string{"gv-sweepkeep1"})
 	if err != nil {
