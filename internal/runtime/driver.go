@@ -147,6 +147,11 @@ type Driver interface {
 	// can come up afterwards under a directory reconciliation then removes. It returns the ids
 	// it removed.
 	Sweep(ctx context.Context, keep []string) ([]string, error)
+	// Release releases what an instance state directory (Spec.StateDir) still holds once no
+	// instance runs there — mounts, and a layer taken from an image with ConsumeImage, which
+	// goes back to that image — so that the caller may remove the directory. Idempotent; a
+	// directory that holds nothing is fine.
+	Release(ctx context.Context, stateDir string) error
 	// Wait blocks until the instance stops, or ctx is done (then it returns ctx's error), and
 	// reports why. It works for instances started by an earlier process of the daemon (adopted
 	// after a restart) as well. An unknown or already stopped instance returns at once: unknown

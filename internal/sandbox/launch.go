@@ -153,6 +153,9 @@ func (m *Manager) teardown(ctx context.Context, owner string, p Placement) {
 	}
 	if p.StateDir != "" {
 		// Only after the instance is gone: its layer and mounts live here.
+		if err := m.cfg.Driver.Release(ctx, p.StateDir); err != nil {
+			log.Warn("release instance dir", "dir", p.StateDir, "err", err)
+		}
 		if err := os.RemoveAll(p.StateDir); err != nil {
 			log.Warn("remove instance dir", "dir", p.StateDir, "err", err)
 		}

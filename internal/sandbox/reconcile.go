@@ -120,17 +120,22 @@ func (m *Manager) reconcile(ctx context.Context) error {
 	entries, _ := os.ReadDir(root)
 	for _, d := range entries {
 		dir := filepath.Join(root, d.Name())
+		runs, _ := filepath.Glob(filepath.Join(dir, "run-*"))
+		for _, r := range runs {
+			if !keepRun[r] {
+				// Its instance is gone (swept above): the driver releases what is left (a
+				// layer taken from a pause image by a resume the crash cut goes back to it).
+				if err := m.cfg.Driver.Release(ctx, r); err != nil {
+					return fmt.Errorf("release %s: %w", r, err)
+				}
+				m.log.Info("reconcile: removed stale instance directory", "dir", r)
+				removeTree(r)
+			}
+		}
 		if !keepDirs[d.Name()] {
 			m.log.Info("reconcile: removed orphan directory", "dir", dir)
 			removeTree(dir)
 			continue
-		}
-		runs, _ := filepath.Glob(filepath.Join(dir, "run-*"))
-		for _, r := range runs {
-			if !keepRun[r] {
-				m.log.Info("reconcile: removed stale instance directory", "dir", r)
-				removeTree(r)
-			}
 		}
 		// Pause images but the one a paused sandbox resumes from (a resume recorded before
 		// its image was removed, or an earlier pause).

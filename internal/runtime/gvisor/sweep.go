@@ -12,6 +12,15 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// Release implements runtime.Driver: the instance's overlay and disk layer are unmounted, a
+// consumed layer goes back to its image, the rest of the layer is removed.
+func (d *Driver) Release(ctx context.Context, stateDir string) error {
+	if !d.hostLayers() || stateDir == "" {
+		return nil
+	}
+	return releaseLayer(stateDir)
+}
+
 // Sweep implements runtime.Driver. First every runsc process of this driver's root (its
 // --root flag) that serves an instance outside keep is killed: a `runsc run/restore --detach`
 // that an earlier daemon left in flight would otherwise finish after start-up and leave an
