@@ -241,9 +241,6 @@ func (r resources) summary() string {
 }
 
 // sameCounts: as many netns, veths and runsc processes (names may differ: the pools refill).
-func (r resources) sameCounts(o resources) bool {
-	return len(r.netns) == len(o.netns) && len(r.links) == len(o.links) && r.runsc == o.runsc
-}
 
 func (r resources) notMore(o resources) bool {
 	return len(r.netns) <= len(o.netns) && len(r.links) <= len(o.links) && r.runsc <= o.runsc
