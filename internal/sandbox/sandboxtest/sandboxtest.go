@@ -488,7 +488,9 @@ func (d *Driver) List(ctx context.Context) ([]string, error) {
 }
 
 // Release implements runtime.Driver (the fake keeps nothing in state dirs).
-func (d *Driver) Release(ctx context.Context, stateDir string) error { return d.fail("Release", stateDir) }
+func (d *Driver) Release(ctx context.Context, stateDir string) error {
+	return d.fail("Release", stateDir)
+}
 
 // Sweep implements runtime.Driver: every instance not in keep is deleted.
 func (d *Driver) Sweep(ctx context.Context, keep []string) ([]string, error) {
