@@ -31,8 +31,9 @@ async function sleeper(sbx) {
   return pid
 }
 
+/** Whether the sleeper still runs: its pid holds `sleep 600` (a new boot reuses low pids). */
 async function alive(sbx, pid) {
-  const r = await sbx.commands.run(`kill -0 ${pid} 2>/dev/null && echo alive || echo gone`)
+  const r = await sbx.commands.run(`tr '\\0' ' ' < /proc/${pid}/cmdline 2>/dev/null | grep -q '^sleep 600' && echo alive || echo gone`)
   return r.stdout.trim() === 'alive'
 }
 
