@@ -91,7 +91,7 @@ func (s *Store) Layer(ctx context.Context, l v1.Layer, budget *int64, progress P
 	}()
 	if m, err := readMeta(ld.Dir); err == nil {
 		ld.Meta = m
-		progress(fmt.Sprintf("layer %s: already on this node (%s), shared", short, human(m.Bytes)))
+		progress(fmt.Sprintf("layer %s: already on this node (%s), shared", short, HumanBytes(m.Bytes)))
 		ok = true
 		return ld, nil
 	}
@@ -166,7 +166,7 @@ func (s *Store) Layer(ctx context.Context, l v1.Layer, budget *int64, progress P
 		*budget -= meta.Bytes
 	}
 	ld.Meta, ld.Written = meta, meta.Bytes
-	progress(fmt.Sprintf("layer %s: unpacked %s in %d entries", short, human(meta.Bytes), meta.Entries))
+	progress(fmt.Sprintf("layer %s: unpacked %s in %d entries", short, HumanBytes(meta.Bytes), meta.Entries))
 	ok = true
 	return ld, nil
 }
@@ -286,14 +286,15 @@ func (p *progressReader) report() {
 	rate := float64(p.n) / max(el, 0.001)
 	of := ""
 	if p.total > 0 {
-		of = " of " + human(p.total)
+		of = " of " + HumanBytes(p.total)
 	}
-	p.progress(fmt.Sprintf("%s: %s%s read (%s/s)", p.label, human(p.n), of, human(int64(rate))))
+	p.progress(fmt.Sprintf("%s: %s%s read (%s/s)", p.label, HumanBytes(p.n), of, HumanBytes(int64(rate))))
 }
 
 func (p *progressReader) done() { p.report() }
 
-func human(n int64) string {
+// HumanBytes formats a byte count for progress lines (KiB, MiB, GiB).
+func HumanBytes(n int64) string {
 	switch {
 	case n >= 1<<30:
 		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))

@@ -133,7 +133,7 @@ func (b *Builder) BuildFromImage(ctx context.Context, cfg ImageConfig, src Image
 		return none, fmt.Errorf("image %s: compose rootfs: %w", label, err)
 	}
 	progress(fmt.Sprintf("rootfs composed: %d directories, %d shared files (%s unpacked for this build) in %s",
-		cs.Dirs, cs.Links, humanBytes(written), time.Since(t0).Round(time.Millisecond)))
+		cs.Dirs, cs.Links, image.HumanBytes(written), time.Since(t0).Round(time.Millisecond)))
 	defs := image.ConfigDefaults(cf)
 	if err := customizeTree(tmp, envdStore, defs); err != nil {
 		return none, fmt.Errorf("customize rootfs: %w", err)
@@ -341,18 +341,6 @@ func appendLine(data []byte, line string) []byte {
 		s += "\n"
 	}
 	return []byte(s + line + "\n")
-}
-
-func humanBytes(n int64) string {
-	switch {
-	case n >= 1<<30:
-		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
-	case n >= 1<<20:
-		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
-	case n >= 1<<10:
-		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
-	}
-	return fmt.Sprintf("%d B", n)
 }
 
 // BuildDebian writes the Debian template rootfs (debootstrap, cached as a tarball) to dest like
