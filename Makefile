@@ -44,10 +44,11 @@ fuzz:
 # template is built once and each start adopts what the one before left.
 SDK_ENV = EMBER_SDK_LIFECYCLE=1 EMBER_READY_TIMEOUT=900 EMBER_BIN=$(CURDIR)/bin/ember EMBER_CACHE_DIR=$(CURDIR)/.cache
 sdk: build
-	@set -e; d=$$(mktemp -d /tmp/ember-sdk-data.XXXXXX); trap 'umount $$d/runsc/null-netns 2>/dev/null; rm -rf $$d' EXIT; \
-	$(SDK_ENV) EMBER_DATA_DIR=$$d bash test/sdk/run.sh; \
-	$(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SDK_MODEB=1 bash test/sdk/run.sh test/5-modeb.test.mjs; \
-	$(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SERVE_FLAGS="--pool-size 0" bash test/sdk/run.sh test/1-sandbox.test.mjs test/4-lifecycle.test.mjs
+	@d=$$(mktemp -d /tmp/ember-sdk-data.XXXXXX); st=0; \
+	$(SDK_ENV) EMBER_DATA_DIR=$$d bash test/sdk/run.sh || st=$$?; \
+	[ $$st -ne 0 ] || $(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SDK_MODEB=1 bash test/sdk/run.sh test/5-modeb.test.mjs || st=$$?; \
+	[ $$st -ne 0 ] || $(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SERVE_FLAGS="--pool-size 0" bash test/sdk/run.sh test/1-sandbox.test.mjs test/4-lifecycle.test.mjs || st=$$?; \
+	umount $$d/runsc/null-netns 2>/dev/null; rm -rf $$d; exit $$st
 
 bench-basic: build
 	EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -run '^$$' -bench 'BenchmarkBasic' -benchtime 1x -timeout 30m ./bench/
