@@ -178,10 +178,15 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	for _, name := range cfg.Templates {
-		if _, err := st.GetTemplate(ctx, name); err == nil {
-			continue
+		what := "first start only"
+		if t, err := st.GetTemplate(ctx, name); err == nil {
+			if !t.Stale() {
+				continue
+			}
+			// Its checkpoint would not restore under this version: build it again.
+			what = "it was built by an older ember"
 		}
-		fmt.Fprintf(cfg.Out, "Building template %q (first start only)...\n", name)
+		fmt.Fprintf(cfg.Out, "Building template %q (%s)...\n", name, what)
 		_, err := mgr.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) })
 		if err != nil {
 			mgr.Close()

@@ -820,3 +820,22 @@ func TestPoolShrinksWhenDemandFalls(t *testing.T) {
 	// The rate decays with no creates: the pool returns to its minimum.
 	eventually(t, 30*time.Second, "pool shrank back to its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
 }
+
+// Templates record the checkpoint format they were built with; one from an older ember is
+// stale (the daemon rebuilds the templates it serves at start).
+func TestTemplatesRecordTheirFormat(t *testing.T) {
+	n := newNode(t, nil)
+	tpl := n.build("base")
+	if tpl.Format != sandbox.TemplateFormat || tpl.Stale() {
+		t.Fatalf("new template: format %d stale %v", tpl.Format, tpl.Stale())
+	}
+	old := *tpl
+	old.Format = 0
+	if !old.Stale() {
+		t.Fatal("a template without a format (an older ember's) is not stale")
+	}
+	snap := sandbox.Template{Kind: "snapshot"}
+	if snap.Stale() {
+		t.Fatal("snapshots are not rebuilt")
+	}
+}

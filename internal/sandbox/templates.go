@@ -72,6 +72,7 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 		Env:       info.Env,
 		User:      info.User,
 		Workdir:   info.Workdir,
+		Format:    TemplateFormat,
 	}
 	progress("[2/3] booting the template with envd")
 	image := filepath.Join(dir, "image-"+buildID)

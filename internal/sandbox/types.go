@@ -18,6 +18,14 @@ const (
 	StateKilled State = "killed"
 )
 
+// TemplateFormat is the format of the checkpoints this ember writes. It changes when an
+// instance's runtime spec changes in a way a checkpoint of the old one cannot be restored
+// under (2: a fixed in-sandbox process limit, per-sandbox disk images, nosuid layers).
+const TemplateFormat = 2
+
+// Stale reports whether t was built by an ember whose checkpoints this one cannot restore.
+func (t *Template) Stale() bool { return t.Kind == "template" && t.Format < TemplateFormat }
+
 // DefaultTimeout is a sandbox's lifetime when the caller sets none.
 const DefaultTimeout = 300 * time.Second
 
@@ -155,6 +163,9 @@ type Template struct {
 	Env     map[string]string `json:"env,omitempty"`
 	User    string            `json:"user,omitempty"`
 	Workdir string            `json:"workdir,omitempty"`
+	// Format is the checkpoint format the template was built with (TemplateFormat then);
+	// an older one does not restore under this ember and is rebuilt.
+	Format int `json:"format,omitempty"`
 	// BuildID changes on every rebuild.
 	BuildID string `json:"buildId,omitempty"`
 	// SourceSandbox is the sandbox a snapshot was taken from.
