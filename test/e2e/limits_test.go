@@ -42,3 +42,26 @@ func TestMemoryLimitStopsTheSandboxWithAReason(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 }
+
+// A file written just before a pause is there after the resume, round after round: the
+// sandbox's disk-limited layer (an ext4 image) must be flushed and really unmounted before the
+// pause moves it, although the exiting gofer's mount namespace still holds it for a moment.
+func TestWriteRightBeforePauseSurvives(t *testing.T) {
+	d := need(t)
+	s := d.create(t, nil)
+	for i := 0; i < 8; i++ {
+		want := "round-" + string(rune('a'+i))
+		d.run(t, s, "echo "+want+" > /home/user/r.txt")
+		if code := d.api(t, "POST", "/sandboxes/"+s.SandboxID+"/pause", map[string]any{}, nil); code != 204 {
+			t.Fatalf("round %d: pause: %d", i, code)
+		}
+		var again sbx
+		if code := d.api(t, "POST", "/v2/sandboxes/"+s.SandboxID+"/connect", map[string]any{"timeout": 120}, &again); code != 201 {
+			t.Fatalf("round %d: resume: %d", i, code)
+		}
+		s = again
+		if r := d.run(t, s, "cat /home/user/r.txt"); r.stdout != want+"\n" {
+			t.Fatalf("round %d: a file written right before the pause reads %q after the resume (stderr %q)", i, r.stdout, r.stderr)
+		}
+	}
+}

@@ -639,6 +639,7 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 		return err
 	}
 	if stateDir != "" {
+		d.waitGone(ctx, id, 10*time.Second)
 		return d.checkpointLayer(stateDir, imageDir, false)
 	}
 	return nil
@@ -681,6 +682,7 @@ func (d *Driver) checkpointFiles(ctx context.Context, id, imageDir string, opts 
 	if err := waitPidfd(ctx, pidfd, 10*time.Second); err != nil {
 		return err
 	}
+	d.waitGone(ctx, id, 10*time.Second)
 	if err := d.checkpointLayer(stateDir, imageDir, false); err != nil {
 		return err
 	}

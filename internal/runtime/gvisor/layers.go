@@ -85,6 +85,9 @@ func releaseLayer(stateDir string) error {
 				return err
 			}
 			if isMountPoint(layer) {
+				if err := syncFS(layer); err != nil {
+					return err
+				}
 				if err := unmountStrict(layer, 15*time.Second); err != nil {
 					return err
 				}
@@ -122,6 +125,19 @@ func unmount(p string) error {
 			return fmt.Errorf("gvisor: unmount %s: %w", p, err)
 		}
 	}
+}
+
+// syncFS writes back every dirty page of the filesystem holding p.
+func syncFS(p string) error {
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("gvisor: sync %s: %w", p, err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Syncfs(fd); err != nil {
+		return fmt.Errorf("gvisor: sync %s: %w", p, err)
+	}
+	return nil
 }
 
 func dirExists(p string) bool {
@@ -174,9 +190,13 @@ func (d *Driver) checkpointLayer(stateDir, imageDir string, leaveRunning bool) e
 	}
 	layer := filepath.Join(stateDir, layerDirName)
 	if isMountPoint(layer) {
-		// A disk-limited layer is an ext4 filesystem: it must be really unmounted (its data
-		// written back) before it moves, or a later mount of its image would see stale data.
-		// No lazy detach, neither of it nor of the overlay that holds it busy.
+		// A disk-limited layer is an ext4 filesystem: its data must be on its image before the
+		// image moves, or a later mount of it would see stale data (and the filesystem may
+		// live on a moment in a namespace of the exiting gofer's, beyond our unmount): flush
+		// it, then unmount for real. No lazy detach, neither of it nor of the overlay above.
+		if err := syncFS(layer); err != nil {
+			return err
+		}
 		if err := unmountStrict(filepath.Join(stateDir, mergedDirName), 15*time.Second); err != nil {
 			return err
 		}

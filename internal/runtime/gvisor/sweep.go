@@ -65,6 +65,29 @@ func (d *Driver) Sweep(ctx context.Context, keep []string) ([]string, error) {
 	return removed, nil
 }
 
+// waitGone waits (up to timeout) until no runsc process of instance id is left: the gofer
+// outlives the sandbox process by a moment, and it runs in a mount namespace of its own that
+// holds the instance's layer filesystem until it exits.
+func (d *Driver) waitGone(ctx context.Context, id string, timeout time.Duration) {
+	deadline := time.Now().Add(timeout)
+	for {
+		left := 0
+		for _, p := range d.processes() {
+			if p.instance == id {
+				left++
+			}
+		}
+		if left == 0 {
+			return
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			d.log.Warn("runsc processes of a stopped instance still run", "instance", id, "count", left)
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 type runscProc struct {
 	pid      int
 	command  string // the runsc subcommand (run, restore, boot, gofer, ...)
