@@ -91,7 +91,7 @@ func startNode(runsc string, poolSize int) (*node, error) {
 	n, err := daemon.Open(context.Background(), daemon.Config{
 		DataDir: dataDir, CacheDir: cache, Runsc: runsc, Envd: envd, PoolSize: poolSize, SlotPoolSize: -1,
 		// Names and addresses of its own, so a benchmark never meets a daemon on this host.
-		NodeID: "bench", CIDR: "10.240.0.0/16",
+		NodeID: envOr("EMBER_BENCH_NODE", "bench"), CIDR: envOr("EMBER_BENCH_CIDR", "10.240.0.0/16"),
 		Templates: []string{"base"},
 		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Out:       os.Stderr,
@@ -243,4 +243,13 @@ func fsType(p string) string {
 		return "unknown"
 	}
 	return strings.TrimSpace(string(out))
+}
+
+// envOr is the environment variable's value, or def when it is unset (EMBER_BENCH_NODE and
+// EMBER_BENCH_CIDR let two benchmark runs share a host).
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
 }

@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -155,6 +156,7 @@ func newDaemonWith(t *testing.T, o daemonOpts) *daemon {
 }
 
 func newDaemonOpts(runsc string, o daemonOpts) (*daemon, error) {
+	o.NodeID, o.CIDR = isolate(o.NodeID, o.CIDR)
 	if o.NodeID == "" || o.CIDR == "" {
 		id, cidr := nextNode()
 		if o.NodeID == "" {
@@ -597,3 +599,23 @@ func basic(user string) string { return base64.StdEncoding.EncodeToString([]byte
 var httpClient = &http.Client{Timeout: 10 * time.Second}
 
 func newRequest(method, url string) (*http.Request, error) { return http.NewRequest(method, url, nil) }
+
+// isolate lets two e2e runs share one host (developers' worktrees): EMBER_E2E_NODE_PREFIX
+// (one letter or digit pair, e.g. "h3") is put in front of every node id, and
+// EMBER_E2E_NET_OFFSET (0..31) is added to the second octet of every CIDR. Unset, nothing
+// changes.
+func isolate(id, cidr string) (string, string) {
+	if p := os.Getenv("EMBER_E2E_NODE_PREFIX"); p != "" && id != "" {
+		id = p + id
+		if len(id) > 6 {
+			id = id[:6]
+		}
+	}
+	if off, _ := strconv.Atoi(os.Getenv("EMBER_E2E_NET_OFFSET")); off > 0 && cidr != "" {
+		var a, b, c, d, bits int
+		if n, _ := fmt.Sscanf(cidr, "%d.%d.%d.%d/%d", &a, &b, &c, &d, &bits); n == 5 {
+			cidr = fmt.Sprintf("%d.%d.%d.%d/%d", a, (b+off)%256, c, d, bits)
+		}
+	}
+	return id, cidr
+}
