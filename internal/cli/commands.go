@@ -232,13 +232,37 @@ func sandboxCmd(g *globals) *cobra.Command {
 
 func templateCmd(g *globals) *cobra.Command {
 	c := &cobra.Command{Use: "template", Aliases: []string{"tpl"}, Short: "Build and list templates"}
-	var startCmd, readyCmd, fromImage, fromArchive string
+	var startCmd, readyCmd, fromImage, fromArchive, dockerfilePath, contextDir string
+	var buildArgs []string
 	var force, insecure bool
 	build := &cobra.Command{
 		Use:   "build NAME",
-		Short: "Build a template from Debian bookworm (debootstrap) or an OCI/Docker image, boot it once and checkpoint it",
-		Args:  cobra.ExactArgs(1),
+		Short: "Build a template from Debian bookworm (debootstrap), an OCI/Docker image or a Dockerfile, boot it once and checkpoint it",
+		Long: `Build a template from Debian bookworm (debootstrap), an OCI/Docker image or a Dockerfile, boot it once and checkpoint it.
+
+With --dockerfile, the Dockerfile is built through E2B's template build API (as the SDK's
+Template.build does): FROM a template of the daemon or an image, RUN, ENV, ARG, WORKDIR, USER,
+COPY/ADD of files in --context (default: the Dockerfile's directory, honouring .dockerignore),
+and CMD/ENTRYPOINT as the start command unless --start-cmd is given. With --json it prints each
+build log entry as a JSON line, then the result.`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if dockerfilePath != "" {
+				if fromImage != "" || fromArchive != "" || insecure {
+					return fmt.Errorf("--dockerfile excludes --from-image, --from-archive and --insecure-registry")
+				}
+				ba, err := parseKV(buildArgs)
+				if err != nil {
+					return fmt.Errorf("--build-arg %w", err)
+				}
+				b := &dockerfileBuild{name: args[0], dockerfile: dockerfilePath, context: contextDir, buildArgs: ba,
+					startCmd: startCmd, readyCmd: readyCmd, force: force,
+					out: os.Stdout, errOut: os.Stderr, asJSON: g.asJSON, tty: isTTY() && !g.asJSON, poll: 200 * time.Millisecond}
+				return b.run(cmd.Context(), g.client())
+			}
+			if contextDir != "" || len(buildArgs) > 0 {
+				return fmt.Errorf("--context and --build-arg need --dockerfile")
+			}
 			from := "debian:bookworm"
 			switch {
 			case fromImage != "" && fromArchive != "":
@@ -302,6 +326,9 @@ func templateCmd(g *globals) *cobra.Command {
 	build.Flags().StringVar(&fromImage, "from-image", "", "build from an OCI/Docker image in a registry (python:3.12, localhost:5000/app:v1)")
 	build.Flags().StringVar(&fromArchive, "from-archive", "", "build from a `docker save` or OCI layout tarball on the daemon's host")
 	build.Flags().BoolVar(&insecure, "insecure-registry", false, "reach --from-image's registry over plain HTTP")
+	build.Flags().StringVarP(&dockerfilePath, "dockerfile", "f", "", "build from this Dockerfile (through E2B's template build API)")
+	build.Flags().StringVar(&contextDir, "context", "", "build context of --dockerfile, where COPY reads files (default: the Dockerfile's directory)")
+	build.Flags().StringArrayVar(&buildArgs, "build-arg", nil, "KEY=VALUE for an ARG of --dockerfile (repeatable)")
 	ls := &cobra.Command{
 		Use: "ls", Short: "List templates and snapshots", Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
