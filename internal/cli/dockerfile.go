@@ -162,6 +162,9 @@ func (b *dockerfileBuild) wait(ctx context.Context, c *client, start time.Time, 
 		}
 		path := "/templates/" + tid + "/builds/" + bid + "/status?logsOffset=" + strconv.Itoa(offset)
 		if _, err := c.do(ctx, http.MethodGet, path, nil, &st); err != nil {
+			if ctx.Err() != nil {
+				return "", nil, 0, fmt.Errorf("stopped waiting (the build goes on on the daemon: GET /templates/%s/builds/%s/status): %w", tid, bid, ctx.Err())
+			}
 			return "", nil, 0, fmt.Errorf("build status: %w", err)
 		}
 		offset += len(st.LogEntries)
@@ -208,7 +211,7 @@ func (b *dockerfileBuild) wait(ctx context.Context, c *client, start time.Time, 
 		}
 		select {
 		case <-ctx.Done():
-			return "", ctx.Err()
+			return "", fmt.Errorf("stopped waiting (the build goes on on the daemon: GET /templates/%s/builds/%s/status): %w", tid, bid, ctx.Err())
 		case <-time.After(b.poll):
 		}
 	}

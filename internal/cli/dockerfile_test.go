@@ -317,3 +317,17 @@ func translateForTest(t *testing.T, b *dockerfileBuild) [][2]string {
 	sort.Slice(out, func(i, j int) bool { return out[i][0] < out[j][0] })
 	return out
 }
+
+// Interrupted while the build runs: the error says the build goes on, not "cannot reach".
+func TestDockerfileBuildInterrupted(t *testing.T) {
+	f, c, df, _ := newFakeBuild(t)
+	f.status = []string{"building"}
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	var out bytes.Buffer
+	b := &dockerfileBuild{name: "app", dockerfile: df, out: &out, errOut: &out, poll: 50 * time.Millisecond}
+	err := b.run(ctx, c)
+	if err == nil || !strings.HasPrefix(err.Error(), "stopped waiting (the build goes on on the daemon: GET /templates/tpl1/builds/b1/status)") {
+		t.Fatalf("error %v", err)
+	}
+}
