@@ -152,8 +152,8 @@ func (c *buildContext) collect(src string) ([]entry, error) {
 		if err != nil {
 			return nil, err
 		}
-		if dirOnly && !fi.IsDir() {
-			continue
+		if dirOnly && !fi.IsDir() && fi.Mode()&fs.ModeSymlink == 0 {
+			continue // "dir/" matches directories and, as the SDK's glob does, any symlink
 		}
 		set[rel] = entry{rel, fi}
 		if fi.IsDir() {
@@ -257,7 +257,11 @@ func (c *buildContext) glob(pattern string) ([]string, error) {
 		if r != "." && c.ignored(r) && d.IsDir() && !c.ignore.Exclusions() {
 			return filepath.SkipDir
 		}
-		if p != top && matchSegments(segs, strings.Split(r, "/")) {
+		var name []string // the context itself has no segments (** matches it)
+		if r != "." {
+			name = strings.Split(r, "/")
+		}
+		if matchSegments(segs, name) {
 			out = append(out, r)
 		}
 		return nil

@@ -25,6 +25,14 @@ COPY ./app/sub /sub
 COPY **/*.txt /txt/
 COPY run.sh link-to-file link-outside /bin/
 COPY dirlink /d
+COPY app/ /x
+COPY ap* /y/
+COPY */ /z/
+COPY app/sub/* /w/
+COPY ./ /r/
+COPY app/?ain.py app/[mu]*.py /m/
+COPY **/ /q/
+COPY ünïcödé /u
 USER user
 `
 
@@ -56,6 +64,7 @@ func TestSameStepsAsTheSDK(t *testing.T) {
 		"link-to-file":        "->run.sh",
 		"link-outside":        "->/etc/hostname",
 		"dirlink":             "->app/sub",
+		"dangling":            "->nowhere",
 		"big/blob.bin":        string(make([]byte, 300000)),
 		"nested/keep.log.txt": "not a .log",
 	})
@@ -106,8 +115,8 @@ console.log(await t.toJSON(true))
 			copies++
 		}
 	}
-	if copies != 9 {
-		t.Errorf("the SDK made %d COPY steps, want 9", copies)
+	if copies != 18 {
+		t.Errorf("the SDK made %d COPY steps, want 18", copies)
 	}
 }
 
