@@ -118,6 +118,17 @@ console.log(await t.toJSON(true))
 	if copies != 18 {
 		t.Errorf("the SDK made %d COPY steps, want 18", copies)
 	}
+	// The whole body, field by field as JSON (names, omitted fields, types).
+	mine, err := json.Marshal(got)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var a, b map[string]any
+	json.Unmarshal(mine, &a)
+	json.Unmarshal(out, &b)
+	if !reflect.DeepEqual(a, b) {
+		t.Errorf("build request JSON differs:\n ember %s\n   SDK %s", mine, out)
+	}
 }
 
 func jsString(s string) string {
