@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -31,9 +32,13 @@ func imageHasLayer(imageDir string) bool {
 
 // prepareLayer gives spec's instance its writable root before start or restore: the layer of
 // imageDir (moved when spec.ConsumeImage, else cloned), or an empty one. It returns the spec to
-// hand to runsc (RootFS = the overlay mount).
+// hand to runsc (RootFS = the overlay mount of the instance's layer over spec's read-only stack,
+// Lowers cleared).
 func (d *Driver) prepareLayer(spec runtime.Spec, imageDir string) (runtime.Spec, error) {
 	if !d.hostLayers() {
+		if len(spec.Lowers) > 0 {
+			return spec, fmt.Errorf("gvisor: a rootfs of %d layers needs host layers (overlay %q): %w", 1+len(spec.Lowers), d.cfg.Overlay, errdefs.ErrInvalid)
+		}
 		return spec, nil
 	}
 	if err := os.MkdirAll(spec.StateDir, 0o700); err != nil {
@@ -58,11 +63,11 @@ func (d *Driver) prepareLayer(spec runtime.Spec, imageDir string) (runtime.Spec,
 	if err := d.applyDiskLimit(spec); err != nil {
 		return spec, err
 	}
-	merged, _, err := PrepareRootFS(spec.RootFS, spec.StateDir)
+	merged, _, err := PrepareRootFS(spec.Stack(), spec.StateDir)
 	if err != nil {
 		return spec, err
 	}
-	spec.RootFS = merged
+	spec.RootFS, spec.Lowers = merged, nil
 	return spec, nil
 }
 
