@@ -31,6 +31,8 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/daemon"
 	"github.com/ember-sandbox/ember/internal/image"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
+	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/template"
 	"github.com/ember-sandbox/ember/internal/testutil"
@@ -191,7 +193,7 @@ func BenchmarkImage(b *testing.B) {
 		cfg := template.ImageConfig{Layers: &image.Store{Root: filepath.Join(work, fmt.Sprintf("layers-%d", i))}, Resolver: &image.Resolver{}}
 		dest := filepath.Join(work, fmt.Sprintf("rootfs-%d", i))
 		start := time.Now()
-		if _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: host + "/bench/app:v1", Insecure: true}, dest, nil); err != nil {
+		if _, _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: host + "/bench/app:v1", Insecure: true}, dest, nil); err != nil {
 			b.Fatal(err)
 		}
 		cold = append(cold, time.Since(start))
@@ -214,7 +216,8 @@ func BenchmarkImage(b *testing.B) {
 	cfg := template.ImageConfig{Layers: &image.Store{Root: filepath.Join(n.dataDir, "layers")}, Resolver: &image.Resolver{}}
 	before := fsUsed(work)
 	start = time.Now()
-	if _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: host + "/bench/pair:v1", Insecure: true}, filepath.Join(work, "pair"), nil); err != nil {
+	_, pairStack, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: host + "/bench/pair:v1", Insecure: true}, filepath.Join(work, "pair"), nil)
+	if err != nil {
 		b.Fatal(err)
 	}
 	second := time.Since(start)
@@ -223,34 +226,11 @@ func BenchmarkImage(b *testing.B) {
 		mib(wrote), mib(pair.size), mib(pair.size+1<<20), second.Round(time.Millisecond))
 	b.ReportMetric(float64(wrote)/(1<<20), "second_template_written_MiB")
 
-	// The alternative measured: the same pair as an overlayfs lower stack (the layer directories
-	// as lowers, nothing composed), with a sandbox-style writable overlay stacked on it.
-	pairRoot := filepath.Join(cfg.Layers.Root, "sha256-"+pair.hash.Hex, "root")
-	baseRoot := filepath.Join(cfg.Layers.Root, "sha256-"+base.hash.Hex, "root")
-	mnt, up, wk, top := filepath.Join(work, "ovl"), filepath.Join(work, "ovl-up"), filepath.Join(work, "ovl-work"), filepath.Join(work, "ovl-top")
-	for _, d := range []string{mnt, up, wk, top} {
-		os.MkdirAll(d, 0o755)
-	}
-	before = fsUsed(work)
-	start = time.Now()
-	if err := unix.Mount("overlay", mnt, "overlay", unix.MS_RDONLY, "lowerdir="+pairRoot+":"+baseRoot); err != nil {
-		fmt.Printf("overlay lower stack: mount failed: %v\n", err)
-	} else {
-		mountTime := time.Since(start)
-		stacked := unix.Mount("overlay", top, "overlay", 0, "lowerdir="+mnt+",upperdir="+up+",workdir="+wk)
-		fmt.Printf("alternative, overlay lower stack for the pair: %s written, mount %s; a writable overlay on top of it: %v\n",
-			mib(fsUsed(work)-before), mountTime.Round(time.Microsecond), map[bool]string{true: "mounts", false: fmt.Sprint(stacked)}[stacked == nil])
-		if stacked == nil {
-			unix.Unmount(top, unix.MNT_DETACH)
-		}
-		unix.Unmount(mnt, unix.MNT_DETACH)
-	}
-
 	// 20 templates on one base.
 	before = fsUsed(work)
 	start = time.Now()
 	for i := 0; i < 20; i++ {
-		if _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: fmt.Sprintf("%s/bench/t%02d:v1", host, i), Insecure: true}, filepath.Join(work, fmt.Sprintf("t%02d", i)), nil); err != nil {
+		if _, _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: fmt.Sprintf("%s/bench/t%02d:v1", host, i), Insecure: true}, filepath.Join(work, fmt.Sprintf("t%02d", i)), nil); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -266,6 +246,96 @@ func BenchmarkImage(b *testing.B) {
 	fmt.Printf("20 templates on one base: %s more on disk (their own layers: %s; %s per template beyond its layer) in %s; the shared base layer holds %s once\n",
 		mib(used), mib(own20), mib((used-own20)/20), all.Round(time.Millisecond), mib(baseDisk))
 	b.ReportMetric(float64(used)/(1<<20), "twenty_templates_MiB")
+
+	// Start and restore of an instance on the layer stack against one tree (the layout before
+	// stacks): the pair's stack (top, own layer, base), a stack of ten image layers, and the
+	// pair's rootfs flattened into one directory.
+	deep := []v1.Layer{base}
+	for i := 0; i < 9; i++ {
+		deep = append(deep, ownLayer(b, scratch, fmt.Sprintf("deep%d", i), 4, 64<<10))
+	}
+	r, _ := name.ParseReference(host + "/bench/deep:v1")
+	if err := remote.Write(r, imageOf(b, deep...)); err != nil {
+		b.Fatal(err)
+	}
+	_, deepStack, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: host + "/bench/deep:v1", Insecure: true}, filepath.Join(work, "deep"), nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	flat := filepath.Join(work, "flat")
+	flatten(b, pairStack, flat)
+	for _, c := range []struct {
+		name   string
+		rootfs string
+		lowers []string
+	}{
+		{"one tree (old layout)", flat, nil},
+		{fmt.Sprintf("stack of %d (1 image layer + base)", 1+len(pairStack.Lowers)), pairStack.Top, pairStack.Lowers},
+		{fmt.Sprintf("stack of %d (10 image layers)", 1+len(deepStack.Lowers)), deepStack.Top, deepStack.Lowers},
+	} {
+		st, rs := startRestore(b, n, filepath.Join(work, "inst"), c.rootfs, c.lowers, 8)
+		report(b, "instance start, "+c.name, st)
+		report(b, "instance restore, "+c.name, rs)
+	}
+}
+
+// flatten copies the merged view of stack into dst (one tree, as templates were before stacks).
+func flatten(b *testing.B, stack image.Stack, dst string) {
+	mnt := dst + ".mnt"
+	os.MkdirAll(mnt, 0o755)
+	defer os.Remove(mnt)
+	if err := overlayfs.Mount(mnt, stack.Dirs(), "", ""); err != nil {
+		b.Fatal(err)
+	}
+	defer overlayfs.Unmount(mnt)
+	if out, err := exec.Command("cp", "-a", mnt, dst).CombinedOutput(); err != nil {
+		b.Fatalf("cp: %v %s", err, out)
+	}
+}
+
+// startRestore times n cold starts of an instance on the rootfs, then n restores of one
+// checkpoint of it (driver calls only: no network, envd or pool), each instance deleted after.
+func startRestore(b *testing.B, n *imageNode, dir, rootfs string, lowers []string, count int) (starts, restores dist) {
+	ctx := context.Background()
+	spec := func(i int, what string) runtime.Spec {
+		id := fmt.Sprintf("%s-%s%02d", envOr("EMBER_BENCH_NODE", "bench"), what, i)
+		return runtime.Spec{ID: id, RootFS: rootfs, Lowers: lowers, StateDir: filepath.Join(dir, id),
+			Hostname: "sandbox", Args: []string{"/bin/sh", "-c", "while :; do sleep 1; done"},
+			Env: []string{"PATH=/usr/bin:/bin"}, Cwd: "/", CPUCount: 1, MemoryMB: 256}
+	}
+	done := func(sp runtime.Spec) {
+		n.Driver.Delete(ctx, sp.ID)
+		n.Driver.Release(ctx, sp.StateDir)
+		os.RemoveAll(sp.StateDir)
+	}
+	var img string
+	for i := 0; i < count; i++ {
+		sp := spec(i, "s")
+		t0 := time.Now()
+		if err := n.Driver.Start(ctx, sp); err != nil {
+			b.Fatal(err)
+		}
+		starts = append(starts, time.Since(t0))
+		if i == count-1 {
+			img = filepath.Join(dir, "image")
+			os.MkdirAll(img, 0o700)
+			if err := n.Driver.Checkpoint(ctx, sp.ID, img, runtime.CheckpointOptions{}); err != nil {
+				b.Fatal(err)
+			}
+		}
+		done(sp)
+	}
+	defer os.RemoveAll(img)
+	for i := 0; i < count; i++ {
+		sp := spec(i, "r")
+		t0 := time.Now()
+		if err := n.Driver.Restore(ctx, sp, img); err != nil {
+			b.Fatal(err)
+		}
+		restores = append(restores, time.Since(t0))
+		done(sp)
+	}
+	return starts, restores
 }
 
 type imageNode struct {
@@ -274,8 +344,9 @@ type imageNode struct {
 }
 
 // startImageNode opens a node of its own (no base template, no pools) on a btrfs loop device
-// like the shared bench node, named by $EMBER_NODE_ID and $EMBER_CIDR so that it never shares
-// node-local names with another daemon on the host.
+// like the shared bench node, named after $EMBER_BENCH_NODE and in $EMBER_BENCH_CIDR so that it
+// never shares node-local names with another daemon on the host (run it alone: the shared
+// bench node takes the same range).
 func startImageNode(b *testing.B) *imageNode {
 	runsc := testutil.Runsc(b)
 	tmp, err := os.MkdirTemp("", "ember-bench-image-")
@@ -307,7 +378,7 @@ func startImageNode(b *testing.B) *imageNode {
 	}
 	n, err := daemon.Open(context.Background(), daemon.Config{
 		DataDir: dataDir, CacheDir: filepath.Join(tmp, "cache"), Runsc: runsc, Envd: envd, PoolSize: 0, SlotPoolSize: -1,
-		NodeID: os.Getenv("EMBER_NODE_ID"), CIDR: os.Getenv("EMBER_CIDR"),
+		NodeID: envOr("EMBER_BENCH_NODE", "bench") + "i", CIDR: envOr("EMBER_BENCH_CIDR", "10.240.0.0/16"),
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Out:    io.Discard,
 	})

@@ -132,3 +132,60 @@ func Unmount(target string) error {
 	}
 	return nil
 }
+
+// MountedLayers lists the lower layer directories of every overlay filesystem mounted in this
+// mount namespace (from /proc/self/mountinfo), so that nothing a live mount stacks on is
+// removed.
+func MountedLayers() ([]string, error) {
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return nil, err
+	}
+	var dirs []string
+	for _, line := range strings.Split(string(data), "\n") {
+		_, after, ok := strings.Cut(line, " - ")
+		f := strings.Fields(after)
+		if !ok || len(f) < 3 || f[0] != "overlay" {
+			continue
+		}
+		for _, opt := range strings.Split(f[2], ",") {
+			switch {
+			case strings.HasPrefix(opt, "lowerdir+="):
+				dirs = append(dirs, unescape(strings.TrimPrefix(opt, "lowerdir+=")))
+			case strings.HasPrefix(opt, "lowerdir="):
+				for _, d := range strings.Split(strings.TrimPrefix(opt, "lowerdir="), ":") {
+					dirs = append(dirs, unescape(d))
+				}
+			}
+		}
+	}
+	return dirs, nil
+}
+
+// unescape undoes mountinfo's octal escapes (\040 for a space, ...).
+func unescape(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			v, ok := byte(0), true
+			for j := 1; j <= 3; j++ {
+				c := s[i+j]
+				if c < '0' || c > '7' {
+					ok = false
+					break
+				}
+				v = v*8 + (c - '0')
+			}
+			if ok {
+				b.WriteByte(v)
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
