@@ -1,11 +1,11 @@
 package cli
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
 	"os"
-	"path/filepath"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -248,11 +248,19 @@ func templateCmd(g *globals) *cobra.Command {
 			case fromImage != "":
 				from = "docker://" + fromImage
 			case fromArchive != "":
-				abs, err := filepath.Abs(fromArchive)
-				if err != nil {
-					return err
+				// The daemon builds only from archives in its import directory: send it the file.
+				var imp struct {
+					Name string `json:"name"`
+					Size int64  `json:"size"`
 				}
-				from = "archive:" + abs
+				if !g.asJSON {
+					fmt.Printf("uploading %s\n", fromArchive)
+				}
+				if err := g.client().upload(cmd.Context(), "/ember/imports", fromArchive, &imp); err != nil {
+					return fmt.Errorf("upload %s: %w", fromArchive, err)
+				}
+				defer g.client().do(context.WithoutCancel(cmd.Context()), http.MethodDelete, "/ember/imports/"+imp.Name, nil, nil)
+				from = "archive:" + imp.Name
 			case insecure:
 				return fmt.Errorf("--insecure-registry needs --from-image")
 			}
@@ -300,7 +308,7 @@ func templateCmd(g *globals) *cobra.Command {
 	build.Flags().StringVar(&readyCmd, "ready-cmd", "", "command that must succeed before the checkpoint")
 	build.Flags().BoolVar(&force, "force", false, "rebuild even if it exists")
 	build.Flags().StringVar(&fromImage, "from-image", "", "build from an OCI/Docker image in a registry (python:3.12, localhost:5000/app:v1)")
-	build.Flags().StringVar(&fromArchive, "from-archive", "", "build from a `docker save` or OCI layout tarball on the daemon's host")
+	build.Flags().StringVar(&fromArchive, "from-archive", "", "build from a local `docker save` or OCI layout tarball (uploaded to the daemon)")
 	build.Flags().BoolVar(&insecure, "insecure-registry", false, "reach --from-image's registry over plain HTTP")
 	ls := &cobra.Command{
 		Use: "ls", Short: "List templates and snapshots", Args: cobra.NoArgs,

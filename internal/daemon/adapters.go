@@ -94,9 +94,9 @@ func (a *netAdapter) Reconcile(ctx context.Context, keep []int) error {
 type builderAdapter struct {
 	b       *template.Builder
 	dataDir string // "" = found from the first rootfs destination
-	once sync.Once
-	img  template.ImageConfig
-	err  error
+	once    sync.Once
+	img     template.ImageConfig
+	err     error
 }
 
 func (a *builderAdapter) BuildRootFS(ctx context.Context, req sandbox.BuildRequest, dest string, progress func(string)) (sandbox.RootFSInfo, error) {

@@ -114,6 +114,8 @@ type Config struct {
 	MaxSandboxes int
 	// MaxBuilds caps concurrent template builds (default 2).
 	MaxBuilds int
+	// MaxImportBytes bounds an uploaded image archive (default DefaultMaxImportBytes).
+	MaxImportBytes int64
 	// DrainTimeout bounds how long Close waits for operations in flight before it cancels them
 	// (default 10 s).
 	DrainTimeout time.Duration
@@ -144,7 +146,7 @@ type Manager struct {
 	gcMu      sync.Mutex
 	gcBuilds  int
 	gcPending bool
-	builds chan struct{}   // one token per concurrent template build
+	builds    chan struct{} // one token per concurrent template build
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool

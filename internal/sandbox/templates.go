@@ -19,11 +19,9 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 	if progress == nil {
 		progress = func(string) {}
 	}
-	if !nameRe.MatchString(req.Name) {
-		return nil, fmt.Errorf("template name %q: must match %s: %w", req.Name, nameRe, errdefs.ErrInvalid)
-	}
-	if !validFrom(req) {
-		return nil, fmt.Errorf("from %q: use debian:bookworm, docker://IMAGE, docker+http://IMAGE or archive:PATH: %w", req.From, errdefs.ErrInvalid)
+	req, err := m.checkBuild(req)
+	if err != nil {
+		return nil, err
 	}
 	ctx, done, err := m.op(ctx)
 	if err != nil {

@@ -145,9 +145,9 @@ type ListFilter struct {
 
 // Template is a sandbox template (or a named snapshot, which can be used as one).
 type Template struct {
-	ID        string    `json:"id"`
-	Aliases   []string  `json:"aliases,omitempty"`
-	Kind      string    `json:"kind"` // "template" or "snapshot"
+	ID      string   `json:"id"`
+	Aliases []string `json:"aliases,omitempty"`
+	Kind    string   `json:"kind"` // "template" or "snapshot"
 	// RootFS is the template's own (top) layer; Lowers the read-only layers below it, top first
 	// (its image's, shared with other templates). The rootfs is their overlay stack; without
 	// Lowers, RootFS alone (a template of an older ember).
