@@ -839,3 +839,40 @@ func TestTemplatesRecordTheirFormat(t *testing.T) {
 		t.Fatal("snapshots are not rebuilt")
 	}
 }
+
+// A pool refill that finishes after its template was deleted does not keep its instance (nor,
+// through its mount, the template's layers): the pool destroys it.
+func TestPoolDropsARefillOfADeletedTemplate(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 1 })
+	restoring := make(chan struct{}, 1)
+	release := make(chan struct{})
+	var once sync.Once
+	n.rig.Driver.Fail = func(op, id string) error {
+		if op == "Restore" {
+			once.Do(func() {
+				restoring <- struct{}{}
+				<-release
+			})
+		}
+		return nil
+	}
+	n.build("t1")
+	select {
+	case <-restoring:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the pool did not start a refill")
+	}
+	if err := n.m.DeleteTemplate(context.Background(), "t1"); err != nil {
+		t.Fatal(err)
+	}
+	close(release)
+	eventually(t, 5*time.Second, "the late refill done", func() bool {
+		for _, ps := range n.m.Pools(context.Background()) {
+			if ps.Refilling {
+				return false
+			}
+		}
+		return true
+	})
+	eventually(t, 10*time.Second, "the late refill's instance destroyed", func() bool { return len(n.rig.Driver.Running()) == 0 })
+}
