@@ -140,7 +140,8 @@ type Driver interface {
 	Checkpoint(ctx context.Context, id, imageDir string, opts CheckpointOptions) error
 	// Restore starts a new instance described by spec from an image written by Checkpoint.
 	// spec.ID, StateDir, NetNSPath, Hostname, Env and limits may differ from the checkpointed
-	// instance's; Args and Cwd must not. One image may be restored into many instances at once.
+	// instance's; Args, Cwd and the rootfs stack (RootFS, Lowers) must not (another stack is
+	// ErrInvalid). One image may be restored into many instances at once.
 	Restore(ctx context.Context, spec Spec, imageDir string) error
 	// State reports whether the instance runs.
 	State(ctx context.Context, id string) (Status, error)

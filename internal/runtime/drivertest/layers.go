@@ -1,6 +1,7 @@
 package drivertest
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -8,6 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -101,5 +103,13 @@ func (s *suite) testLayeredRootFS(t *testing.T) {
 	got := e.sh(child.ID, 0, "cat /data/opq/mine; ls /data | tr '\\n' ' '")
 	if !strings.HasPrefix(got, "mine\n") || strings.Contains(got, "gone") {
 		t.Errorf("fork child: %q", got)
+	}
+
+	// The image restores only onto the stack it was checkpointed on.
+	other := e.spec()
+	other.RootFS, other.Lowers = lowers[0], lowers[1:]
+	if err := e.d.Restore(ctx(t), other, img2); !errors.Is(err, errdefs.ErrInvalid) {
+		e.track(other.ID)
+		t.Errorf("Restore onto another stack: %v, want ErrInvalid", err)
 	}
 }
