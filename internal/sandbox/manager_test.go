@@ -876,3 +876,21 @@ func TestPoolDropsARefillOfADeletedTemplate(t *testing.T) {
 	})
 	eventually(t, 10*time.Second, "the late refill's instance destroyed", func() bool { return len(n.rig.Driver.Running()) == 0 })
 }
+
+// An upload that a crash interrupted is removed at start; finished imports stay.
+func TestRestartRemovesUnfinishedUploads(t *testing.T) {
+	n := newNode(t, nil)
+	name, _, err := n.m.ImportArchive(context.Background(), strings.NewReader("archive"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	partial := filepath.Join(n.cfg.DataDir, "imports", ".upload-123")
+	os.WriteFile(partial, []byte("half"), 0o600)
+	n.restart()
+	if _, err := os.Stat(partial); err == nil {
+		t.Error("an unfinished upload survived the restart")
+	}
+	if _, err := os.Stat(filepath.Join(n.cfg.DataDir, "imports", name)); err != nil {
+		t.Errorf("a finished import was removed: %v", err)
+	}
+}
