@@ -37,6 +37,11 @@ func Mount(target string, lowers []string, upper, work string) error {
 	if !errors.Is(err, errNoLowerdirPlus) {
 		return err
 	}
+	return mountLegacy(target, lowers, upper, work)
+}
+
+// mountLegacy mounts with mount(2) and one "lowerdir=a:b:c" option (kernels before 6.8).
+func mountLegacy(target string, lowers []string, upper, work string) error {
 	for _, p := range append([]string{upper, work}, lowers...) {
 		if strings.ContainsAny(p, ",:\\\n") {
 			return fmt.Errorf("overlayfs: path %q: , : or \\ cannot be passed to mount(2): %w", p, errdefs.ErrInvalid)

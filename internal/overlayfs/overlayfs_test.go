@@ -1,12 +1,14 @@
 package overlayfs
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 
+	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
@@ -48,5 +50,32 @@ func TestMountManyLayers(t *testing.T) {
 		if !slices.Contains(got, l) {
 			t.Fatalf("MountedLayers lacks %s", l)
 		}
+	}
+}
+
+// TestLegacyMount: without lowerdir+ (kernels before 6.8) a stack that fits one mount(2) option
+// mounts; a longer one fails clearly instead of being cut.
+func TestLegacyMount(t *testing.T) {
+	testutil.RequireRoot(t)
+	base := t.TempDir()
+	var lowers []string
+	for i := range 80 {
+		d := filepath.Join(base, strings.Repeat("l", 60)+string(rune('a'+i/26))+string(rune('a'+i%26)))
+		os.MkdirAll(d, 0o755)
+		lowers = append(lowers, d)
+	}
+	os.WriteFile(filepath.Join(lowers[1], "f"), []byte("below"), 0o644)
+	m := filepath.Join(base, "m")
+	os.Mkdir(m, 0o755)
+	if err := mountLegacy(m, lowers[:2], "", ""); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(m, "f")); string(b) != "below" {
+		t.Errorf("merged f = %q", b)
+	}
+	Unmount(m)
+	err := mountLegacy(m, lowers, "", "")
+	if !errors.Is(err, errdefs.ErrInvalid) || !strings.Contains(err.Error(), "lowerdir+") {
+		t.Fatalf("a stack too long for mount(2): %v", err)
 	}
 }
