@@ -243,8 +243,17 @@ func BenchmarkImage(b *testing.B) {
 		}
 		return nil
 	})
-	fmt.Printf("20 templates on one base: %s more on disk (their own layers: %s; %s per template beyond its layer) in %s; the shared base layer holds %s once\n",
-		mib(used), mib(own20), mib((used-own20)/20), all.Round(time.Millisecond), mib(baseDisk))
+	var tops int64
+	for i := 0; i < 20; i++ {
+		filepath.Walk(filepath.Join(work, fmt.Sprintf("t%02d", i)), func(_ string, info os.FileInfo, err error) error {
+			if st, ok := info.Sys().(*syscall.Stat_t); err == nil && ok && (st.Nlink == 1 || info.IsDir()) {
+				tops += st.Blocks * 512 // envd is a hard link to the store's one copy
+			}
+			return nil
+		})
+	}
+	fmt.Printf("20 templates on one base: %s more on disk (their own image layers: %s; their own top layers (user account, envd link, ember's files): %s, %s each; %s per template beyond its image layer) in %s; the shared base layer holds %s once\n",
+		mib(used), mib(own20), mib(tops), mib(tops/20), mib((used-own20)/20), all.Round(time.Millisecond), mib(baseDisk))
 	b.ReportMetric(float64(used)/(1<<20), "twenty_templates_MiB")
 
 	// Start and restore of an instance on the layer stack against one tree (the layout before
@@ -264,19 +273,24 @@ func BenchmarkImage(b *testing.B) {
 	}
 	flat := filepath.Join(work, "flat")
 	flatten(b, pairStack, flat)
-	for _, c := range []struct {
-		name   string
-		rootfs string
-		lowers []string
-	}{
-		{"one tree (old layout)", flat, nil},
-		{fmt.Sprintf("stack of %d (1 image layer + base)", 1+len(pairStack.Lowers)), pairStack.Top, pairStack.Lowers},
-		{fmt.Sprintf("stack of %d (10 image layers)", 1+len(deepStack.Lowers)), deepStack.Top, deepStack.Lowers},
-	} {
-		st, rs := startRestore(b, n, filepath.Join(work, "inst"), c.rootfs, c.lowers, 8)
-		report(b, "instance start, "+c.name, st)
-		report(b, "instance restore, "+c.name, rs)
+	cases := []stackCase{
+		{name: "one tree (old layout)", rootfs: flat},
+		{name: fmt.Sprintf("stack of %d (1 image layer + base)", 1+len(pairStack.Lowers)), rootfs: pairStack.Top, lowers: pairStack.Lowers},
+		{name: fmt.Sprintf("stack of %d (10 image layers)", 1+len(deepStack.Lowers)), rootfs: deepStack.Top, lowers: deepStack.Lowers},
 	}
+	startRestore(b, n, filepath.Join(work, "inst"), cases, 16)
+	for _, c := range cases {
+		report(b, "instance start, "+c.name, c.starts)
+		report(b, "instance restore, "+c.name, c.restores)
+	}
+}
+
+type stackCase struct {
+	name             string
+	rootfs           string
+	lowers           []string
+	image            string
+	starts, restores dist
 }
 
 // flatten copies the merged view of stack into dst (one tree, as templates were before stacks).
@@ -293,13 +307,16 @@ func flatten(b *testing.B, stack image.Stack, dst string) {
 	}
 }
 
-// startRestore times n cold starts of an instance on the rootfs, then n restores of one
-// checkpoint of it (driver calls only: no network, envd or pool), each instance deleted after.
-func startRestore(b *testing.B, n *imageNode, dir, rootfs string, lowers []string, count int) (starts, restores dist) {
+// startRestore times, for each case, count cold starts of an instance on its rootfs and count
+// restores of one checkpoint of it (driver calls only: no network, envd or pool), each
+// instance deleted after; the cases take turns, so that drift in the host's load hits all alike.
+func startRestore(b *testing.B, n *imageNode, dir string, cases []stackCase, count int) {
 	ctx := context.Background()
-	spec := func(i int, what string) runtime.Spec {
-		id := fmt.Sprintf("%s-%s%02d", envOr("EMBER_BENCH_NODE", "bench"), what, i)
-		return runtime.Spec{ID: id, RootFS: rootfs, Lowers: lowers, StateDir: filepath.Join(dir, id),
+	seq := 0
+	spec := func(c *stackCase) runtime.Spec {
+		seq++
+		id := fmt.Sprintf("%s-i%03d", envOr("EMBER_BENCH_NODE", "bench"), seq)
+		return runtime.Spec{ID: id, RootFS: c.rootfs, Lowers: c.lowers, StateDir: filepath.Join(dir, id),
 			Hostname: "sandbox", Args: []string{"/bin/sh", "-c", "while :; do sleep 1; done"},
 			Env: []string{"PATH=/usr/bin:/bin"}, Cwd: "/", CPUCount: 1, MemoryMB: 256}
 	}
@@ -308,34 +325,39 @@ func startRestore(b *testing.B, n *imageNode, dir, rootfs string, lowers []strin
 		n.Driver.Release(ctx, sp.StateDir)
 		os.RemoveAll(sp.StateDir)
 	}
-	var img string
-	for i := 0; i < count; i++ {
-		sp := spec(i, "s")
-		t0 := time.Now()
+	for i := range cases {
+		c := &cases[i]
+		sp := spec(c)
 		if err := n.Driver.Start(ctx, sp); err != nil {
 			b.Fatal(err)
 		}
-		starts = append(starts, time.Since(t0))
-		if i == count-1 {
-			img = filepath.Join(dir, "image")
-			os.MkdirAll(img, 0o700)
-			if err := n.Driver.Checkpoint(ctx, sp.ID, img, runtime.CheckpointOptions{}); err != nil {
-				b.Fatal(err)
-			}
-		}
-		done(sp)
-	}
-	defer os.RemoveAll(img)
-	for i := 0; i < count; i++ {
-		sp := spec(i, "r")
-		t0 := time.Now()
-		if err := n.Driver.Restore(ctx, sp, img); err != nil {
+		c.image = filepath.Join(dir, fmt.Sprintf("image-%d", i))
+		os.MkdirAll(c.image, 0o700)
+		defer os.RemoveAll(c.image)
+		if err := n.Driver.Checkpoint(ctx, sp.ID, c.image, runtime.CheckpointOptions{}); err != nil {
 			b.Fatal(err)
 		}
-		restores = append(restores, time.Since(t0))
 		done(sp)
 	}
-	return starts, restores
+	for r := 0; r < count; r++ {
+		for i := range cases {
+			c := &cases[i]
+			sp := spec(c)
+			t0 := time.Now()
+			if err := n.Driver.Start(ctx, sp); err != nil {
+				b.Fatal(err)
+			}
+			c.starts = append(c.starts, time.Since(t0))
+			done(sp)
+			sp = spec(c)
+			t0 = time.Now()
+			if err := n.Driver.Restore(ctx, sp, c.image); err != nil {
+				b.Fatal(err)
+			}
+			c.restores = append(c.restores, time.Since(t0))
+			done(sp)
+		}
+	}
 }
 
 type imageNode struct {
