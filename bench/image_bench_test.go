@@ -31,6 +31,8 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/daemon"
 	"github.com/ember-sandbox/ember/internal/image"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
+	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/template"
 	"github.com/ember-sandbox/ember/internal/testutil"
@@ -191,7 +193,7 @@ func BenchmarkImage(b *testing.B) {
 		cfg := template.ImageConfig{Layers: &image.Store{Root: filepath.Join(work, fmt.Sprintf("layers-%d", i))}, Resolver: &image.Resolver{}}
 		dest := filepath.Join(work, fmt.Sprintf("rootfs-%d", i))
 		start := time.Now()
-		if _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: host + "/bench/app:v1", Insecure: true}, dest, nil); err != nil {
+		if _, _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: host + "/bench/app:v1", Insecure: true}, dest, nil); err != nil {
 			b.Fatal(err)
 		}
 		cold = append(cold, time.Since(start))
@@ -214,7 +216,8 @@ func BenchmarkImage(b *testing.B) {
 	cfg := template.ImageConfig{Layers: &image.Store{Root: filepath.Join(n.dataDir, "layers")}, Resolver: &image.Resolver{}}
 	before := fsUsed(work)
 	start = time.Now()
-	if _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: host + "/bench/pair:v1", Insecure: true}, filepath.Join(work, "pair"), nil); err != nil {
+	_, pairStack, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: host + "/bench/pair:v1", Insecure: true}, filepath.Join(work, "pair"), nil)
+	if err != nil {
 		b.Fatal(err)
 	}
 	second := time.Since(start)
@@ -223,34 +226,11 @@ func BenchmarkImage(b *testing.B) {
 		mib(wrote), mib(pair.size), mib(pair.size+1<<20), second.Round(time.Millisecond))
 	b.ReportMetric(float64(wrote)/(1<<20), "second_template_written_MiB")
 
-	// The alternative measured: the same pair as an overlayfs lower stack (the layer directories
-	// as lowers, nothing composed), with a sandbox-style writable overlay stacked on it.
-	pairRoot := filepath.Join(cfg.Layers.Root, "sha256-"+pair.hash.Hex, "root")
-	baseRoot := filepath.Join(cfg.Layers.Root, "sha256-"+base.hash.Hex, "root")
-	mnt, up, wk, top := filepath.Join(work, "ovl"), filepath.Join(work, "ovl-up"), filepath.Join(work, "ovl-work"), filepath.Join(work, "ovl-top")
-	for _, d := range []string{mnt, up, wk, top} {
-		os.MkdirAll(d, 0o755)
-	}
-	before = fsUsed(work)
-	start = time.Now()
-	if err := unix.Mount("overlay", mnt, "overlay", unix.MS_RDONLY, "lowerdir="+pairRoot+":"+baseRoot); err != nil {
-		fmt.Printf("overlay lower stack: mount failed: %v\n", err)
-	} else {
-		mountTime := time.Since(start)
-		stacked := unix.Mount("overlay", top, "overlay", 0, "lowerdir="+mnt+",upperdir="+up+",workdir="+wk)
-		fmt.Printf("alternative, overlay lower stack for the pair: %s written, mount %s; a writable overlay on top of it: %v\n",
-			mib(fsUsed(work)-before), mountTime.Round(time.Microsecond), map[bool]string{true: "mounts", false: fmt.Sprint(stacked)}[stacked == nil])
-		if stacked == nil {
-			unix.Unmount(top, unix.MNT_DETACH)
-		}
-		unix.Unmount(mnt, unix.MNT_DETACH)
-	}
-
 	// 20 templates on one base.
 	before = fsUsed(work)
 	start = time.Now()
 	for i := 0; i < 20; i++ {
-		if _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: fmt.Sprintf("%s/bench/t%02d:v1", host, i), Insecure: true}, filepath.Join(work, fmt.Sprintf("t%02d", i)), nil); err != nil {
+		if _, _, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: fmt.Sprintf("%s/bench/t%02d:v1", host, i), Insecure: true}, filepath.Join(work, fmt.Sprintf("t%02d", i)), nil); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -263,9 +243,121 @@ func BenchmarkImage(b *testing.B) {
 		}
 		return nil
 	})
-	fmt.Printf("20 templates on one base: %s more on disk (their own layers: %s; %s per template beyond its layer) in %s; the shared base layer holds %s once\n",
-		mib(used), mib(own20), mib((used-own20)/20), all.Round(time.Millisecond), mib(baseDisk))
+	var tops int64
+	for i := 0; i < 20; i++ {
+		filepath.Walk(filepath.Join(work, fmt.Sprintf("t%02d", i)), func(_ string, info os.FileInfo, err error) error {
+			if st, ok := info.Sys().(*syscall.Stat_t); err == nil && ok && (st.Nlink == 1 || info.IsDir()) {
+				tops += st.Blocks * 512 // envd is a hard link to the store's one copy
+			}
+			return nil
+		})
+	}
+	fmt.Printf("20 templates on one base: %s more on disk (their own image layers: %s; their own top layers (user account, envd link, ember's files): %s, %s each; %s per template beyond its image layer) in %s; the shared base layer holds %s once\n",
+		mib(used), mib(own20), mib(tops), mib(tops/20), mib((used-own20)/20), all.Round(time.Millisecond), mib(baseDisk))
 	b.ReportMetric(float64(used)/(1<<20), "twenty_templates_MiB")
+
+	// Start and restore of an instance on the layer stack against one tree (the layout before
+	// stacks): the pair's stack (top, own layer, base), a stack of ten image layers, and the
+	// pair's rootfs flattened into one directory.
+	deep := []v1.Layer{base}
+	for i := 0; i < 9; i++ {
+		deep = append(deep, ownLayer(b, scratch, fmt.Sprintf("deep%d", i), 4, 64<<10))
+	}
+	r, _ := name.ParseReference(host + "/bench/deep:v1")
+	if err := remote.Write(r, imageOf(b, deep...)); err != nil {
+		b.Fatal(err)
+	}
+	_, deepStack, err := bld.BuildFromImage(ctx, cfg, template.ImageSource{Ref: host + "/bench/deep:v1", Insecure: true}, filepath.Join(work, "deep"), nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	flat := filepath.Join(work, "flat")
+	flatten(b, pairStack, flat)
+	cases := []stackCase{
+		{name: "one tree (old layout)", rootfs: flat},
+		{name: fmt.Sprintf("stack of %d (1 image layer + base)", 1+len(pairStack.Lowers)), rootfs: pairStack.Top, lowers: pairStack.Lowers},
+		{name: fmt.Sprintf("stack of %d (10 image layers)", 1+len(deepStack.Lowers)), rootfs: deepStack.Top, lowers: deepStack.Lowers},
+	}
+	startRestore(b, n, filepath.Join(work, "inst"), cases, 16)
+	for _, c := range cases {
+		report(b, "instance start, "+c.name, c.starts)
+		report(b, "instance restore, "+c.name, c.restores)
+	}
+}
+
+type stackCase struct {
+	name             string
+	rootfs           string
+	lowers           []string
+	image            string
+	starts, restores dist
+}
+
+// flatten copies the merged view of stack into dst (one tree, as templates were before stacks).
+func flatten(b *testing.B, stack image.Stack, dst string) {
+	mnt := dst + ".mnt"
+	os.MkdirAll(mnt, 0o755)
+	defer os.Remove(mnt)
+	if err := overlayfs.Mount(mnt, stack.Dirs(), "", ""); err != nil {
+		b.Fatal(err)
+	}
+	defer overlayfs.Unmount(mnt)
+	if out, err := exec.Command("cp", "-a", mnt, dst).CombinedOutput(); err != nil {
+		b.Fatalf("cp: %v %s", err, out)
+	}
+}
+
+// startRestore times, for each case, count cold starts of an instance on its rootfs and count
+// restores of one checkpoint of it (driver calls only: no network, envd or pool), each
+// instance deleted after; the cases take turns, so that drift in the host's load hits all alike.
+func startRestore(b *testing.B, n *imageNode, dir string, cases []stackCase, count int) {
+	ctx := context.Background()
+	seq := 0
+	spec := func(c *stackCase) runtime.Spec {
+		seq++
+		id := fmt.Sprintf("%s-i%03d", envOr("EMBER_BENCH_NODE", "bench"), seq)
+		return runtime.Spec{ID: id, RootFS: c.rootfs, Lowers: c.lowers, StateDir: filepath.Join(dir, id),
+			Hostname: "sandbox", Args: []string{"/bin/sh", "-c", "while :; do sleep 1; done"},
+			Env: []string{"PATH=/usr/bin:/bin"}, Cwd: "/", CPUCount: 1, MemoryMB: 256}
+	}
+	done := func(sp runtime.Spec) {
+		n.Driver.Delete(ctx, sp.ID)
+		n.Driver.Release(ctx, sp.StateDir)
+		os.RemoveAll(sp.StateDir)
+	}
+	for i := range cases {
+		c := &cases[i]
+		sp := spec(c)
+		if err := n.Driver.Start(ctx, sp); err != nil {
+			b.Fatal(err)
+		}
+		c.image = filepath.Join(dir, fmt.Sprintf("image-%d", i))
+		os.MkdirAll(c.image, 0o700)
+		defer os.RemoveAll(c.image)
+		if err := n.Driver.Checkpoint(ctx, sp.ID, c.image, runtime.CheckpointOptions{}); err != nil {
+			b.Fatal(err)
+		}
+		done(sp)
+	}
+	for r := 0; r < count; r++ {
+		for i := range cases {
+			c := &cases[i]
+			sp := spec(c)
+			t0 := time.Now()
+			if err := n.Driver.Start(ctx, sp); err != nil {
+				b.Fatal(err)
+			}
+			c.starts = append(c.starts, time.Since(t0))
+			done(sp)
+			sp = spec(c)
+			t0 = time.Now()
+			if err := n.Driver.Restore(ctx, sp, c.image); err != nil {
+				b.Fatal(err)
+			}
+			c.restores = append(c.restores, time.Since(t0))
+			done(sp)
+		}
+	}
 }
 
 type imageNode struct {
@@ -274,8 +366,9 @@ type imageNode struct {
 }
 
 // startImageNode opens a node of its own (no base template, no pools) on a btrfs loop device
-// like the shared bench node, named by $EMBER_NODE_ID and $EMBER_CIDR so that it never shares
-// node-local names with another daemon on the host.
+// like the shared bench node, named after $EMBER_BENCH_NODE and in $EMBER_BENCH_CIDR so that it
+// never shares node-local names with another daemon on the host (run it alone: the shared
+// bench node takes the same range).
 func startImageNode(b *testing.B) *imageNode {
 	runsc := testutil.Runsc(b)
 	tmp, err := os.MkdirTemp("", "ember-bench-image-")
@@ -307,7 +400,7 @@ func startImageNode(b *testing.B) *imageNode {
 	}
 	n, err := daemon.Open(context.Background(), daemon.Config{
 		DataDir: dataDir, CacheDir: filepath.Join(tmp, "cache"), Runsc: runsc, Envd: envd, PoolSize: 0, SlotPoolSize: -1,
-		NodeID: os.Getenv("EMBER_NODE_ID"), CIDR: os.Getenv("EMBER_CIDR"),
+		NodeID: envOr("EMBER_BENCH_NODE", "bench") + "i", CIDR: envOr("EMBER_BENCH_CIDR", "10.240.0.0/16"),
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Out:    io.Discard,
 	})

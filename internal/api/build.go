@@ -23,6 +23,25 @@ type buildRequest struct {
 	MemoryMB int    `json:"memoryMB"`
 }
 
+// importArchive stores the request body (a `docker save` or OCI layout tarball) in the node's
+// import directory: 201 {"name","size"}; a build then names it as "archive:NAME".
+func (s *server) importArchive(w http.ResponseWriter, r *http.Request, _ params) error {
+	name, size, err := s.svc.ImportArchive(r.Context(), r.Body)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusCreated, map[string]any{"name": name, "size": size})
+	return nil
+}
+
+func (s *server) deleteImport(w http.ResponseWriter, r *http.Request, p params) error {
+	if err := s.svc.DeleteImport(r.Context(), p["name"]); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
 type buildLine struct {
 	Line     string        `json:"line,omitempty"`
 	Template *templateJSON `json:"template,omitempty"`
@@ -48,6 +67,20 @@ func (s *server) buildTemplate(w http.ResponseWriter, r *http.Request, p params)
 	if req.MemoryMB < 0 || req.MemoryMB > maxBuildMemoryMB {
 		return badRequest("memoryMB must be between 0 and %d", maxBuildMemoryMB)
 	}
+	breq := sandbox.BuildRequest{
+		Name:     name,
+		From:     req.From,
+		StartCmd: req.StartCmd,
+		ReadyCmd: req.ReadyCmd,
+		CPUCount: req.CPUCount,
+		MemoryMB: req.MemoryMB,
+		Force:    req.Force,
+	}
+	// A bad source (an `archive:` outside the import directory among them) is a 400 before
+	// anything streams.
+	if err := s.svc.CheckBuild(breq); err != nil {
+		return err
+	}
 
 	w.Header().Set("Content-Type", "application/x-ndjson")
 	w.Header().Set("X-Content-Type-Options", "nosniff")
@@ -68,15 +101,7 @@ func (s *server) buildTemplate(w http.ResponseWriter, r *http.Request, p params)
 	}
 	_ = rc.Flush()
 
-	t, err := s.svc.BuildTemplate(r.Context(), sandbox.BuildRequest{
-		Name:     name,
-		From:     req.From,
-		StartCmd: req.StartCmd,
-		ReadyCmd: req.ReadyCmd,
-		CPUCount: req.CPUCount,
-		MemoryMB: req.MemoryMB,
-		Force:    req.Force,
-	}, func(line string) { emit(buildLine{Line: line}) })
+	t, err := s.svc.BuildTemplate(r.Context(), breq, func(line string) { emit(buildLine{Line: line}) })
 	switch {
 	case err != nil:
 		st := statusOf(err)

@@ -33,6 +33,8 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodDelete, "/templates/{id}", s.deleteTemplate)
 	// ember extras for the CLI.
 	rt.handle(http.MethodPost, "/ember/templates/{name}/build", s.buildTemplate)
+	rt.handle(http.MethodPost, "/ember/imports", s.importArchive)
+	rt.handle(http.MethodDelete, "/ember/imports/{name}", s.deleteImport)
 	rt.handle(http.MethodGet, "/ember/pools", s.listPools)
 	rt.handle(http.MethodPost, "/api-keys", s.createAPIKey)
 	rt.handle(http.MethodGet, "/api-keys", s.listAPIKeys)

@@ -72,6 +72,46 @@ func (c *client) do(ctx context.Context, method, path string, in, out any) (http
 	return resp.Header, nil
 }
 
+// upload POSTs the file at p as the raw request body and decodes the JSON answer into out.
+func (c *client) upload(ctx context.Context, path, p string, out any) error {
+	f, err := os.Open(p)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	if !fi.Mode().IsRegular() {
+		return fmt.Errorf("%s is not a regular file", p)
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base+path, f)
+	if err != nil {
+		return err
+	}
+	req.ContentLength = fi.Size()
+	req.Header.Set("X-API-Key", c.key)
+	req.Header.Set("Content-Type", "application/octet-stream")
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return fmt.Errorf("cannot reach the ember daemon at %s: %w", c.base, err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode/100 != 2 {
+		var e apiError
+		if json.Unmarshal(data, &e) != nil || e.Message == "" {
+			e = apiError{Code: resp.StatusCode, Message: strings.TrimSpace(string(data))}
+		}
+		return &e
+	}
+	return json.Unmarshal(data, out)
+}
+
 // stream POSTs in and calls fn for every NDJSON line of the response.
 func (c *client) stream(ctx context.Context, path string, in any, fn func(line []byte) error) error {
 	b, _ := json.Marshal(in)

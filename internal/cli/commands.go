@@ -1,11 +1,11 @@
 package cli
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
 	"os"
-	"path/filepath"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -272,11 +272,19 @@ build log entry as a JSON line, then the result.`,
 			case fromImage != "":
 				from = "docker://" + fromImage
 			case fromArchive != "":
-				abs, err := filepath.Abs(fromArchive)
-				if err != nil {
-					return err
+				// The daemon builds only from archives in its import directory: send it the file.
+				var imp struct {
+					Name string `json:"name"`
+					Size int64  `json:"size"`
 				}
-				from = "archive:" + abs
+				if !g.asJSON {
+					fmt.Printf("uploading %s\n", fromArchive)
+				}
+				if err := g.client().upload(cmd.Context(), "/ember/imports", fromArchive, &imp); err != nil {
+					return fmt.Errorf("upload %s: %w", fromArchive, err)
+				}
+				defer g.client().do(context.WithoutCancel(cmd.Context()), http.MethodDelete, "/ember/imports/"+imp.Name, nil, nil)
+				from = "archive:" + imp.Name
 			case insecure:
 				return fmt.Errorf("--insecure-registry needs --from-image")
 			}
@@ -324,7 +332,7 @@ build log entry as a JSON line, then the result.`,
 	build.Flags().StringVar(&readyCmd, "ready-cmd", "", "command that must succeed before the checkpoint")
 	build.Flags().BoolVar(&force, "force", false, "rebuild even if it exists")
 	build.Flags().StringVar(&fromImage, "from-image", "", "build from an OCI/Docker image in a registry (python:3.12, localhost:5000/app:v1)")
-	build.Flags().StringVar(&fromArchive, "from-archive", "", "build from a `docker save` or OCI layout tarball on the daemon's host")
+	build.Flags().StringVar(&fromArchive, "from-archive", "", "build from a local `docker save` or OCI layout tarball (uploaded to the daemon)")
 	build.Flags().BoolVar(&insecure, "insecure-registry", false, "reach --from-image's registry over plain HTTP")
 	build.Flags().StringVarP(&dockerfilePath, "dockerfile", "f", "", "build from this Dockerfile (through E2B's template build API)")
 	build.Flags().StringVar(&contextDir, "context", "", "build context of --dockerfile, where COPY reads files (default: the Dockerfile's directory)")

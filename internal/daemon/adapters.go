@@ -92,10 +92,11 @@ func (a *netAdapter) Reconcile(ctx context.Context, keep []int) error {
 // Layers live in <data-dir>/layers, beside <data-dir>/templates (hard links need one
 // filesystem); the data dir is found from the rootfs destination the Manager gives.
 type builderAdapter struct {
-	b    *template.Builder
-	once sync.Once
-	img  template.ImageConfig
-	err  error
+	b       *template.Builder
+	dataDir string // "" = found from the first rootfs destination
+	once    sync.Once
+	img     template.ImageConfig
+	err     error
 }
 
 func (a *builderAdapter) BuildRootFS(ctx context.Context, req sandbox.BuildRequest, dest string, progress func(string)) (sandbox.RootFSInfo, error) {
@@ -105,7 +106,7 @@ func (a *builderAdapter) BuildRootFS(ctx context.Context, req sandbox.BuildReque
 		return sandbox.RootFSInfo{}, err
 	}
 	if !ok {
-		return sandbox.RootFSInfo{}, a.b.BuildDebian(ctx, cfg, dest, progress)
+		return a.debian(ctx, cfg, dest, progress)
 	}
 	if src.Ref != "" {
 		resolved := cfg.Resolver.Resolve(src.Ref)
@@ -116,18 +117,35 @@ func (a *builderAdapter) BuildRootFS(ctx context.Context, req sandbox.BuildReque
 			if progress != nil {
 				progress(fmt.Sprintf("image %s is ember's base template here (no registry needed)", src.Ref))
 			}
-			return sandbox.RootFSInfo{}, a.b.BuildDebian(ctx, cfg, dest, progress)
+			return a.debian(ctx, cfg, dest, progress)
 		}
 		if resolved != src.Ref && progress != nil {
 			progress(fmt.Sprintf("image %s: using %s", src.Ref, resolved))
 		}
 		src.Ref = resolved
 	}
-	defs, err := a.b.BuildFromImage(ctx, cfg, src, dest, progress)
+	defs, stack, err := a.b.BuildFromImage(ctx, cfg, src, dest, progress)
 	if err != nil {
 		return sandbox.RootFSInfo{}, err
 	}
-	return sandbox.RootFSInfo{Env: defs.Env, User: defs.User, Workdir: defs.Workdir, StartCmd: defs.StartCmd}, nil
+	return sandbox.RootFSInfo{Env: defs.Env, User: defs.User, Workdir: defs.Workdir, StartCmd: defs.StartCmd, Lowers: stack.Lowers}, nil
+}
+
+func (a *builderAdapter) debian(ctx context.Context, cfg template.ImageConfig, dest string, progress func(string)) (sandbox.RootFSInfo, error) {
+	stack, err := a.b.BuildDebian(ctx, cfg, dest, progress)
+	return sandbox.RootFSInfo{Lowers: stack.Lowers}, err
+}
+
+// CollectLayers implements sandbox.LayerCollector: the layer store's GC.
+func (a *builderAdapter) CollectLayers(ctx context.Context, keep []string) ([]string, error) {
+	if a.dataDir == "" {
+		return nil, nil
+	}
+	cfg, err := a.imageConfig("")
+	if err != nil {
+		return nil, err
+	}
+	return cfg.Layers.GC(keep)
 }
 
 // imageSource reads the image a build request names, if any.
@@ -152,7 +170,10 @@ func imageSource(req sandbox.BuildRequest) (template.ImageSource, bool) {
 
 func (a *builderAdapter) imageConfig(dest string) (template.ImageConfig, error) {
 	a.once.Do(func() {
-		dataDir := filepath.Dir(filepath.Dir(filepath.Dir(dest))) // <data-dir>/templates/<name>/rootfs-<id>
+		dataDir := a.dataDir
+		if dataDir == "" {
+			dataDir = filepath.Dir(filepath.Dir(filepath.Dir(dest))) // <data-dir>/templates/<name>/rootfs-<id>
+		}
 		st := &image.Store{Root: filepath.Join(dataDir, "layers"), MaxLayerBytes: template.DefaultMaxLayerBytes, MaxImageBytes: template.DefaultMaxImageBytes, MaxLayerEntries: template.DefaultMaxLayerEntries}
 		for _, v := range []struct {
 			env string

@@ -164,7 +164,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		Driver:       drv,
 		Network:      &netAdapter{m: nm, slots: map[int]*network.Slot{}},
 		Store:        st,
-		Builder:      &builderAdapter{b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
+		Builder:      &builderAdapter{dataDir: cfg.DataDir, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
 		Images:       images,
 		Logger:       cfg.Logger,
 		Dial:         network.MarkedDialer(names.HostMark).DialContext,

@@ -3,8 +3,6 @@ package image
 import (
 	"context"
 	"fmt"
-	"io"
-	"io/fs"
 	"os"
 	"path"
 	"path/filepath"
@@ -13,215 +11,159 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
+
+// Stack is a template's root filesystem as an overlayfs lower stack: Top, the template's own
+// layer directory (its files only, never shared), over Lowers, the image's layer directories
+// (top first), which every template built on them shares read-only.
+type Stack struct {
+	Top    string
+	Lowers []string
+}
+
+// Dirs is the whole stack, top first.
+func (s Stack) Dirs() []string { return append([]string{s.Top}, s.Lowers...) }
 
 // ComposeStats counts what Compose made.
 type ComposeStats struct {
-	Dirs, Links int
+	// Layers is the number of image layers in the stack; Links the hard links into lower
+	// layers that were made in the top layer.
+	Layers, Links int
 }
 
-// Compose writes into dest (an existing, empty directory) the merged tree of layers, bottom
-// layer first: each layer's whiteouts and opaque directories hide what lower layers put there,
-// then its entries are added. Directories are created (with the topmost layer's owner, mode,
-// xattrs and time); every other entry is a hard link to the layer's own inode, so the layer's
-// bytes are shared, never copied. dest must be on the layers' filesystem. Nothing in dest is
-// ever written through: a later entry replaces the link, it does not open it. Lookups in dest
-// never follow symlinks (an image's symlinks point anywhere on the host).
-func Compose(ctx context.Context, dest string, layers []LayerDir) (ComposeStats, error) {
-	var st ComposeStats
-	root, err := unix.Open(dest, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
-	if err != nil {
-		return st, fmt.Errorf("open %s: %w", dest, err)
+// Compose makes the template rootfs of layers (bottom layer first, as an image lists them) with
+// top (an existing directory, the template's own layer) above them: the stack of top and the
+// layers' directories, which overlayfs merges (each layer's whiteouts and opaque directories
+// are in its directory). Nothing is copied and no layer is written: the only thing Compose
+// writes is, in top, each hard link of a layer whose target is in a lower layer (a link to the
+// lower layer's file, made through the merged stack), unless a higher layer has its own entry
+// at that name. This is the one entry point for "these layers make this template's rootfs".
+func Compose(ctx context.Context, top string, layers []LayerDir) (Stack, ComposeStats, error) {
+	st := ComposeStats{Layers: len(layers)}
+	stack := Stack{Top: top}
+	for i := len(layers) - 1; i >= 0; i-- {
+		stack.Lowers = append(stack.Lowers, layers[i].RootDir())
 	}
-	defer unix.Close(root)
-	times := map[string]unix.Timespec{}
-	for _, l := range layers {
-		if err := ctx.Err(); err != nil {
-			return st, err
-		}
-		short := strings.TrimPrefix(l.Digest, "sha256:")
-		if len(short) > 12 {
-			short = short[:12]
-		}
+	if fi, err := os.Lstat(top); err != nil || !fi.IsDir() {
+		return stack, st, fmt.Errorf("top layer %s: not a directory: %w", top, errdefs.ErrInvalid)
+	}
+	type link struct {
+		Link
+		layer int
+	}
+	var links []link
+	for i, l := range layers {
 		if err := checkMeta(l.Meta); err != nil {
-			return st, fmt.Errorf("layer %s: %w", short, err)
-		}
-		for _, d := range l.Meta.Opaque {
-			fd, err := openBeneath(root, d)
-			if err != nil {
-				continue // nothing below to hide, or hidden behind a symlink: nothing to do
-			}
-			err = removeChildren(fd)
-			unix.Close(fd)
-			if err != nil {
-				return st, fmt.Errorf("layer %s: opaque /%s: %w", short, d, err)
-			}
-		}
-		for _, w := range l.Meta.Whiteouts {
-			dir, base := path.Split(w)
-			fd, err := openBeneath(root, strings.TrimSuffix(dir, "/"))
-			if err != nil {
-				continue
-			}
-			err = removeAllAt(fd, base)
-			unix.Close(fd)
-			if err != nil {
-				return st, fmt.Errorf("layer %s: whiteout /%s: %w", short, w, err)
-			}
-		}
-		src := l.RootDir()
-		err := filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
-			if err != nil {
-				return err
-			}
-			rel, _ := filepath.Rel(src, p)
-			if rel == "." {
-				return nil
-			}
-			dir, base := path.Split(filepath.ToSlash(rel))
-			parent, err := openBeneath(root, strings.TrimSuffix(dir, "/"))
-			if err != nil {
-				return pathError(rel, err)
-			}
-			defer unix.Close(parent)
-			if d.IsDir() {
-				var sst unix.Stat_t
-				if err := unix.Lstat(p, &sst); err != nil {
-					return err
-				}
-				if err := clear(parent, base, true); err != nil {
-					return err
-				}
-				if err := unix.Mkdirat(parent, base, 0o700); err != nil && err != unix.EEXIST {
-					return err
-				} else if err == nil {
-					st.Dirs++
-				}
-				fd, err := unix.Openat2(parent, base, &unix.OpenHow{Flags: unix.O_DIRECTORY | unix.O_RDONLY | unix.O_CLOEXEC, Resolve: resolveFlags})
-				if err != nil {
-					return pathError(rel, err)
-				}
-				defer unix.Close(fd)
-				if err := unix.Fchown(fd, int(sst.Uid), int(sst.Gid)); err != nil {
-					return err
-				}
-				if err := unix.Fchmod(fd, sst.Mode&0o7777); err != nil {
-					return err
-				}
-				if err := copyXattrs(p, fd); err != nil {
-					return err
-				}
-				times[rel] = sst.Mtim
-				return nil
-			}
-			if err := clear(parent, base, false); err != nil {
-				return err
-			}
-			err = unix.Linkat(unix.AT_FDCWD, p, parent, base, 0)
-			if err == unix.EMLINK && d.Type().IsRegular() {
-				// The layer's inode has as many links as its filesystem allows: this tree
-				// gets its own copy.
-				return copyInto(p, parent, base)
-			}
-			if err != nil {
-				return fmt.Errorf("link /%s: %w", rel, err)
-			}
-			st.Links++
-			return nil
-		})
-		if err != nil {
-			return st, fmt.Errorf("layer %s: %w", short, err)
+			return stack, st, fmt.Errorf("layer %s: %w", shortDigest(l.Digest), err)
 		}
 		for _, ln := range l.Meta.Links {
+			links = append(links, link{ln, i})
+		}
+	}
+	if len(links) == 0 {
+		return stack, st, nil
+	}
+	err := stack.Edit(ctx, func(t *Tree) error {
+		for _, ln := range links {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			if shadowed(layers[ln.layer+1:], ln.Name) {
+				continue
+			}
 			dir, base := path.Split(ln.Name)
-			parent, err := openBeneath(root, strings.TrimSuffix(dir, "/"))
+			dir = strings.TrimSuffix(dir, "/")
+			if err := t.MkdirAll(dir, 0o755, 0, 0); err != nil {
+				return fmt.Errorf("hard link /%s: %w", ln.Name, err)
+			}
+			parent, err := openBeneath(t.fd, dir)
 			if err != nil {
-				return st, fmt.Errorf("layer %s: hard link /%s: %w", short, ln.Name, pathError(ln.Name, err))
+				return fmt.Errorf("hard link /%s: %w", ln.Name, pathError(dir, err))
 			}
 			if err := clear(parent, base, false); err != nil {
 				unix.Close(parent)
-				return st, err
+				return err
 			}
-			ok, err := linkBeneath(root, ln.Target, parent, base)
+			ok, err := linkBeneath(t.fd, ln.Target, parent, base)
 			unix.Close(parent)
 			if err != nil {
-				return st, fmt.Errorf("layer %s: hard link /%s -> /%s: %w", short, ln.Name, ln.Target, err)
+				return fmt.Errorf("layer %s: hard link /%s -> /%s: %w", shortDigest(layers[ln.layer].Digest), ln.Name, ln.Target, err)
 			}
 			if !ok {
-				return st, fmt.Errorf("layer %s: hard link /%s: target /%s is in no layer: %w", short, ln.Name, ln.Target, errdefs.ErrInvalid)
+				return fmt.Errorf("layer %s: hard link /%s: target /%s is in no layer: %w", shortDigest(layers[ln.layer].Digest), ln.Name, ln.Target, errdefs.ErrInvalid)
 			}
 			st.Links++
 		}
-	}
-	for rel, ts := range times {
-		_ = unix.UtimesNanoAt(root, rel, []unix.Timespec{ts, ts}, unix.AT_SYMLINK_NOFOLLOW)
-	}
-	if err := unix.Fchown(root, 0, 0); err != nil {
-		return st, err
-	}
-	return st, unix.Fchmod(root, 0o755)
+		return nil
+	})
+	return stack, st, err
 }
 
-// copyXattrs copies the xattrs of the layer directory p (ember's own tree) onto fd.
-func copyXattrs(p string, fd int) error {
-	sz, err := unix.Llistxattr(p, nil)
-	if err != nil || sz == 0 {
-		return nil
-	}
-	buf := make([]byte, sz)
-	sz, err = unix.Llistxattr(p, buf)
-	if err != nil {
-		return nil
-	}
-	for _, name := range strings.Split(strings.TrimRight(string(buf[:sz]), "\x00"), "\x00") {
-		if !allowedXattr(name) {
-			continue
-		}
-		vsz, err := unix.Lgetxattr(p, name, nil)
+// shadowed reports whether one of layers has an entry (or a whiteout) of its own at rel.
+func shadowed(layers []LayerDir, rel string) bool {
+	for _, l := range layers {
+		root, err := unix.Open(l.RootDir(), unix.O_DIRECTORY|unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
 		if err != nil {
 			continue
 		}
-		val := make([]byte, vsz)
-		if vsz, err = unix.Lgetxattr(p, name, val); err != nil {
-			continue
-		}
-		if err := unix.Fsetxattr(fd, name, val[:vsz], 0); err != nil {
-			return fmt.Errorf("xattr %s: %w", name, err)
+		t := Tree{fd: root}
+		ok := t.Exists(rel)
+		unix.Close(root)
+		if ok {
+			return true
 		}
 	}
-	return nil
+	return false
 }
 
-// copyInto copies the layer file p (ember's own tree) as a new file base in parent, with its
-// owner, mode, xattrs and times.
-func copyInto(p string, parent int, base string) error {
-	var sst unix.Stat_t
-	if err := unix.Lstat(p, &sst); err != nil {
-		return err
+func shortDigest(d string) string {
+	short := strings.TrimPrefix(d, "sha256:")
+	if len(short) > 12 {
+		short = short[:12]
 	}
-	src, err := os.Open(p)
+	return short
+}
+
+// Edit mounts the stack writable, with Top as the overlay's upper directory, and runs fn on the
+// merged tree: what fn writes lands in Top (overlayfs copies a lower directory up before an
+// entry is added to it, and records a removal as a whiteout), never in a shared layer. It needs
+// root. The mount is gone when Edit returns. Hard links from outside the tree cannot be made
+// through the mount (another filesystem): make them in Top afterwards.
+func (s Stack) Edit(ctx context.Context, fn func(t *Tree) error) error {
+	if len(s.Lowers) == 0 {
+		t, err := OpenTree(s.Top)
+		if err != nil {
+			return err
+		}
+		defer t.Close()
+		return fn(t)
+	}
+	scratch, err := os.MkdirTemp(filepath.Dir(s.Top), "."+filepath.Base(s.Top)+".edit-")
 	if err != nil {
 		return err
 	}
-	defer src.Close()
-	fd, err := unix.Openat(parent, base, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	defer os.RemoveAll(scratch)
+	work, merged := filepath.Join(scratch, "work"), filepath.Join(scratch, "merged")
+	for _, d := range []string{work, merged} {
+		if err := os.Mkdir(d, 0o700); err != nil {
+			return err
+		}
+	}
+	if err := overlayfs.Mount(merged, s.Lowers, s.Top, work); err != nil {
+		return err
+	}
+	defer overlayfs.Unmount(merged)
+	t, err := OpenTree(merged)
 	if err != nil {
 		return err
 	}
-	defer unix.Close(fd)
-	if _, err := io.Copy(fdFile{fd}, src); err != nil {
-		return err
+	err = fn(t)
+	t.Close()
+	if uerr := overlayfs.Unmount(merged); err == nil {
+		err = uerr
 	}
-	if err := unix.Fchown(fd, int(sst.Uid), int(sst.Gid)); err != nil {
-		return err
-	}
-	if err := unix.Fchmod(fd, sst.Mode&0o7777); err != nil {
-		return err
-	}
-	if err := copyXattrs(p, fd); err != nil {
-		return err
-	}
-	return unix.UtimesNanoAt(parent, base, []unix.Timespec{sst.Atim, sst.Mtim}, unix.AT_SYMLINK_NOFOLLOW)
+	return err
 }
 
 // checkMeta refuses a Meta whose paths could name anything but an entry inside the tree.

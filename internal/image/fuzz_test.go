@@ -9,8 +9,6 @@ import (
 	"syscall"
 	"testing"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
@@ -44,35 +42,12 @@ func FuzzUnpack(f *testing.F) {
 		}
 		filepath.Walk(root, func(p string, info os.FileInfo, err error) error {
 			if err == nil && info.Mode()&(os.ModeDevice|os.ModeCharDevice) != 0 {
-				t.Fatalf("device node %s", p)
+				// The only device nodes allowed: the overlay whiteouts Unpack makes (0:0).
+				if st, ok := info.Sys().(*syscall.Stat_t); !ok || info.Mode()&os.ModeCharDevice == 0 || st.Rdev != 0 {
+					t.Fatalf("device node %s", p)
+				}
 			}
 			return nil
 		})
 	})
-}
-
-func TestCopyIntoKeepsAttributes(t *testing.T) {
-	testutil.RequireRoot(t)
-	dir := t.TempDir()
-	src := filepath.Join(dir, "src")
-	os.WriteFile(src, []byte("content"), 0o600)
-	os.Chown(src, 12, 34)
-	unix.Chmod(src, 0o4751)
-	unix.Setxattr(src, "user.k", []byte("v"), 0)
-	out := filepath.Join(dir, "out")
-	os.Mkdir(out, 0o755)
-	fd, _ := unix.Open(out, unix.O_DIRECTORY|unix.O_RDONLY, 0)
-	defer unix.Close(fd)
-	if err := copyInto(src, fd, "copy"); err != nil {
-		t.Fatal(err)
-	}
-	var a, b syscall.Stat_t
-	syscall.Stat(src, &a)
-	syscall.Stat(filepath.Join(out, "copy"), &b)
-	data, _ := os.ReadFile(filepath.Join(out, "copy"))
-	buf := make([]byte, 8)
-	n, _ := unix.Getxattr(filepath.Join(out, "copy"), "user.k", buf)
-	if string(data) != "content" || a.Ino == b.Ino || b.Uid != 12 || b.Gid != 34 || b.Mode&0o7777 != 0o4751 || string(buf[:n]) != "v" || a.Mtim != b.Mtim {
-		t.Fatalf("copy: %q ino %d/%d uid %d gid %d mode %o xattr %q", data, a.Ino, b.Ino, b.Uid, b.Gid, b.Mode&0o7777, buf[:n])
-	}
 }

@@ -29,8 +29,10 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
+	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
@@ -179,14 +181,28 @@ func TestComposeDoesNotFollowSymlinks(t *testing.T) {
 	st := &Store{Root: filepath.Join(base, "layers")}
 	l1 := mustLayer(t, st, layerOf(t, symlink("etc", sentinel), symlink("opq", sentinel)))
 	l2 := mustLayer(t, st, layerOf(t, file("etc/.wh.keep", ""), file("opq/.wh..wh..opq", "")))
-	// a whiteout entry's parent is not created as a directory, so l2 leaves etc as the symlink
-	dest := filepath.Join(base, "rootfs")
-	os.Mkdir(dest, 0o755)
-	if _, err := Compose(context.Background(), dest, []LayerDir{l1, l2}); err != nil {
+	top := filepath.Join(base, "top")
+	os.Mkdir(top, 0o755)
+	stack, _, err := Compose(context.Background(), top, []LayerDir{l1, l2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = stack.Edit(context.Background(), func(tr *Tree) error {
+		if err := tr.WriteFile("etc/new", []byte("x"), 0o644, 0, 0); err != nil {
+			return err
+		}
+		return tr.MkdirAll("opq/d", 0o755, 0, 0)
+	})
+	if err != nil {
 		t.Fatal(err)
 	}
 	if got := snapshot(t, sentinel); got != before {
 		t.Fatalf("sentinel changed:\n%s", got)
+	}
+	for _, p := range []string{"etc/new", "opq/d"} {
+		if _, err := os.Lstat(filepath.Join(top, p)); err != nil {
+			t.Errorf("edit of %s did not land in the top layer: %v", p, err)
+		}
 	}
 }
 
@@ -215,11 +231,21 @@ func TestComposeWhiteoutsOpaqueAttrs(t *testing.T) {
 	l2 := mustLayer(t, st, layerOf(t,
 		file("a/.wh.1", ""), file(".wh.b", ""), file("c/.wh..wh..opq", ""), file("c/z", "z"), file("replaced", "new"),
 		hardlink("a/link-to-lower", "a/2"), dir("lib"), file("lib/libx.so", "x")))
-	dest := filepath.Join(base, "rootfs")
-	os.Mkdir(dest, 0o755)
-	if _, err := Compose(context.Background(), dest, []LayerDir{l1, l2}); err != nil {
+	top := filepath.Join(base, "top")
+	os.Mkdir(top, 0o755)
+	stack, cs, err := Compose(context.Background(), top, []LayerDir{l1, l2})
+	if err != nil {
 		t.Fatal(err)
 	}
+	if cs.Links != 1 {
+		t.Errorf("links into lower layers made: %d, want 1", cs.Links)
+	}
+	dest := filepath.Join(base, "merged")
+	os.Mkdir(dest, 0o755)
+	if err := overlayfs.Mount(dest, stack.Dirs(), "", ""); err != nil {
+		t.Fatal(err)
+	}
+	defer overlayfs.Unmount(dest)
 	exists := func(p string) bool { _, err := os.Lstat(filepath.Join(dest, p)); return err == nil }
 	for p, want := range map[string]bool{"a/1": false, "a/2": true, "b": false, "b/x": false, "c/y": false, "c/z": true, "lib/libx.so": true} {
 		if exists(p) != want {
@@ -242,7 +268,7 @@ func TestComposeWhiteoutsOpaqueAttrs(t *testing.T) {
 	var lay syscall.Stat_t
 	syscall.Lstat(filepath.Join(l1.RootDir(), "bin/tool"), &lay)
 	if lay.Ino != fi.Ino {
-		t.Error("composed file is not the layer's inode")
+		t.Error("merged file is not the layer's inode")
 	}
 	var ab, lo syscall.Stat_t
 	syscall.Lstat(filepath.Join(dest, "a/link-to-lower"), &lo)
@@ -254,7 +280,7 @@ func TestComposeWhiteoutsOpaqueAttrs(t *testing.T) {
 	if n, err := syscall.Getxattr(filepath.Join(dest, "bin/tool"), "user.origin", buf); err != nil || string(buf[:n]) != "layer1" {
 		t.Errorf("xattr user.origin: %q %v", buf[:n], err)
 	}
-	if _, err := syscall.Getxattr(filepath.Join(dest, "bin/tool"), "trusted.overlay.opaque", buf); err == nil {
+	if _, err := syscall.Getxattr(filepath.Join(l1.RootDir(), "bin/tool"), "trusted.overlay.opaque", buf); err == nil {
 		t.Error("trusted.* xattr applied")
 	}
 	if l, _ := os.Readlink(filepath.Join(dest, "bin/sym")); l != "tool" {
@@ -268,23 +294,88 @@ func TestComposeWhiteoutsOpaqueAttrs(t *testing.T) {
 	if fi, err := os.Lstat(filepath.Join(dest, "fifo")); err != nil || fi.Mode()&os.ModeNamedPipe == 0 {
 		t.Errorf("fifo: %v %v", fi, err)
 	}
-	// Tree edits replace, never write through the shared inode.
-	tr, err := OpenTree(dest)
+	// Edits of the stack land in the top layer, never in a shared one.
+	overlayfs.Unmount(dest)
+	err = stack.Edit(context.Background(), func(tr *Tree) error {
+		if err := tr.WriteFile("bin/tool", []byte("changed"), 0o755, 0, 0); err != nil {
+			return err
+		}
+		return tr.WriteFile("lib/../../escape", []byte("x"), 0o644, 0, 0) // cleaned to /escape inside the tree
+	})
 	if err != nil {
-		t.Fatal(err)
-	}
-	defer tr.Close()
-	if err := tr.WriteFile("bin/tool", []byte("changed"), 0o755, 0, 0); err != nil {
 		t.Fatal(err)
 	}
 	if b, _ := os.ReadFile(filepath.Join(l1.RootDir(), "bin/tool")); string(b) != "tool" {
 		t.Fatalf("layer file written through: %q", b)
 	}
-	if err := tr.WriteFile("lib/../../escape", []byte("x"), 0o644, 0, 0); err != nil {
-		t.Fatal(err) // cleaned to /escape inside the tree
+	if b, _ := os.ReadFile(filepath.Join(top, "bin/tool")); string(b) != "changed" {
+		t.Fatalf("edit not in the top layer: %q", b)
 	}
 	if _, err := os.Lstat(filepath.Join(base, "escape")); err == nil {
 		t.Fatal("tree write escaped")
+	}
+}
+
+// TestUnpackOverlayFormat: a layer directory holds its whiteouts and opaque directories in
+// overlayfs's format, and the store re-unpacks a directory of an older format.
+func TestUnpackOverlayFormat(t *testing.T) {
+	testutil.RequireRoot(t)
+	base := t.TempDir()
+	st := &Store{Root: filepath.Join(base, "layers")}
+	l := layerOf(t, file("a/.wh.gone", ""), file("c/.wh..wh..opq", ""), file("c/z", "z"), file(".wh.d", ""), dir("d"), file("d/x", "x"))
+	ld := mustLayer(t, st, l)
+	var wh unix.Stat_t
+	if err := unix.Lstat(filepath.Join(ld.RootDir(), "a/gone"), &wh); err != nil || !overlayfs.IsWhiteout(&wh) {
+		t.Errorf("a/gone: %v, mode %o rdev %d: not an overlay whiteout", err, wh.Mode, wh.Rdev)
+	}
+	for _, d := range []string{"c", "d"} { // d: the layer's own directory over its whiteout
+		buf := make([]byte, 4)
+		if n, err := unix.Lgetxattr(filepath.Join(ld.RootDir(), d), overlayfs.OpaqueXattr, buf); err != nil || string(buf[:n]) != "y" {
+			t.Errorf("%s: opaque xattr %q, %v", d, buf[:n], err)
+		}
+	}
+	if _, err := os.Lstat(filepath.Join(ld.RootDir(), ".wh.d")); err == nil {
+		t.Error("whiteout file written as a file")
+	}
+	// An older format's directory (whiteouts only in meta.json) is unpacked again.
+	os.WriteFile(filepath.Join(ld.Dir, metaFile), []byte(`{"whiteouts":["a/gone"],"bytes":2,"entries":6}`), 0o600)
+	os.Remove(filepath.Join(ld.RootDir(), "a/gone"))
+	again := mustLayer(t, st, l)
+	if again.Written == 0 || again.Meta.Format != LayerFormat {
+		t.Fatalf("old-format layer reused: written %d, format %d", again.Written, again.Meta.Format)
+	}
+	if err := unix.Lstat(filepath.Join(again.RootDir(), "a/gone"), &wh); err != nil || !overlayfs.IsWhiteout(&wh) {
+		t.Errorf("re-unpacked a/gone: %v", err)
+	}
+}
+
+// TestStoreGC: layers that nothing keeps are removed, kept and held ones stay.
+func TestStoreGC(t *testing.T) {
+	testutil.RequireRoot(t)
+	base := t.TempDir()
+	st := &Store{Root: filepath.Join(base, "layers")}
+	kept := mustLayer(t, st, layerOf(t, file("kept", "k")))
+	gone := mustLayer(t, st, layerOf(t, file("gone", "g")))
+	held := mustLayer(t, st, layerOf(t, file("held", "h")))
+	st.Release([]LayerDir{kept, gone}, false)
+	removed, err := st.GC([]string{kept.RootDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(removed) != 1 || removed[0] != gone.Digest {
+		t.Errorf("removed %v, want [%s]", removed, gone.Digest)
+	}
+	for _, c := range []struct {
+		l    LayerDir
+		want bool
+	}{{kept, true}, {gone, false}, {held, true}} {
+		if _, err := os.Stat(c.l.Dir); (err == nil) != c.want {
+			t.Errorf("%s present = %v, want %v", c.l.Dir, err == nil, c.want)
+		}
+	}
+	st.Release([]LayerDir{held}, false)
+	if removed, _ := st.GC(nil); len(removed) != 2 {
+		t.Errorf("second GC removed %v", removed)
 	}
 }
 
@@ -513,7 +604,7 @@ func TestWhiteoutOfDotDot(t *testing.T) {
 			os.MkdirAll(filepath.Join(dest, "a"), 0o755)
 			empty := filepath.Join(base, "layer")
 			os.MkdirAll(filepath.Join(empty, "root"), 0o755)
-			_, err := Compose(context.Background(), dest, []LayerDir{{Digest: "sha256:00", Dir: empty, Meta: Meta{Whiteouts: []string{w}}}})
+			_, _, err := Compose(context.Background(), dest, []LayerDir{{Digest: "sha256:00", Dir: empty, Meta: Meta{Whiteouts: []string{w}}}})
 			if !errors.Is(err, errdefs.ErrInvalid) {
 				t.Fatalf("compose whiteout %q: %v", w, err)
 			}

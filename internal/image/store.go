@@ -1,16 +1,18 @@
 // Package image turns OCI and Docker images into template root filesystems. It pulls images
 // from registries or reads archives (go-containerregistry), unpacks each layer once per node
-// into a content-addressed directory (<root>/sha256-<hex>/, complete or absent), and composes a
-// template's rootfs as one merged tree of hard links into those directories, whiteouts
-// applied. Layer input is hostile: the unpacker never writes outside its directory. It owns
+// into a content-addressed directory (<root>/sha256-<hex>/, complete or absent) in overlayfs's
+// layer format, and composes a template's rootfs as an overlayfs stack of those directories
+// under the template's own top layer. Layer input is hostile: the unpacker never writes outside its directory. It owns
 // the layer store; it must not know about sandboxes, templates' lifecycles or HTTP.
 package image
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -107,6 +109,18 @@ func (s *Store) Layer(ctx context.Context, l v1.Layer, budget *int64, progress P
 		ok = true
 		return ld, nil
 	}
+	if _, err := os.Lstat(ld.Dir); err == nil {
+		// Written by an older ember (another format), or unreadable: unpack it again. Nothing
+		// runs on a layer directory of another format (its templates are rebuilt at start).
+		progress(fmt.Sprintf("layer %s: on this node in an older format, unpacking again", short))
+		trash := filepath.Join(s.Root, ".tmp-stale-"+short+"-"+randSuffix())
+		if err := os.Rename(ld.Dir, trash); err != nil {
+			return LayerDir{}, err
+		}
+		if err := os.RemoveAll(trash); err != nil {
+			return LayerDir{}, err
+		}
+	}
 	tmp, err := os.MkdirTemp(s.Root, ".tmp-"+short+"-")
 	if err != nil {
 		return LayerDir{}, err
@@ -153,6 +167,7 @@ func (s *Store) Layer(ctx context.Context, l v1.Layer, budget *int64, progress P
 		return LayerDir{}, fmt.Errorf("layer %s: content digest sha256:%s does not match the image's diff id: %w", short, got, errdefs.ErrCorrupt)
 	}
 	counted.done()
+	meta.Format = LayerFormat
 	if err := writeMeta(tmp, meta); err != nil {
 		return LayerDir{}, err
 	}
@@ -169,6 +184,12 @@ func (s *Store) Layer(ctx context.Context, l v1.Layer, budget *int64, progress P
 	progress(fmt.Sprintf("layer %s: unpacked %s in %d entries", short, HumanBytes(meta.Bytes), meta.Entries))
 	ok = true
 	return ld, nil
+}
+
+func randSuffix() string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
 }
 
 func (s *Store) acquire(hex string) *hold {
@@ -216,6 +237,67 @@ func (s *Store) Release(layers []LayerDir, discard bool) {
 	}
 }
 
+// GC removes every layer directory that is not in keep (directories a template's stack uses:
+// <root>/sha256-<hex> or a path below it) and that no build holds right now, and the stored
+// envd binaries no template links any more. It returns the digests of the layers it removed.
+// The caller makes sure that no build that is past its layers' use (composing, booting, not yet
+// recorded) runs meanwhile.
+func (s *Store) GC(keep []string) ([]string, error) {
+	entries, err := os.ReadDir(s.Root)
+	if err != nil {
+		if os.IsNotExist(err) {
+			return nil, nil
+		}
+		return nil, err
+	}
+	kept := map[string]bool{}
+	for _, k := range keep {
+		rel, err := filepath.Rel(s.Root, k)
+		if err != nil || rel == "." || strings.HasPrefix(rel, "..") {
+			continue
+		}
+		kept[strings.Split(rel, string(filepath.Separator))[0]] = true
+	}
+	var removed []string
+	var errs []error
+	for _, e := range entries {
+		name := e.Name()
+		p := filepath.Join(s.Root, name)
+		switch {
+		case strings.HasPrefix(name, "sha256-") && e.IsDir():
+			hex := strings.TrimPrefix(name, "sha256-")
+			if kept[name] {
+				continue
+			}
+			s.mu.Lock()
+			held := s.holds[hex] != nil
+			var trash string
+			if !held {
+				trash = filepath.Join(s.Root, ".tmp-gc-"+hex[:min(12, len(hex))]+"-"+randSuffix())
+				if err := os.Rename(p, trash); err != nil {
+					errs = append(errs, err)
+					trash = ""
+				}
+			}
+			s.mu.Unlock()
+			if trash != "" {
+				if err := os.RemoveAll(trash); err != nil {
+					errs = append(errs, err)
+				}
+				removed = append(removed, "sha256:"+hex)
+			}
+		case strings.HasPrefix(name, "envd-sha256-") && e.Type().IsRegular():
+			var st unix.Stat_t
+			if unix.Lstat(p, &st) == nil && st.Nlink == 1 {
+				if err := os.Remove(p); err != nil {
+					errs = append(errs, err)
+				}
+			}
+		}
+	}
+	return removed, errors.Join(errs...)
+}
+
 // Cleanup removes temporary directories left by unpacks that a crash interrupted. Call it
 // before any build starts.
 func (s *Store) Cleanup() error {
@@ -236,13 +318,27 @@ func (s *Store) Cleanup() error {
 
 const metaFile = "meta.json"
 
+// LayerFormat is the format of the layer directories this ember writes. A directory of another
+// format is unpacked again (1: whiteouts only in meta.json, applied by composing a tree; 2:
+// whiteouts and opaque directories in overlayfs's format, the directory an overlayfs lower).
+const LayerFormat = 2
+
+// errStaleLayer: a layer directory of another LayerFormat.
+var errStaleLayer = errors.New("layer directory of an older format")
+
 func readMeta(dir string) (Meta, error) {
 	var m Meta
 	data, err := os.ReadFile(filepath.Join(dir, metaFile))
 	if err != nil {
 		return m, err
 	}
-	return m, json.Unmarshal(data, &m)
+	if err := json.Unmarshal(data, &m); err != nil {
+		return m, err
+	}
+	if m.Format != LayerFormat {
+		return m, errStaleLayer
+	}
+	return m, nil
 }
 
 func writeMeta(dir string, m Meta) error {

@@ -92,6 +92,20 @@ func (t *Tree) MkdirAll(rel string, mode uint32, uid, gid int) error {
 	return unix.Fchmod(fd, mode)
 }
 
+// Chown sets the owner of rel (no symlink followed, on the way or at the end).
+func (t *Tree) Chown(rel string, uid, gid int) error {
+	dir, base := splitRel(rel)
+	fd, err := openBeneath(t.fd, dir)
+	if err != nil {
+		return pathError(dir, err)
+	}
+	defer unix.Close(fd)
+	if base == "" {
+		return unix.Fchown(fd, uid, gid)
+	}
+	return unix.Fchownat(fd, base, uid, gid, unix.AT_SYMLINK_NOFOLLOW)
+}
+
 // WriteFile writes data as a new file rel (mode, owner), replacing whatever was there.
 func (t *Tree) WriteFile(rel string, data []byte, mode uint32, uid, gid int) error {
 	return t.replace(rel, func(parent int, tmp string) error {

@@ -12,10 +12,12 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
 
 // Meta is what a layer says beyond its files: the whiteouts and opaque directories that hide
-// lower layers' entries, and hard links whose target lives in a lower layer. Paths are relative
+// lower layers' entries (also in the layer directory, in overlayfs's format), and hard links
+// whose target lives in a lower layer. Paths are relative
 // to the image root, cleaned, without a leading slash.
 type Meta struct {
 	Whiteouts []string `json:"whiteouts,omitempty"`
@@ -26,6 +28,8 @@ type Meta struct {
 	// Bytes is the file content written; Entries the number of tar entries.
 	Bytes   int64 `json:"bytes"`
 	Entries int   `json:"entries"`
+	// Format is the store's layer format the directory was written in (LayerFormat).
+	Format int `json:"format,omitempty"`
 }
 
 // Link is a hard link Name -> Target, both relative to the image root.
@@ -53,8 +57,9 @@ const resolveFlags = unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESO
 // returns the layer's Meta. The input is treated as hostile: names with `..` components or
 // absolute names are refused, no lookup follows a symlink, hard links must point inside the
 // layer (or, recorded in Meta.Links, at a lower layer's file, resolved later the same way),
-// device nodes are skipped and reported through logf, whiteouts are recorded rather than
-// written, and lim bounds the content. On error root may hold part of the layer; the caller
+// device nodes are skipped and reported through logf, whiteouts and opaque directories are
+// written in overlayfs's format (a 0:0 character device, the xattr trusted.overlay.opaque=y;
+// the only device nodes Unpack makes) and recorded in Meta, and lim bounds the content. On error root may hold part of the layer; the caller
 // owns removing it.
 func Unpack(ctx context.Context, r io.Reader, root string, lim Limits, logf func(string)) (Meta, error) {
 	if logf == nil {
@@ -94,17 +99,34 @@ func Unpack(ctx context.Context, r io.Reader, root string, lim Limits, logf func
 		dir = strings.TrimSuffix(dir, "/")
 		if base == opaqueMarker {
 			meta.Opaque = append(meta.Opaque, dir)
-			if _, err := u.mkdirAll(dir); err != nil {
+			fd, err := u.mkdirAll(dir)
+			if err != nil {
 				return meta, fmt.Errorf("entry %q: %w", hdr.Name, err)
+			}
+			if dir != "" { // the layer root is always merged with the layers below
+				err = unix.Fsetxattr(fd, overlayfs.OpaqueXattr, []byte("y"), 0)
+			}
+			unix.Close(fd)
+			if err != nil {
+				return meta, fmt.Errorf("entry %q: opaque directory: %w", hdr.Name, err)
 			}
 			continue
 		}
 		if strings.HasPrefix(base, whiteoutPrefix) {
 			target := strings.TrimPrefix(base, whiteoutPrefix)
-			if target == "" || target == "." || target == ".." {
+			if target == "" || target == "." || target == ".." || strings.HasPrefix(target, whiteoutPrefix) {
 				return meta, fmt.Errorf("layer entry %q: whiteout of %q: %w", hdr.Name, target, errdefs.ErrInvalid)
 			}
 			meta.Whiteouts = append(meta.Whiteouts, path.Join(dir, target))
+			parent, err := u.mkdirAll(dir)
+			if err != nil {
+				return meta, fmt.Errorf("entry %q: %w", hdr.Name, err)
+			}
+			err = whiteout(parent, target)
+			unix.Close(parent)
+			if err != nil {
+				return meta, fmt.Errorf("entry %q: whiteout: %w", hdr.Name, err)
+			}
 			continue
 		}
 		switch hdr.Typeflag {
@@ -147,6 +169,33 @@ func Unpack(ctx context.Context, r io.Reader, root string, lim Limits, logf func
 		_ = unix.UtimesNanoAt(rootFD, d.name, ts, unix.AT_SYMLINK_NOFOLLOW)
 	}
 	return meta, nil
+}
+
+// whiteout writes an overlay whiteout of name in parent, unless the layer itself has an entry
+// there: a layer's own entry wins over its whiteout of the same name, whichever comes first,
+// and a directory of its own then hides the lower layers' (opaque), as when the whiteout hid
+// them before the layer's entries were added.
+func whiteout(parent int, name string) error {
+	var st unix.Stat_t
+	if err := unix.Fstatat(parent, name, &st, unix.AT_SYMLINK_NOFOLLOW); err == nil {
+		if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+			return setOpaque(parent, name)
+		}
+		return nil
+	} else if err != unix.ENOENT {
+		return err
+	}
+	return unix.Mknodat(parent, name, unix.S_IFCHR|0o600, 0)
+}
+
+// setOpaque marks the directory name in parent opaque (never following a symlink).
+func setOpaque(parent int, name string) error {
+	fd, err := unix.Openat2(parent, name, &unix.OpenHow{Flags: unix.O_DIRECTORY | unix.O_RDONLY | unix.O_CLOEXEC, Resolve: resolveFlags})
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	return unix.Fsetxattr(fd, overlayfs.OpaqueXattr, []byte("y"), 0)
 }
 
 // cleanName turns a tar entry name into a path relative to the root, refusing absolute names
@@ -343,11 +392,18 @@ func (u *unpacker) entry(parent int, base, name string, hdr *tar.Header, r io.Re
 	mode := uint32(hdr.Mode) & 0o7777
 	switch hdr.Typeflag {
 	case tar.TypeDir:
+		var old unix.Stat_t
+		replacesWhiteout := unix.Fstatat(parent, base, &old, unix.AT_SYMLINK_NOFOLLOW) == nil && overlayfs.IsWhiteout(&old)
 		if err := clear(parent, base, true); err != nil {
 			return err
 		}
 		if err := unix.Mkdirat(parent, base, 0o700); err != nil && err != unix.EEXIST {
 			return err
+		}
+		if replacesWhiteout {
+			if err := setOpaque(parent, base); err != nil {
+				return err
+			}
 		}
 		fd, err := unix.Openat2(parent, base, &unix.OpenHow{Flags: unix.O_DIRECTORY | unix.O_RDONLY | unix.O_CLOEXEC, Resolve: resolveFlags})
 		if err != nil {

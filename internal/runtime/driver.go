@@ -13,9 +13,15 @@ import (
 type Spec struct {
 	// ID is the runtime's id for the instance. Fixed length (runsc matches ids by prefix).
 	ID string
-	// RootFS is the template's root filesystem directory. It is shared by every sandbox of the
-	// template and is never written: each instance writes to its own layer.
+	// RootFS is the template's root filesystem directory: its top (or only) layer. With Lowers,
+	// the root filesystem is the stack RootFS, Lowers[0], Lowers[1], ... (top first), merged as
+	// overlayfs merges lower layers: an entry of a higher layer hides the same path below, an
+	// overlay whiteout (a 0:0 character device) hides it without replacing it, and a directory
+	// with the xattr trusted.overlay.opaque=y hides everything below it. Every layer is shared
+	// by the sandboxes of the template (and by other templates) and is never written: each
+	// instance writes to its own layer.
 	RootFS string
+	Lowers []string
 	// StateDir is a directory private to this instance (bundle, logs, upper layer). The driver
 	// may create files under it; the caller removes it after Delete.
 	StateDir string
@@ -46,6 +52,11 @@ type Spec struct {
 	DiskMB int
 	// PidsLimit bounds the number of tasks in the sandbox; 0 = the driver's default.
 	PidsLimit int
+}
+
+// Stack is the root filesystem's read-only layers, top first: RootFS, then Lowers.
+func (s Spec) Stack() []string {
+	return append([]string{s.RootFS}, s.Lowers...)
 }
 
 // ExitReason says why an instance stopped on its own (Driver.Wait).
@@ -129,7 +140,8 @@ type Driver interface {
 	Checkpoint(ctx context.Context, id, imageDir string, opts CheckpointOptions) error
 	// Restore starts a new instance described by spec from an image written by Checkpoint.
 	// spec.ID, StateDir, NetNSPath, Hostname, Env and limits may differ from the checkpointed
-	// instance's; Args and Cwd must not. One image may be restored into many instances at once.
+	// instance's; Args, Cwd and the rootfs stack (RootFS, Lowers) must not (another stack is
+	// ErrInvalid). One image may be restored into many instances at once.
 	Restore(ctx context.Context, spec Spec, imageDir string) error
 	// State reports whether the instance runs.
 	State(ctx context.Context, id string) (Status, error)

@@ -93,6 +93,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		AllowInternet:    allow,
 		Network:          req.Network.ForNew(),
 		RootFS:           tpl.RootFS,
+		Lowers:           tpl.Lowers,
 	}
 	if len(tpl.Aliases) > 0 {
 		sb.Alias = tpl.Aliases[0]

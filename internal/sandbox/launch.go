@@ -83,6 +83,7 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 	rs := runtime.Spec{
 		ID:           inst,
 		RootFS:       spec.tpl.RootFS,
+		Lowers:       spec.tpl.Lowers,
 		StateDir:     m.instanceDir(spec.owner, inst),
 		NetNSPath:    slot.NetNSPath,
 		Hostname:     "sandbox",

@@ -244,12 +244,12 @@ func (m *Manager) templateOf(ctx context.Context, sb *Sandbox) (*Template, error
 		if sb.RootFS == "" || tpl.RootFS == sb.RootFS {
 			return tpl, nil
 		}
-		// Rebuilt since: the sandbox stays on the rootfs it started on.
+		// Rebuilt since: the sandbox stays on the rootfs (stack) it started on.
 		c := *tpl
-		c.RootFS = sb.RootFS
+		c.RootFS, c.Lowers = sb.RootFS, sb.Lowers
 		return &c, nil
 	case errors.Is(err, errdefs.ErrNotFound) && sb.RootFS != "":
-		return &Template{ID: sb.TemplateID, Kind: "template", RootFS: sb.RootFS, Ready: true}, nil
+		return &Template{ID: sb.TemplateID, Kind: "template", RootFS: sb.RootFS, Lowers: sb.Lowers, Ready: true}, nil
 	}
 	return nil, fmt.Errorf("template %q of sandbox %q: %w", sb.TemplateID, sb.ID, err)
 }

@@ -61,6 +61,16 @@ type RootFSInfo struct {
 	User     string            // default user ("" = "user")
 	Workdir  string            // default working directory ("" = the user's home)
 	StartCmd string            // start command when the build request gives none
+	// Lowers are the read-only layers (top first) the rootfs written to dest stacks on; empty
+	// when dest is the whole rootfs.
+	Lowers []string
+}
+
+// LayerCollector is a RootFSBuilder that keeps shared layers (optional): CollectLayers removes
+// those not in keep (every directory a template's or sandbox's stack names) and returns what it
+// removed. The Manager calls it only while no build is in flight.
+type LayerCollector interface {
+	CollectLayers(ctx context.Context, keep []string) ([]string, error)
 }
 
 // ImageStore keeps checkpoint images of named snapshots durably (internal/snapshot).
@@ -104,6 +114,8 @@ type Config struct {
 	MaxSandboxes int
 	// MaxBuilds caps concurrent template builds (default 2).
 	MaxBuilds int
+	// MaxImportBytes bounds an uploaded image archive (default DefaultMaxImportBytes).
+	MaxImportBytes int64
 	// DrainTimeout bounds how long Close waits for operations in flight before it cancels them
 	// (default 10 s).
 	DrainTimeout time.Duration
@@ -129,7 +141,12 @@ type Manager struct {
 	pool   *pool
 	faults *faults
 	names  map[string]bool // template and snapshot names being written (reserveName)
-	builds chan struct{}   // one token per concurrent template build
+	// gcMu serialises layer collections with the start of builds; gcBuilds counts the builds
+	// in flight, gcPending a collection asked for while there were some (layers.go).
+	gcMu      sync.Mutex
+	gcBuilds  int
+	gcPending bool
+	builds    chan struct{} // one token per concurrent template build
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool
@@ -239,6 +256,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		m.wg.Wait()
 		return nil, fmt.Errorf("reconcile: %w", err)
 	}
+	m.collectLayers(ctx, "start")
 	m.wg.Add(1)
 	go m.reaper()
 	m.pool.start()

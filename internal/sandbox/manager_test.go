@@ -839,3 +839,58 @@ func TestTemplatesRecordTheirFormat(t *testing.T) {
 		t.Fatal("snapshots are not rebuilt")
 	}
 }
+
+// A pool refill that finishes after its template was deleted does not keep its instance (nor,
+// through its mount, the template's layers): the pool destroys it.
+func TestPoolDropsARefillOfADeletedTemplate(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 1 })
+	restoring := make(chan struct{}, 1)
+	release := make(chan struct{})
+	var once sync.Once
+	n.rig.Driver.Fail = func(op, id string) error {
+		if op == "Restore" {
+			once.Do(func() {
+				restoring <- struct{}{}
+				<-release
+			})
+		}
+		return nil
+	}
+	n.build("t1")
+	select {
+	case <-restoring:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the pool did not start a refill")
+	}
+	if err := n.m.DeleteTemplate(context.Background(), "t1"); err != nil {
+		t.Fatal(err)
+	}
+	close(release)
+	eventually(t, 5*time.Second, "the late refill done", func() bool {
+		for _, ps := range n.m.Pools(context.Background()) {
+			if ps.Refilling {
+				return false
+			}
+		}
+		return true
+	})
+	eventually(t, 10*time.Second, "the late refill's instance destroyed", func() bool { return len(n.rig.Driver.Running()) == 0 })
+}
+
+// An upload that a crash interrupted is removed at start; finished imports stay.
+func TestRestartRemovesUnfinishedUploads(t *testing.T) {
+	n := newNode(t, nil)
+	name, _, err := n.m.ImportArchive(context.Background(), strings.NewReader("archive"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	partial := filepath.Join(n.cfg.DataDir, "imports", ".upload-123")
+	os.WriteFile(partial, []byte("half"), 0o600)
+	n.restart()
+	if _, err := os.Stat(partial); err == nil {
+		t.Error("an unfinished upload survived the restart")
+	}
+	if _, err := os.Stat(filepath.Join(n.cfg.DataDir, "imports", name)); err != nil {
+		t.Errorf("a finished import was removed: %v", err)
+	}
+}

@@ -315,13 +315,29 @@ func (p *pool) next(ctx context.Context) *Template {
 	}
 	now := time.Now()
 	var stale []*pooled
+	gone := false // some of stale ran on a template's earlier build, or a deleted template
 	defer func() {
 		for _, pe := range stale {
 			p.discard(pe)
 		}
+		if gone {
+			p.m.collectLayers(ctx, "pool instances of an old build discarded")
+		}
 	}()
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	// Instances a refill finished after their template was deleted.
+	current := map[string]bool{}
+	for _, tpl := range tpls {
+		current[tpl.ID] = true
+	}
+	for id, list := range p.ready {
+		if !current[id] {
+			stale = append(stale, list...)
+			gone = true
+			delete(p.ready, id)
+		}
+	}
 	budget := p.m.cfg.PoolMemoryMB / p.m.cfg.PoolInstanceMB
 	var best *Template
 	bestGap := 0
@@ -335,6 +351,7 @@ func (p *pool) next(ctx context.Context) *Template {
 				keep = append(keep, pe)
 			} else {
 				stale = append(stale, pe)
+				gone = true
 			}
 		}
 		target := p.targetLocked(tpl.ID, now)

@@ -163,6 +163,11 @@ func (m *Manager) reconcile(ctx context.Context) error {
 			removeTree(dir)
 		}
 	}
+	uploads, _ := filepath.Glob(filepath.Join(m.importDir(), ".upload-*"))
+	for _, u := range uploads {
+		m.log.Info("reconcile: removed unfinished upload", "file", u)
+		os.Remove(u)
+	}
 	builds, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "templates", "*", "build-*"))
 	for _, b := range builds {
 		m.log.Info("reconcile: removed orphan directory", "dir", b)

@@ -6,6 +6,7 @@ package sandbox
 
 import (
 	"context"
+	"io"
 	"net/http"
 	"time"
 )
@@ -36,6 +37,12 @@ type Service interface {
 	Pools(ctx context.Context) []PoolState
 	// BuildTemplate builds (or rebuilds) a template, writing progress lines to progress.
 	BuildTemplate(ctx context.Context, req BuildRequest, progress func(line string)) (*Template, error)
+	// CheckBuild validates a build request (name, source) without building.
+	CheckBuild(req BuildRequest) error
+	// ImportArchive stores an image archive in the node's import directory and returns the
+	// name `archive:NAME` builds from, and its size; DeleteImport removes one.
+	ImportArchive(ctx context.Context, r io.Reader) (name string, size int64, err error)
+	DeleteImport(ctx context.Context, name string) error
 	// Transport returns a RoundTripper-ready base URL (http://ip:port) to reach a running
 	// sandbox's guest port, or an error wrapping ErrNotFound / ErrConflict (not running).
 	GuestURL(ctx context.Context, id string, port int) (string, error)
@@ -46,7 +53,7 @@ type Service interface {
 // BuildRequest asks for a template build.
 type BuildRequest struct {
 	Name     string // template id / alias, e.g. "base"
-	From     string // "debian:bookworm" (default), "docker://REF", "docker+http://REF", "archive:PATH"
+	From     string // "debian:bookworm" (default), "docker://REF", "docker+http://REF", "archive:NAME" (an import)
 	StartCmd string // optional command started before the checkpoint
 	ReadyCmd string // optional command that must succeed before the checkpoint
 	CPUCount int
@@ -54,7 +61,7 @@ type BuildRequest struct {
 	Force    bool // rebuild the rootfs even if cached
 
 	// FromImage builds from an OCI/Docker image in a registry; FromArchive from a `docker save`
-	// or OCI layout tarball on the node. Insecure reaches FromImage's registry over plain HTTP.
+	// or OCI layout tarball in the node's import directory (its name there). Insecure reaches FromImage's registry over plain HTTP.
 	FromImage   string
 	FromArchive string
 	Insecure    bool

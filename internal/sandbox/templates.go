@@ -19,11 +19,9 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 	if progress == nil {
 		progress = func(string) {}
 	}
-	if !nameRe.MatchString(req.Name) {
-		return nil, fmt.Errorf("template name %q: must match %s: %w", req.Name, nameRe, errdefs.ErrInvalid)
-	}
-	if !validFrom(req) {
-		return nil, fmt.Errorf("from %q: use debian:bookworm, docker://IMAGE, docker+http://IMAGE or archive:PATH: %w", req.From, errdefs.ErrInvalid)
+	req, err := m.checkBuild(req)
+	if err != nil {
+		return nil, err
 	}
 	ctx, done, err := m.op(ctx)
 	if err != nil {
@@ -41,8 +39,15 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 		return nil, err
 	}
 	defer release()
-	if old, err := m.cfg.Store.GetTemplate(ctx, req.Name); err == nil && old.Kind == "snapshot" {
+	old, err := m.cfg.Store.GetTemplate(ctx, req.Name)
+	if err == nil && old.Kind == "snapshot" {
 		return nil, fmt.Errorf("%q is a snapshot: %w", req.Name, errdefs.ErrConflict)
+	}
+	ended := m.buildStarted()
+	defer ended()
+	if old != nil {
+		// The build it replaces: its layers are collected once nothing runs on them.
+		defer m.collectLayers(context.WithoutCancel(ctx), "template "+req.Name+" rebuilt")
 	}
 	start := time.Now()
 	buildID := randomHex(4)
@@ -64,6 +69,7 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 		ID:        req.Name,
 		Kind:      "template",
 		RootFS:    rootfs,
+		Lowers:    info.Lowers,
 		CreatedAt: time.Now().UTC(),
 		CPUCount:  req.CPUCount,
 		MemoryMB:  req.MemoryMB,
@@ -212,6 +218,7 @@ func (m *Manager) DeleteTemplate(ctx context.Context, id string) error {
 		return err
 	}
 	m.pool.templateChanged(&Template{ID: id})
+	defer m.collectLayers(context.WithoutCancel(ctx), "template "+id+" deleted")
 	if tpl.Kind == "snapshot" {
 		os.RemoveAll(tpl.Image)
 		if tpl.SnapshotStored && m.cfg.Images != nil {

@@ -20,8 +20,9 @@ const (
 
 // TemplateFormat is the format of the checkpoints this ember writes. It changes when an
 // instance's runtime spec changes in a way a checkpoint of the old one cannot be restored
-// under (2: a fixed in-sandbox process limit, per-sandbox disk images, nosuid layers).
-const TemplateFormat = 2
+// under (2: a fixed in-sandbox process limit, per-sandbox disk images, nosuid layers; 3: the
+// rootfs is a stack of layers, the template's own over its image's, see Template.Lowers).
+const TemplateFormat = 3
 
 // Stale reports whether t was built by an ember whose checkpoints this one cannot restore.
 func (t *Template) Stale() bool { return t.Kind == "template" && t.Format < TemplateFormat }
@@ -63,6 +64,8 @@ type Sandbox struct {
 	// RootFS is the template rootfs the sandbox runs on, kept so that it can be resumed,
 	// snapshotted and forked after its template (or snapshot) is deleted.
 	RootFS string `json:"rootfs,omitempty"`
+	// Lowers are the read-only layers below RootFS (top first) that the sandbox runs on.
+	Lowers []string `json:"lowers,omitempty"`
 	// Timeout is the lifetime asked for at create (used again by an auto-resume).
 	Timeout time.Duration `json:"timeout,omitempty"`
 	// AllowInternet: egress to the internet (NAT); false denies every address except those in
@@ -142,10 +145,14 @@ type ListFilter struct {
 
 // Template is a sandbox template (or a named snapshot, which can be used as one).
 type Template struct {
-	ID        string    `json:"id"`
-	Aliases   []string  `json:"aliases,omitempty"`
-	Kind      string    `json:"kind"` // "template" or "snapshot"
+	ID      string   `json:"id"`
+	Aliases []string `json:"aliases,omitempty"`
+	Kind    string   `json:"kind"` // "template" or "snapshot"
+	// RootFS is the template's own (top) layer; Lowers the read-only layers below it, top first
+	// (its image's, shared with other templates). The rootfs is their overlay stack; without
+	// Lowers, RootFS alone (a template of an older ember).
 	RootFS    string    `json:"rootfs"`
+	Lowers    []string  `json:"lowers,omitempty"`
 	Image     string    `json:"image,omitempty"` // warm checkpoint, if any
 	CreatedAt time.Time `json:"createdAt"`
 	Ready     bool      `json:"ready"`

@@ -43,25 +43,27 @@ const (
 	DefaultMaxLayerEntries = 1 << 20
 )
 
-// BuildFromImage writes a template rootfs for src to dest (which must not exist): the image's
-// layers are unpacked once per node in the layer store and composed as one tree of hard links;
-// ember's own files (envd, the `user` account, hostname, resolv.conf) are new files in that
-// tree. dest is complete or absent. It returns the image config's defaults.
-func (b *Builder) BuildFromImage(ctx context.Context, cfg ImageConfig, src ImageSource, dest string, progress Progress) (image.Defaults, error) {
+// BuildFromImage makes the template rootfs of src: the image's layers, unpacked once per node in
+// the layer store and shared read-only, under the template's own top layer, written to dest
+// (which must not exist): ember's files (envd, the `user` account, hostname, resolv.conf), never
+// written into a shared layer. dest is complete or absent. It returns the image config's
+// defaults and the rootfs's stack (Top = dest).
+func (b *Builder) BuildFromImage(ctx context.Context, cfg ImageConfig, src ImageSource, dest string, progress Progress) (image.Defaults, image.Stack, error) {
 	var none image.Defaults
+	var nostack image.Stack
 	if progress == nil {
 		progress = func(string) {}
 	}
 	if _, err := os.Stat(dest); err == nil {
-		return none, fmt.Errorf("rootfs %s already exists", dest)
+		return none, nostack, fmt.Errorf("rootfs %s already exists", dest)
 	}
 	envdSum, err := fileSHA256(b.EnvdPath)
 	if err != nil {
-		return none, fmt.Errorf("envd binary: %w", err)
+		return none, nostack, fmt.Errorf("envd binary: %w", err)
 	}
 	st := cfg.Layers
 	if err := os.MkdirAll(st.Root, 0o700); err != nil {
-		return none, err
+		return none, nostack, err
 	}
 	var img v1.Image
 	label := src.Ref
@@ -69,22 +71,22 @@ func (b *Builder) BuildFromImage(ctx context.Context, cfg ImageConfig, src Image
 		label = src.Archive
 		scratch, err := os.MkdirTemp(st.Root, ".tmp-archive-")
 		if err != nil {
-			return none, err
+			return none, nostack, err
 		}
 		defer os.RemoveAll(scratch)
 		progress("reading archive " + src.Archive)
 		if img, err = image.OpenArchive(src.Archive, scratch); err != nil {
-			return none, err
+			return none, nostack, err
 		}
 	} else {
 		progress("resolving " + src.Ref)
 		if img, err = cfg.Resolver.Pull(ctx, src.Ref, src.Insecure, src.Auth); err != nil {
-			return none, err
+			return none, nostack, err
 		}
 	}
 	layers, cf, err := image.Layers(img, st.MaxImageBytes)
 	if err != nil {
-		return none, fmt.Errorf("image %s: %w", label, err)
+		return none, nostack, fmt.Errorf("image %s: %w", label, err)
 	}
 	if d, err := img.Digest(); err == nil {
 		progress(fmt.Sprintf("image %s (%s): %d layers", label, d, len(layers)))
@@ -102,12 +104,12 @@ func (b *Builder) BuildFromImage(ctx context.Context, cfg ImageConfig, src Image
 	for i, l := range layers {
 		ld, err := st.Layer(ctx, l, bp, func(s string) { progress(fmt.Sprintf("[%d/%d] %s", i+1, len(layers), s)) })
 		if err != nil {
-			return none, fmt.Errorf("image %s: %w", label, err)
+			return none, nostack, fmt.Errorf("image %s: %w", label, err)
 		}
 		if bp != nil && ld.Written == 0 {
 			budget -= ld.Meta.Bytes // shared layers count against the image too
 			if budget < 0 {
-				return none, fmt.Errorf("image %s: content exceeds the limit of %d bytes: %w", label, st.MaxImageBytes, errdefs.ErrExhausted)
+				return none, nostack, fmt.Errorf("image %s: content exceeds the limit of %d bytes: %w", label, st.MaxImageBytes, errdefs.ErrExhausted)
 			}
 		}
 		written += ld.Written
@@ -115,12 +117,12 @@ func (b *Builder) BuildFromImage(ctx context.Context, cfg ImageConfig, src Image
 	}
 	envdStore, err := b.storeEnvd(st.Root, envdSum)
 	if err != nil {
-		return none, err
+		return none, nostack, err
 	}
 	tmp := dest + ".tmp"
 	os.RemoveAll(tmp)
 	if err := os.MkdirAll(tmp, 0o755); err != nil {
-		return none, err
+		return none, nostack, err
 	}
 	ok := false
 	defer func() {
@@ -128,25 +130,34 @@ func (b *Builder) BuildFromImage(ctx context.Context, cfg ImageConfig, src Image
 			os.RemoveAll(tmp)
 		}
 	}()
-	cs, err := image.Compose(ctx, tmp, dirs)
+	stack, cs, err := image.Compose(ctx, tmp, dirs)
 	if err != nil {
-		return none, fmt.Errorf("image %s: compose rootfs: %w", label, err)
+		return none, nostack, fmt.Errorf("image %s: compose rootfs: %w", label, err)
 	}
-	progress(fmt.Sprintf("rootfs composed: %d directories, %d shared files (%s unpacked for this build) in %s",
-		cs.Dirs, cs.Links, image.HumanBytes(written), time.Since(t0).Round(time.Millisecond)))
 	defs := image.ConfigDefaults(cf)
-	if err := customizeTree(tmp, envdStore, defs); err != nil {
-		return none, fmt.Errorf("customize rootfs: %w", err)
+	err = stack.Edit(ctx, func(t *image.Tree) error {
+		if err := customizeTree(t, defs); err != nil {
+			return fmt.Errorf("customize rootfs: %w", err)
+		}
+		if defs.User, err = userName(t, defs.User); err != nil {
+			return fmt.Errorf("image %s: %w", label, err)
+		}
+		return nil
+	})
+	if err != nil {
+		return none, nostack, err
 	}
-	if defs.User, err = userName(tmp, defs.User); err != nil {
-		return none, fmt.Errorf("image %s: %w", label, err)
+	if err := linkEnvd(tmp, envdStore); err != nil {
+		return none, nostack, err
 	}
 	if err := os.Rename(tmp, dest); err != nil {
-		return none, err
+		return none, nostack, err
 	}
+	stack.Top = dest
 	ok, built = true, true
-	progress("rootfs ready")
-	return defs, nil
+	progress(fmt.Sprintf("rootfs: %d shared layers (%s unpacked for this build), own layer %s, in %s",
+		cs.Layers, image.HumanBytes(written), image.HumanBytes(treeBytes(dest)), time.Since(t0).Round(time.Millisecond)))
+	return defs, stack, nil
 }
 
 // storeEnvd keeps one copy of envd per content digest in the layer store, to hard-link into
@@ -181,16 +192,12 @@ func fileSHA256(p string) (string, error) {
 	return hex.EncodeToString(h.Sum(nil)), nil
 }
 
-// customizeTree makes an image rootfs into a template the way the Debian base is made, without
-// writing through any shared file: the `user` account (uid 1000 where free, home /home/user,
-// passwordless sudo where sudo exists) unless the image has one, hostname, hosts, resolv.conf,
-// and envd linked at EnvdInRootFS.
-func customizeTree(root, envd string, defs image.Defaults) error {
-	t, err := image.OpenTree(root)
-	if err != nil {
-		return err
-	}
-	defer t.Close()
+// customizeTree makes an image rootfs (t: the template's stack, mounted for editing) into a
+// template the way the Debian base is made, without writing into any shared layer: the `user`
+// account (uid 1000 where free, home /home/user, passwordless sudo where sudo exists) unless
+// the image has one, hostname, hosts, resolv.conf, and the directory of EnvdInRootFS in the top
+// layer (linkEnvd puts envd there once the stack is unmounted).
+func customizeTree(t *image.Tree, defs image.Defaults) error {
 	if err := ensureUser(t); err != nil {
 		return err
 	}
@@ -211,14 +218,50 @@ func customizeTree(root, envd string, defs image.Defaults) error {
 	if err := t.WriteFile("etc/resolv.conf", resolv, 0o644, 0, 0); err != nil {
 		return err
 	}
-	if err := t.MkdirAll(filepath.Dir(strings.TrimPrefix(EnvdInRootFS, "/")), 0o755, 0, 0); err != nil {
+	envdDir := filepath.Dir(strings.TrimPrefix(EnvdInRootFS, "/"))
+	if err := t.MkdirAll(envdDir, 0o755, 0, 0); err != nil {
 		return fmt.Errorf("envd directory: %w", err)
 	}
-	if err := t.Link(strings.TrimPrefix(EnvdInRootFS, "/"), envd); err != nil {
-		return err
+	// Have overlayfs copy the directory (and its parents) up into the top layer, with the
+	// image's owners and modes, so that envd can be linked there.
+	for p := envdDir; p != "."; p = filepath.Dir(p) {
+		st, err := t.Lstat(p)
+		if err != nil {
+			return fmt.Errorf("envd directory: %w", err)
+		}
+		if err := t.Chown(p, int(st.Uid), int(st.Gid)); err != nil {
+			return fmt.Errorf("envd directory: %w", err)
+		}
 	}
 	_ = t.MkdirAll("tmp", 0o1777, 0, 0)
 	return nil
+}
+
+// linkEnvd links the stored envd at EnvdInRootFS in the top layer top (its directory is there:
+// customizeTree).
+func linkEnvd(top, envd string) error {
+	t, err := image.OpenTree(top)
+	if err != nil {
+		return err
+	}
+	defer t.Close()
+	return t.Link(strings.TrimPrefix(EnvdInRootFS, "/"), envd)
+}
+
+// treeBytes is the disk a directory tree takes (allocated blocks), for progress lines.
+func treeBytes(root string) int64 {
+	var n int64
+	_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+		if err != nil {
+			return nil
+		}
+		var st syscall.Stat_t
+		if syscall.Lstat(p, &st) == nil && (st.Nlink == 1 || d.IsDir()) {
+			n += st.Blocks * 512
+		}
+		return nil
+	})
+	return n
 }
 
 // ensureUser adds the `user` account unless the image has one.
@@ -343,62 +386,66 @@ func appendLine(data []byte, line string) []byte {
 	return []byte(s + line + "\n")
 }
 
-// BuildDebian writes the Debian template rootfs (debootstrap, cached as a tarball) to dest like
-// BuildRootFS, but through the layer store: the tarball is one layer, unpacked once per node,
-// and the rootfs is a tree of hard links into it, so `base` and every template resolved to it
-// (e2bdev/base) share its bytes.
-func (b *Builder) BuildDebian(ctx context.Context, cfg ImageConfig, dest string, progress Progress) error {
+// BuildDebian makes the Debian template rootfs like BuildRootFS, but through the layer store:
+// the debootstrap tarball is one layer, unpacked once per node, under the template's own top
+// layer written to dest (which must not exist), so `base` and every template resolved to it
+// (e2bdev/base) share its bytes. It returns the rootfs's stack (Top = dest).
+func (b *Builder) BuildDebian(ctx context.Context, cfg ImageConfig, dest string, progress Progress) (image.Stack, error) {
+	var none image.Stack
 	if progress == nil {
 		progress = func(string) {}
 	}
 	if _, err := os.Stat(dest); err == nil {
-		return fmt.Errorf("rootfs %s already exists", dest)
+		return none, fmt.Errorf("rootfs %s already exists", dest)
 	}
 	envdSum, err := fileSHA256(b.EnvdPath)
 	if err != nil {
-		return fmt.Errorf("envd binary: %w", err)
+		return none, fmt.Errorf("envd binary: %w", err)
 	}
 	tarball, err := b.debootstrapTarball(ctx, progress)
 	if err != nil {
-		return err
+		return none, err
 	}
 	st := cfg.Layers
 	if err := os.MkdirAll(st.Root, 0o700); err != nil {
-		return err
+		return none, err
 	}
 	l, err := tarLayer(st.Root, tarball)
 	if err != nil {
-		return err
+		return none, err
 	}
 	ld, err := st.Layer(ctx, l, nil, image.Progress(progress))
 	if err != nil {
-		return fmt.Errorf("debootstrap layer %s: %w", filepath.Base(tarball), err)
+		return none, fmt.Errorf("debootstrap layer %s: %w", filepath.Base(tarball), err)
 	}
 	defer st.Release([]image.LayerDir{ld}, false) // the debootstrap layer stays cached
 	envdStore, err := b.storeEnvd(st.Root, envdSum)
 	if err != nil {
-		return err
+		return none, err
 	}
 	tmp := dest + ".tmp"
 	os.RemoveAll(tmp)
 	if err := os.MkdirAll(tmp, 0o755); err != nil {
-		return err
+		return none, err
 	}
-	if _, err := image.Compose(ctx, tmp, []image.LayerDir{ld}); err != nil {
+	stack, _, err := image.Compose(ctx, tmp, []image.LayerDir{ld})
+	if err == nil {
+		progress("adding user `user`, sudo and envd")
+		err = stack.Edit(ctx, func(t *image.Tree) error { return customizeTree(t, image.Defaults{}) })
+	}
+	if err == nil {
+		err = linkEnvd(tmp, envdStore)
+	}
+	if err == nil {
+		err = os.Rename(tmp, dest)
+	}
+	if err != nil {
 		os.RemoveAll(tmp)
-		return fmt.Errorf("compose rootfs: %w", err)
+		return none, fmt.Errorf("rootfs: %w", err)
 	}
-	progress("adding user `user`, sudo and envd")
-	if err := customizeTree(tmp, envdStore, image.Defaults{}); err != nil {
-		os.RemoveAll(tmp)
-		return fmt.Errorf("customize rootfs: %w", err)
-	}
-	if err := os.Rename(tmp, dest); err != nil {
-		os.RemoveAll(tmp)
-		return err
-	}
+	stack.Top = dest
 	progress("rootfs ready")
-	return nil
+	return stack, nil
 }
 
 // fileTarLayer is an uncompressed tar file as a layer (the debootstrap cache).
@@ -435,16 +482,11 @@ func tarLayer(root, tarball string) (*fileTarLayer, error) {
 
 // userName turns an image's USER (name, uid, name:group or uid:gid) into the account name the
 // sandbox's processes run as by default; "" stays "" (ember's `user`).
-func userName(root, user string) (string, error) {
+func userName(t *image.Tree, user string) (string, error) {
 	u, _, _ := strings.Cut(user, ":")
 	if u == "" {
 		return "", nil
 	}
-	t, err := image.OpenTree(root)
-	if err != nil {
-		return "", err
-	}
-	defer t.Close()
 	passwd, _ := t.ReadFile("etc/passwd")
 	for _, l := range strings.Split(string(passwd), "\n") {
 		f := strings.Split(l, ":")

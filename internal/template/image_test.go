@@ -27,6 +27,7 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/image"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
@@ -93,6 +94,18 @@ func newImageBuilder(t *testing.T) (*Builder, ImageConfig, string) {
 	return &Builder{EnvdPath: envd}, cfg, dir
 }
 
+// mountStack mounts a built template's stack read-only for the test to look at, as a sandbox
+// sees it.
+func mountStack(t *testing.T, st image.Stack) string {
+	t.Helper()
+	m := t.TempDir()
+	if err := overlayfs.Mount(m, st.Dirs(), "", ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { overlayfs.Unmount(m) })
+	return m
+}
+
 func TestBuildFromImage(t *testing.T) {
 	testutil.RequireRoot(t)
 	b, cfg, dir := newImageBuilder(t)
@@ -109,10 +122,19 @@ func TestBuildFromImage(t *testing.T) {
 	ref := pushed(t, v1.Config{Env: []string{"FOO=bar"}, WorkingDir: "/srv", Cmd: []string{"bash"}}, base)
 	dest := filepath.Join(dir, "templates", "a")
 	var lines []string
-	defs, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: ref, Insecure: true}, dest, func(s string) { lines = append(lines, s) })
+	defs, stack, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: ref, Insecure: true}, dest, func(s string) { lines = append(lines, s) })
 	if err != nil {
 		t.Fatal(err)
 	}
+	if stack.Top != dest || len(stack.Lowers) != 1 {
+		t.Fatalf("stack %+v", stack)
+	}
+	// The top layer holds ember's files only: the image's stay in the shared layer.
+	if _, err := os.Lstat(filepath.Join(dest, "usr/bin/bash")); err == nil {
+		t.Fatal("an image file was copied into the template's own layer")
+	}
+	top := dest
+	dest = mountStack(t, stack)
 	if defs.Env["FOO"] != "bar" || defs.Workdir != "/srv" || defs.StartCmd != "" {
 		t.Fatalf("defaults %+v", defs)
 	}
@@ -139,7 +161,7 @@ func TestBuildFromImage(t *testing.T) {
 		t.Fatal("layer's /etc/passwd was modified")
 	}
 	var e1, e2 syscall.Stat_t
-	syscall.Stat(filepath.Join(dest, EnvdInRootFS), &e1)
+	syscall.Stat(filepath.Join(top, EnvdInRootFS), &e1)
 	envds, _ := filepath.Glob(filepath.Join(cfg.Layers.Root, "envd-sha256-*"))
 	if len(envds) != 1 {
 		t.Fatalf("envd store: %v", envds)
@@ -150,7 +172,7 @@ func TestBuildFromImage(t *testing.T) {
 	}
 	// A second template on the same image shares every layer.
 	lines = nil
-	if _, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: ref, Insecure: true}, filepath.Join(dir, "templates", "b"), func(s string) { lines = append(lines, s) }); err != nil {
+	if _, _, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: ref, Insecure: true}, filepath.Join(dir, "templates", "b"), func(s string) { lines = append(lines, s) }); err != nil {
 		t.Fatal(err)
 	}
 	if !strings.Contains(strings.Join(lines, "\n"), "already on this node") {
@@ -164,18 +186,19 @@ func TestFailedBuildKeepsSharedLayers(t *testing.T) {
 	b, cfg, dir := newImageBuilder(t)
 	shared := layer(t, tfile{name: "shared", body: "s"})
 	good := pushed(t, v1.Config{}, shared)
-	if _, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: good, Insecure: true}, filepath.Join(dir, "templates", "good"), nil); err != nil {
+	_, goodStack, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: good, Insecure: true}, filepath.Join(dir, "templates", "good"), nil)
+	if err != nil {
 		t.Fatal(err)
 	}
 	bad := pushed(t, v1.Config{}, shared, layer(t, tfile{name: "new", body: "n"}), layer(t, tfile{name: "/abs", body: "x"}))
-	if _, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: bad, Insecure: true}, filepath.Join(dir, "templates", "bad"), nil); !errors.Is(err, errdefs.ErrInvalid) {
+	if _, _, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: bad, Insecure: true}, filepath.Join(dir, "templates", "bad"), nil); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("bad build: %v", err)
 	}
 	left, _ := filepath.Glob(filepath.Join(cfg.Layers.Root, "sha256-*"))
 	if len(left) != 1 {
 		t.Fatalf("layers after the failed build: %v (want only the shared one)", left)
 	}
-	if b, err := os.ReadFile(filepath.Join(dir, "templates", "good", "shared")); err != nil || string(b) != "s" {
+	if b, err := os.ReadFile(filepath.Join(mountStack(t, goodStack), "shared")); err != nil || string(b) != "s" {
 		t.Fatalf("good template damaged: %q %v", b, err)
 	}
 }
@@ -198,7 +221,7 @@ func TestFailedImageBuildLeavesNothing(t *testing.T) {
 			b, cfg, dir := newImageBuilder(t)
 			ref := pushed(t, v1.Config{}, tc.layers(t)...)
 			dest := filepath.Join(dir, "templates", "x")
-			_, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: ref, Insecure: true}, dest, nil)
+			_, _, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: ref, Insecure: true}, dest, nil)
 			if !errors.Is(err, tc.want) {
 				t.Fatalf("err = %v, want %v", err, tc.want)
 			}
@@ -253,11 +276,14 @@ func TestBuildDebianSharesTheBaseLayer(t *testing.T) {
 	tarball := filepath.Join(b.CacheDir, "debootstrap-bookworm-"+b.cacheKey()+".tar")
 	os.WriteFile(tarball, buf.Bytes(), 0o644)
 	var lines []string
+	merged := map[string]string{}
 	for _, name := range []string{"base", "other"} {
-		dest := filepath.Join(dir, "templates", name)
-		if err := b.BuildDebian(context.Background(), cfg, dest, func(s string) { lines = append(lines, s) }); err != nil {
+		stack, err := b.BuildDebian(context.Background(), cfg, filepath.Join(dir, "templates", name), func(s string) { lines = append(lines, s) })
+		if err != nil {
 			t.Fatal(err)
 		}
+		dest := mountStack(t, stack)
+		merged[name] = dest
 		passwd, _ := os.ReadFile(filepath.Join(dest, "etc/passwd"))
 		if !strings.Contains(string(passwd), "user:x:1000:1000::/home/user:/bin/bash") {
 			t.Fatalf("%s passwd:\n%s", name, passwd)
@@ -274,8 +300,8 @@ func TestBuildDebianSharesTheBaseLayer(t *testing.T) {
 		t.Fatalf("second build did not share the layer: %v", lines)
 	}
 	var a, o syscall.Stat_t
-	syscall.Stat(filepath.Join(dir, "templates/base/usr/bin/bash"), &a)
-	syscall.Stat(filepath.Join(dir, "templates/other/usr/bin/bash"), &o)
+	syscall.Stat(filepath.Join(merged["base"], "usr/bin/bash"), &a)
+	syscall.Stat(filepath.Join(merged["other"], "usr/bin/bash"), &o)
 	if a.Ino != o.Ino {
 		t.Fatal("templates do not share the layer's files")
 	}
@@ -292,7 +318,12 @@ func TestUserName(t *testing.T) {
 		in, want string
 		err      bool
 	}{{"", "", false}, {"app", "app", false}, {"1234", "app", false}, {"app:app", "app", false}, {"0:0", "root", false}, {"4321", "", true}, {"ghost", "", true}} {
-		got, err := userName(root, tc.in)
+		tr, err := image.OpenTree(root)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := userName(tr, tc.in)
+		tr.Close()
 		if got != tc.want || (err != nil) != tc.err {
 			t.Errorf("userName(%q) = %q, %v; want %q (error %v)", tc.in, got, err, tc.want, tc.err)
 		}
@@ -313,9 +344,11 @@ func TestConcurrentBuildsShareOneUnpack(t *testing.T) {
 	errs := make(chan error, 2)
 	var mu sync.Mutex
 	var lines []string
+	stacks := make([]image.Stack, len(refs))
 	for i, ref := range refs {
 		go func() {
-			_, err := b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: ref, Insecure: true}, filepath.Join(dir, "templates", strconv.Itoa(i)), func(s string) {
+			var err error
+			_, stacks[i], err = b.BuildFromImage(context.Background(), cfg, ImageSource{Ref: ref, Insecure: true}, filepath.Join(dir, "templates", strconv.Itoa(i)), func(s string) {
 				mu.Lock()
 				lines = append(lines, s)
 				mu.Unlock()
@@ -333,7 +366,7 @@ func TestConcurrentBuildsShareOneUnpack(t *testing.T) {
 		t.Fatalf("base unpacked %d times:\n%s", unpacked, strings.Join(lines, "\n"))
 	}
 	for i := range refs {
-		if e, _ := os.ReadDir(filepath.Join(dir, "templates", strconv.Itoa(i), "usr/share")); len(e) != 200 {
+		if e, _ := os.ReadDir(filepath.Join(mountStack(t, stacks[i]), "usr/share")); len(e) != 200 {
 			t.Fatalf("template %d has %d files in usr/share", i, len(e))
 		}
 	}

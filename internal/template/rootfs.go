@@ -2,9 +2,9 @@
 // (cached as a tarball keyed by suite, mirror and package list) or an OCI/Docker image (from a
 // registry or an archive), made into an E2B-style template (user `user`, uid 1000 where free,
 // passwordless sudo where sudo exists, envd as the init process). Image layers, and the
-// debootstrap tarball, are unpacked once per node by internal/image and composed as a tree of
-// hard links; this package's own files are new inodes in that tree, never writes into a shared
-// layer. Booting a template and checkpointing it is the sandbox Manager's job; this package
+// debootstrap tarball, are unpacked once per node by internal/image and stacked (overlayfs)
+// under the template's own top layer, which holds this package's files: nothing is ever
+// written into a shared layer. Booting a template and checkpointing it is the sandbox Manager's job; this package
 // only writes directories. A finished rootfs is never modified again: sandboxes share it
 // read-only.
 package template

@@ -257,6 +257,9 @@ func TestTemplateFromImage(t *testing.T) {
 	if content > own+1<<20 {
 		t.Errorf("second template wrote %d bytes of files, more than its own layer (%d) + 1 MiB", content, own)
 	}
+	if disk > own+1<<20 {
+		t.Errorf("second template took %d bytes of disk with directories and metadata, more than its own layer (%d) + 1 MiB", disk, own)
+	}
 
 	a := d.create(t, map[string]any{"templateID": "img-a"})
 	r := d.run(t, a, `echo "$APP_MODE"; pwd; whoami; cat /etc/app-a.txt`)
@@ -286,6 +289,56 @@ func TestTemplateFromImage(t *testing.T) {
 		t.Errorf("two concurrent builds of img-c: errors %v / %v\n%s\n%s", errs[0], errs[1], outs[0], outs[1])
 	} else if !strings.Contains(outs[0]+outs[1], "being built") {
 		t.Errorf("refused build does not say why:\n%s\n%s", outs[0], outs[1])
+	}
+}
+
+// TestImageLayerGC: deleting a template removes its own layers and the image layers no other
+// template uses; a layer another template shares stays, and so does that template.
+func TestImageLayerGC(t *testing.T) {
+	d := need(t)
+	base := newFileLayer(t, debootstrapTarball(t))
+	own := map[string]memLayer{}
+	imgs := map[string]v1.Image{}
+	for _, n := range []string{"gc-a", "gc-b"} {
+		own[n] = tarLayer(t, tent{name: "etc/" + n, body: n + "\n"})
+		imgs["test/"+n+":v1"] = imageOf(t, v1.Config{}, base, own[n])
+	}
+	host := imageRegistry(t, imgs)
+	layerDir := func(l v1.Layer) string {
+		h, _ := l.DiffID()
+		return filepath.Join(d.dataDir, "layers", "sha256-"+h.Hex)
+	}
+	exists := func(p string) bool { _, err := os.Stat(p); return err == nil }
+	for _, n := range []string{"gc-a", "gc-b"} {
+		cmd := exec.Command(d.bin, "--url", "http://"+d.addr, "template", "build", n, "--from-image", host+"/test/"+n+":v1")
+		cmd.Env = append(os.Environ(), "E2B_API_KEY="+d.key)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("build %s: %v\n%s\n%s", n, err, out, d.logs())
+		}
+		t.Cleanup(func() { d.api(t, "DELETE", "/templates/"+n, nil, nil) })
+	}
+	topB, _ := filepath.Glob(filepath.Join(d.dataDir, "templates", "gc-b", "rootfs-*"))
+	if len(topB) != 1 || !exists(layerDir(own["gc-b"])) || !exists(layerDir(base)) {
+		t.Fatalf("before the delete: top %v, own layer %v, base %v", topB, exists(layerDir(own["gc-b"])), exists(layerDir(base)))
+	}
+	d.api(t, "DELETE", "/templates/gc-b", nil, nil)
+	// The warm pool's instances of gc-b go first; a refill cut by the delete goes soon after.
+	deadline := time.Now().Add(20 * time.Second)
+	for exists(layerDir(own["gc-b"])) && time.Now().Before(deadline) {
+		time.Sleep(100 * time.Millisecond)
+	}
+	if exists(layerDir(own["gc-b"])) {
+		t.Errorf("the deleted template's own image layer %s is still there", layerDir(own["gc-b"]))
+	}
+	if exists(topB[0]) {
+		t.Errorf("the deleted template's top layer %s is still there", topB[0])
+	}
+	if !exists(layerDir(base)) || !exists(layerDir(own["gc-a"])) {
+		t.Fatalf("a layer gc-a uses was removed: base %v, own %v", exists(layerDir(base)), exists(layerDir(own["gc-a"])))
+	}
+	s := d.create(t, map[string]any{"templateID": "gc-a"})
+	if r := d.run(t, s, "cat /etc/gc-a; test -e /etc/gc-b || echo no-b"); r.stdout != "gc-a\nno-b\n" {
+		t.Errorf("gc-a after gc-b's delete: %q %q", r.stdout, r.stderr)
 	}
 }
 

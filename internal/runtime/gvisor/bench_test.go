@@ -3,6 +3,7 @@ package gvisor_test
 import (
 	"context"
 	"fmt"
+	"os"
 	"path/filepath"
 	"sort"
 	"testing"
@@ -151,4 +152,84 @@ func BenchmarkRestore(b *testing.B) {
 			})
 		}
 	}
+}
+
+// BenchmarkStackDepth: start and restore of an instance whose rootfs is one directory against a
+// stack of 2 and of 11 layers (a template's top layer over image layers). The depths take turns
+// in every round, so drift in the host's load hits all alike; it prints p50/p99 per depth.
+func BenchmarkStackDepth(b *testing.B) {
+	d := newDriver(b, nil)
+	base := drivertest.BusyboxRootFS(b)
+	layers := make([]string, 10)
+	for i := range layers {
+		layers[i] = filepath.Join(b.TempDir(), fmt.Sprintf("l%02d", i))
+		for _, f := range []string{"etc/l" + fmt.Sprint(i), "opt/l" + fmt.Sprint(i) + "/a", "opt/l" + fmt.Sprint(i) + "/b"} {
+			os.MkdirAll(filepath.Join(layers[i], filepath.Dir(f)), 0o755)
+			os.WriteFile(filepath.Join(layers[i], f), []byte(f), 0o644)
+		}
+		os.Chmod(layers[i], 0o755)
+	}
+	cases := []struct {
+		name             string
+		rootfs           string
+		lowers           []string
+		image            string
+		starts, restores timings
+	}{
+		{name: "one directory", rootfs: base},
+		{name: "stack of 2", rootfs: layers[0], lowers: []string{base}},
+		{name: "stack of 11", rootfs: layers[0], lowers: append(append([]string{}, layers[1:]...), base)},
+	}
+	ctx := context.Background()
+	seq := 0
+	spec := func(rootfs string, lowers []string) runtime.Spec {
+		seq++
+		sp := benchSpec(b, rootfs, seq)
+		sp.Lowers = lowers
+		return sp
+	}
+	for i := range cases {
+		c := &cases[i]
+		sp := spec(c.rootfs, c.lowers)
+		if err := d.Start(ctx, sp); err != nil {
+			b.Fatal(err)
+		}
+		c.image = b.TempDir()
+		if err := d.Checkpoint(ctx, sp.ID, c.image, runtime.CheckpointOptions{}); err != nil {
+			b.Fatal(err)
+		}
+		d.Delete(ctx, sp.ID)
+	}
+	b.ResetTimer()
+	for n := 0; n < b.N; n++ {
+		for i := range cases {
+			c := &cases[i]
+			sp := spec(c.rootfs, c.lowers)
+			t0 := time.Now()
+			if err := d.Start(ctx, sp); err != nil {
+				b.Fatal(err)
+			}
+			c.starts = append(c.starts, time.Since(t0))
+			d.Delete(ctx, sp.ID)
+			sp = spec(c.rootfs, c.lowers)
+			t0 = time.Now()
+			if err := d.Restore(ctx, sp, c.image); err != nil {
+				b.Fatal(err)
+			}
+			c.restores = append(c.restores, time.Since(t0))
+			d.Delete(ctx, sp.ID)
+		}
+	}
+	b.StopTimer()
+	pct := func(ts timings, p float64) time.Duration {
+		s := append(timings(nil), ts...)
+		sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+		return s[min(len(s)-1, int(float64(len(s))*p))]
+	}
+	for _, c := range cases {
+		fmt.Printf("%-14s start p50 %6.1f ms p99 %6.1f ms   restore p50 %6.1f ms p99 %6.1f ms   (n=%d)\n", c.name,
+			float64(pct(c.starts, 0.5).Microseconds())/1000, float64(pct(c.starts, 0.99).Microseconds())/1000,
+			float64(pct(c.restores, 0.5).Microseconds())/1000, float64(pct(c.restores, 0.99).Microseconds())/1000, len(c.starts))
+	}
+	b.ReportMetric(0, "ns/op")
 }

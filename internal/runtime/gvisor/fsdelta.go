@@ -26,6 +26,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
 
 // Layout of a sandbox directory used by PrepareRootFS and CloneUpper.
@@ -44,19 +45,29 @@ const (
 )
 
 // PrepareRootFS makes sandboxDir's writable root: an overlayfs mount at <sandboxDir>/rootfs with
-// lower = the template rootfs lower (never written) and upper/work in <sandboxDir>/layer. An
-// existing layer (one made by CloneUpper) is reused; otherwise an empty one is created, as a
-// btrfs subvolume when sandboxDir is on btrfs. Run the instance with runsc --overlay2=none and
-// merged as its rootfs. cleanup unmounts merged; the layer stays until RemoveLayer.
-func PrepareRootFS(lower, sandboxDir string) (merged string, cleanup func() error, err error) {
-	for _, p := range []string{lower, sandboxDir} {
+// the read-only stack lowers (top first; the template's layer directories, never written) below
+// upper/work in <sandboxDir>/layer. An existing layer (one made by CloneUpper) is reused;
+// otherwise an empty one is created, as a btrfs subvolume when sandboxDir is on btrfs. Run the
+// instance with runsc --overlay2=none and merged as its rootfs. cleanup unmounts merged; the
+// layer stays until RemoveLayer.
+func PrepareRootFS(lowers []string, sandboxDir string) (merged string, cleanup func() error, err error) {
+	if len(lowers) == 0 {
+		return "", nil, fmt.Errorf("gvisor: fsdelta: no lower layer: %w", errdefs.ErrInvalid)
+	}
+	for _, p := range append([]string{sandboxDir}, lowers...) {
 		if !filepath.IsAbs(p) || strings.ContainsAny(p, ",:\\\n") {
 			return "", nil, fmt.Errorf("gvisor: fsdelta: path %q: must be absolute without , : or \\: %w", p, errdefs.ErrInvalid)
 		}
 	}
-	lfi, err := os.Stat(lower)
-	if err != nil || !lfi.IsDir() {
-		return "", nil, fmt.Errorf("gvisor: fsdelta: lower %q: not a directory: %w", lower, errdefs.ErrInvalid)
+	var lfi os.FileInfo
+	for i, l := range lowers {
+		fi, err := os.Stat(l)
+		if err != nil || !fi.IsDir() {
+			return "", nil, fmt.Errorf("gvisor: fsdelta: lower %q: not a directory: %w", l, errdefs.ErrInvalid)
+		}
+		if i == 0 {
+			lfi = fi
+		}
 	}
 	// The instance's directory holds its files and memory: only root may look inside.
 	if err := os.MkdirAll(sandboxDir, 0o700); err != nil {
@@ -87,7 +98,7 @@ func PrepareRootFS(lower, sandboxDir string) (merged string, cleanup func() erro
 			return "", nil, err
 		}
 	}
-	// The root of the merged tree takes upper's attributes: give it the template root's mode.
+	// The root of the merged tree takes upper's attributes: give it the top layer's mode.
 	for _, d := range []string{upper, work, merged} {
 		if err := os.Mkdir(d, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
 			return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
@@ -103,9 +114,8 @@ func PrepareRootFS(lower, sandboxDir string) (merged string, cleanup func() erro
 	}
 	// nosuid, nodev: root in the sandbox can leave setuid-root files and device nodes in its
 	// layer; through this mount they give a host user nothing (the sandbox sees its own mount).
-	opts := "lowerdir=" + lower + ",upperdir=" + upper + ",workdir=" + work
-	if err := unix.Mount("overlay", merged, "overlay", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
-		return "", nil, fmt.Errorf("gvisor: fsdelta: mount overlay on %s: %w", merged, err)
+	if err := overlayfs.Mount(merged, lowers, upper, work); err != nil {
+		return "", nil, fmt.Errorf("gvisor: fsdelta: %w", err)
 	}
 	cleanup = func() error {
 		err := unix.Unmount(merged, 0)

@@ -74,7 +74,7 @@ func backendDir(t *testing.T, b layerBackend) string {
 // prepare calls PrepareRootFS and unmounts at the end of the test.
 func prepare(t *testing.T, lower, dir string) string {
 	t.Helper()
-	merged, cleanup, err := gvisor.PrepareRootFS(lower, dir)
+	merged, cleanup, err := gvisor.PrepareRootFS([]string{lower}, dir)
 	if err != nil {
 		t.Fatalf("PrepareRootFS: %v", err)
 	}

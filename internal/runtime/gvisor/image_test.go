@@ -473,7 +473,7 @@ func TestPrepareRefusesSymlinkedLayer(t *testing.T) {
 			sbx := filepath.Join(base, "sbx")
 			must(t, os.MkdirAll(filepath.Join(sbx, filepath.Dir(tc.link)), 0o700))
 			must(t, os.Symlink(sentinel, filepath.Join(sbx, tc.link)))
-			merged, cleanup, err := gvisor.PrepareRootFS(lower, sbx)
+			merged, cleanup, err := gvisor.PrepareRootFS([]string{lower}, sbx)
 			if err == nil {
 				_ = cleanup()
 				t.Fatalf("PrepareRootFS mounted %s with a symlinked %s", merged, tc.link)

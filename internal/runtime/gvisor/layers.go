@@ -7,10 +7,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -31,12 +33,22 @@ func imageHasLayer(imageDir string) bool {
 
 // prepareLayer gives spec's instance its writable root before start or restore: the layer of
 // imageDir (moved when spec.ConsumeImage, else cloned), or an empty one. It returns the spec to
-// hand to runsc (RootFS = the overlay mount).
+// hand to runsc (RootFS = the overlay mount of the instance's layer over spec's read-only stack,
+// Lowers cleared).
 func (d *Driver) prepareLayer(spec runtime.Spec, imageDir string) (runtime.Spec, error) {
 	if !d.hostLayers() {
+		if len(spec.Lowers) > 0 {
+			return spec, fmt.Errorf("gvisor: a rootfs of %d layers needs host layers (overlay %q): %w", 1+len(spec.Lowers), d.cfg.Overlay, errdefs.ErrInvalid)
+		}
 		return spec, nil
 	}
 	if err := os.MkdirAll(spec.StateDir, 0o700); err != nil {
+		return spec, fmt.Errorf("gvisor: state dir: %w", err)
+	}
+	if err := checkStack(spec, imageDir); err != nil {
+		return spec, err
+	}
+	if err := os.WriteFile(filepath.Join(spec.StateDir, stackName), []byte(strings.Join(spec.Stack(), "\n")), 0o600); err != nil {
 		return spec, fmt.Errorf("gvisor: state dir: %w", err)
 	}
 	if imageDir != "" && imageHasLayer(imageDir) {
@@ -58,12 +70,52 @@ func (d *Driver) prepareLayer(spec runtime.Spec, imageDir string) (runtime.Spec,
 	if err := d.applyDiskLimit(spec); err != nil {
 		return spec, err
 	}
-	merged, _, err := PrepareRootFS(spec.RootFS, spec.StateDir)
+	merged, _, err := PrepareRootFS(spec.Stack(), spec.StateDir)
 	if err != nil {
 		return spec, err
 	}
-	spec.RootFS = merged
+	spec.RootFS, spec.Lowers = merged, nil
 	return spec, nil
+}
+
+// stackName, in an instance's state dir and in its checkpoint images, lists the read-only
+// layers (top first) its root filesystem stacks its writable layer on.
+const stackName = "rootfs-stack"
+
+// checkStack refuses to restore a memory image onto another stack of layers than the one it
+// was checkpointed on: its files would not be the ones its memory knows (an image of an older
+// driver, which records none, is not checked).
+func checkStack(spec runtime.Spec, imageDir string) error {
+	if imageDir == "" {
+		return nil
+	}
+	if _, err := os.Stat(filepath.Join(imageDir, "checkpoint.img")); err != nil {
+		return nil // a filesystem-only image: a new boot on its files
+	}
+	b, err := os.ReadFile(filepath.Join(imageDir, stackName))
+	if err != nil {
+		return nil
+	}
+	if want := strings.Join(spec.Stack(), "\n"); string(b) != want {
+		return fmt.Errorf("gvisor: restore: image %s was checkpointed on the rootfs layers %q, not %q: %w",
+			imageDir, strings.Split(string(b), "\n"), spec.Stack(), errdefs.ErrInvalid)
+	}
+	return nil
+}
+
+// recordStack copies an instance's stack list into its checkpoint image.
+func recordStack(stateDir, imageDir string) error {
+	b, err := os.ReadFile(filepath.Join(stateDir, stackName))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil // started by an older driver
+	}
+	if err == nil {
+		err = os.WriteFile(filepath.Join(imageDir, stackName), b, 0o600)
+	}
+	if err != nil {
+		return fmt.Errorf("gvisor: checkpoint: rootfs stack: %w", err)
+	}
+	return nil
 }
 
 // layerFromName, in an instance's state dir, names the image its layer was moved out of.
@@ -184,6 +236,9 @@ func (d *Driver) instanceDir(ctx context.Context, id string) string {
 // (paused) instance's layer is cloned into the image; otherwise the stopped instance's layer is
 // moved there.
 func (d *Driver) checkpointLayer(stateDir, imageDir string, leaveRunning bool) error {
+	if err := recordStack(stateDir, imageDir); err != nil {
+		return err
+	}
 	if leaveRunning {
 		_, err := CloneUpper(stateDir, imageDir)
 		return err

@@ -206,8 +206,10 @@ func validateSpec(s runtime.Spec) error {
 	case s.CPUCount < 0 || s.MemoryMB < 0 || s.DiskMB < 0 || s.PidsLimit < 0:
 		return fmt.Errorf("gvisor: spec limits: negative: %w", errdefs.ErrInvalid)
 	}
-	if fi, err := os.Stat(s.RootFS); err != nil || !fi.IsDir() {
-		return fmt.Errorf("gvisor: spec.RootFS %q: not a directory: %w", s.RootFS, errdefs.ErrInvalid)
+	for _, l := range s.Stack() {
+		if fi, err := os.Stat(l); !filepath.IsAbs(l) || err != nil || !fi.IsDir() {
+			return fmt.Errorf("gvisor: spec rootfs layer %q: not an absolute path of a directory: %w", l, errdefs.ErrInvalid)
+		}
 	}
 	return nil
 }
