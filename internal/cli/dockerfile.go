@@ -117,7 +117,7 @@ func (b *dockerfileBuild) run(ctx context.Context, c *client) error {
 			b.logf(start, "COPY %s: already on the daemon", fs.Src)
 			continue
 		}
-		n, err := c.upload(ctx, link.URL, link.Headers, fs)
+		n, err := c.uploadFiles(ctx, link.URL, link.Headers, fs)
 		if err != nil {
 			return fmt.Errorf("%s:%d: COPY %s: upload: %w", filepath.Base(b.dockerfile), fs.Line, fs.Src, err)
 		}
@@ -217,9 +217,9 @@ func (b *dockerfileBuild) wait(ctx context.Context, c *client, start time.Time, 
 	}
 }
 
-// upload PUTs the file set's tarball to url with an exact Content-Length, as the SDK does
+// uploadFiles PUTs the file set's tarball to url with an exact Content-Length, as the SDK does
 // (spooled to a temporary file first), and returns its size.
-func (c *client) upload(ctx context.Context, rawURL string, headers map[string]string, fs *dockerfile.FileSet) (int64, error) {
+func (c *client) uploadFiles(ctx context.Context, rawURL string, headers map[string]string, fs *dockerfile.FileSet) (int64, error) {
 	base, err := url.Parse(c.base)
 	if err != nil {
 		return 0, err
