@@ -393,6 +393,10 @@ func (b *Builder) BuildDebian(ctx context.Context, cfg ImageConfig, dest string,
 		os.RemoveAll(tmp)
 		return fmt.Errorf("customize rootfs: %w", err)
 	}
+	if err := leanDebian(tmp); err != nil {
+		os.RemoveAll(tmp)
+		return fmt.Errorf("lean login shell: %w", err)
+	}
 	if err := os.Rename(tmp, dest); err != nil {
 		os.RemoveAll(tmp)
 		return err
