@@ -12,12 +12,14 @@ import (
 )
 
 // guestTransports gives every running sandbox its own HTTP transport, keyed by the guest
-// address it has now. Connections are never shared between sandboxes, and when a sandbox stops
-// (kill, pause) every connection of its transport is closed, the busy ones too: a slot's address
-// is reused by later sandboxes, a kept-alive connection must never carry one sandbox's request
-// to another, and a stream into a sandbox that is gone must end now. (A killed sandbox's netstack
-// sends no FIN or RST: without this, a proxied command stream would hang until TCP keepalive
-// gives up.)
+// address it has now. Its connections are kept alive between requests (each new one costs a
+// handshake with the sandbox's netstack and an accept in envd, a millisecond or more under
+// gVisor), but never shared between sandboxes: when a sandbox stops (kill, pause) every
+// connection of its transport is closed, idle and busy ones, and a new sandbox at the same
+// address gets a new transport. A slot's address is reused by later sandboxes, so a kept-alive
+// connection must never carry one sandbox's request to another, and a stream into a sandbox that
+// is gone must end now. (A killed sandbox's netstack sends no FIN or RST: without this, a proxied
+// command stream would hang until TCP keepalive gives up.)
 type guestTransports struct {
 	mu     sync.Mutex
 	byAddr map[string]*guestTransport
@@ -25,6 +27,14 @@ type guestTransports struct {
 }
 
 type dialFunc = func(ctx context.Context, network, addr string) (net.Conn, error)
+
+const (
+	// guestIdleConns bounds the idle connections kept per sandbox (envd holds a goroutine and
+	// buffers for each, inside the sandbox's memory).
+	guestIdleConns = 4
+	// guestIdleTimeout closes a connection left idle this long.
+	guestIdleTimeout = 30 * time.Second
+)
 
 // guestTransport is one sandbox's transport and the connections it has open.
 type guestTransport struct {
@@ -45,12 +55,11 @@ func newGuestTransports(dial dialFunc) *guestTransports {
 // open registers the transport of a sandbox that now runs at guest IP addr.
 func (g *guestTransports) open(addr string) {
 	gt := &guestTransport{conns: map[*trackedConn]struct{}{}}
-	// No keep-alive: a fresh connection per request costs a fraction of a millisecond over the
-	// veth, and no connection ever outlives the request it was made for.
 	gt.Transport = &http.Transport{
-		DialContext:        gt.dial(g.dial),
-		DisableKeepAlives:  true,
-		DisableCompression: true,
+		DialContext:         gt.dial(g.dial),
+		DisableCompression:  true,
+		MaxIdleConnsPerHost: guestIdleConns,
+		IdleConnTimeout:     guestIdleTimeout,
 	}
 	g.mu.Lock()
 	old := g.byAddr[addr]

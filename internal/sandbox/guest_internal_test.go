@@ -2,43 +2,116 @@ package sandbox
 
 import (
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"sync"
 	"testing"
 	"time"
 )
 
-// Finished requests leave no connection tracked (no leak per request).
-func TestGuestConnectionsUntracked(t *testing.T) {
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+// connCounter is a test server that counts the connections it accepted and the ones closed.
+type connCounter struct {
+	mu             sync.Mutex
+	opened, closed int
+}
+
+func (c *connCounter) state(_ net.Conn, s http.ConnState) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch s {
+	case http.StateNew:
+		c.opened++
+	case http.StateClosed, http.StateHijacked:
+		c.closed++
+	}
+}
+
+func (c *connCounter) get() (opened, closed int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.opened, c.closed
+}
+
+func okServer(t *testing.T) (*httptest.Server, *connCounter) {
+	t.Helper()
+	cc := &connCounter{}
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.WriteString(w, "ok")
 	}))
+	srv.Config.ConnState = cc.state
+	srv.Start()
 	t.Cleanup(srv.Close)
+	return srv, cc
+}
+
+func get(t *testing.T, g *guestTransports, u string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, u, nil)
+	res, err := g.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.ReadAll(res.Body)
+	res.Body.Close()
+}
+
+// Requests into one sandbox reuse its connection: no handshake with the sandbox's netstack and
+// no accept in envd per request.
+func TestGuestReusesConnections(t *testing.T) {
+	srv, cc := okServer(t)
 	u, _ := url.Parse(srv.URL)
 	g := newGuestTransports(nil)
 	g.open(u.Hostname())
 	for i := 0; i < 5; i++ {
-		req, _ := http.NewRequest(http.MethodGet, srv.URL, nil)
-		res, err := g.RoundTrip(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, _ = io.ReadAll(res.Body)
-		res.Body.Close()
+		get(t, g, srv.URL)
 	}
-	gt := g.byAddr[u.Hostname()]
-	deadline := time.Now().Add(2 * time.Second)
-	for {
-		gt.mu.Lock()
-		n := len(gt.conns)
-		gt.mu.Unlock()
-		if n == 0 {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d connections still tracked after the requests finished", n)
-		}
-		time.Sleep(10 * time.Millisecond)
+	if opened, _ := cc.get(); opened != 1 {
+		t.Fatalf("5 sequential requests opened %d connections; want 1", opened)
+	}
+}
+
+// When the sandbox stops (or its address goes to a new sandbox), its idle connections are
+// closed too, and none stays tracked: nothing leaks, and no later request reuses one.
+func TestGuestStopClosesIdleConnections(t *testing.T) {
+	cases := []struct {
+		name string
+		stop func(g *guestTransports, addr string)
+	}{
+		{"close (kill, pause)", func(g *guestTransports, addr string) { g.close(addr) }},
+		{"address reused by a new sandbox", func(g *guestTransports, addr string) { g.open(addr) }},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			srv, cc := okServer(t)
+			u, _ := url.Parse(srv.URL)
+			g := newGuestTransports(nil)
+			g.open(u.Hostname())
+			get(t, g, srv.URL)
+			get(t, g, srv.URL)
+			gt := g.byAddr[u.Hostname()]
+			tc.stop(g, u.Hostname())
+			deadline := time.Now().Add(2 * time.Second)
+			for {
+				gt.mu.Lock()
+				tracked := len(gt.conns)
+				gt.mu.Unlock()
+				opened, closed := cc.get()
+				if tracked == 0 && opened == 1 && closed == 1 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("after the stop: %d connections tracked, server saw %d opened and %d closed; want 0, 1, 1", tracked, opened, closed)
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			if tc.name == "address reused by a new sandbox" {
+				get(t, g, srv.URL)
+				if opened, _ := cc.get(); opened != 2 {
+					t.Fatalf("the new sandbox's request opened no connection of its own (%d in all)", opened)
+				}
+			}
+		})
 	}
 }
