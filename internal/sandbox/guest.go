@@ -3,8 +3,10 @@ package sandbox
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
+	"strconv"
 	"sync"
 	"time"
 
@@ -24,6 +26,10 @@ type guestTransports struct {
 	mu     sync.Mutex
 	byAddr map[string]*guestTransport
 	dial   dialFunc
+	// warmPort, when set, is envd's port: open makes the new transport's first connection at
+	// once (a GET /health), so that the sandbox's first request, typically the SDK's first
+	// command right after create, finds a connection ready instead of dialing one.
+	warmPort int
 }
 
 type dialFunc = func(ctx context.Context, network, addr string) (net.Conn, error)
@@ -45,11 +51,12 @@ type guestTransport struct {
 }
 
 // newGuestTransports makes the transports; dial reaches a guest address (nil: a net.Dialer).
-func newGuestTransports(dial dialFunc) *guestTransports {
+// With warmPort, each transport opens its first connection to that port as soon as it exists.
+func newGuestTransports(dial dialFunc, warmPort int) *guestTransports {
 	if dial == nil {
 		dial = (&net.Dialer{Timeout: 3 * time.Second, KeepAlive: 30 * time.Second}).DialContext
 	}
-	return &guestTransports{byAddr: map[string]*guestTransport{}, dial: dial}
+	return &guestTransports{byAddr: map[string]*guestTransport{}, dial: dial, warmPort: warmPort}
 }
 
 // open registers the transport of a sandbox that now runs at guest IP addr.
@@ -68,6 +75,29 @@ func (g *guestTransports) open(addr string) {
 	if old != nil {
 		old.closeAll()
 	}
+	if g.warmPort != 0 {
+		go gt.warm(net.JoinHostPort(addr, strconv.Itoa(g.warmPort)))
+	}
+}
+
+// warmTimeout bounds the request that opens a transport's first connection.
+const warmTimeout = 3 * time.Second
+
+// warm sends GET /health to hostport through the transport, leaving its connection idle for
+// the next request. Failures are of no consequence: that request then dials as usual.
+func (gt *guestTransport) warm(hostport string) {
+	ctx, cancel := context.WithTimeout(context.Background(), warmTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+hostport+"/health", nil)
+	if err != nil {
+		return
+	}
+	res, err := gt.RoundTrip(req)
+	if err != nil {
+		return
+	}
+	_, _ = io.Copy(io.Discard, res.Body)
+	res.Body.Close()
 }
 
 // close drops the transport of guest IP addr and closes all its connections, idle or not.

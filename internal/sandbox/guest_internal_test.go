@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -62,7 +63,7 @@ func get(t *testing.T, g *guestTransports, u string) {
 func TestGuestReusesConnections(t *testing.T) {
 	srv, cc := okServer(t)
 	u, _ := url.Parse(srv.URL)
-	g := newGuestTransports(nil)
+	g := newGuestTransports(nil, 0)
 	g.open(u.Hostname())
 	for i := 0; i < 5; i++ {
 		get(t, g, srv.URL)
@@ -86,7 +87,7 @@ func TestGuestStopClosesIdleConnections(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			srv, cc := okServer(t)
 			u, _ := url.Parse(srv.URL)
-			g := newGuestTransports(nil)
+			g := newGuestTransports(nil, 0)
 			g.open(u.Hostname())
 			get(t, g, srv.URL)
 			get(t, g, srv.URL)
@@ -113,5 +114,46 @@ func TestGuestStopClosesIdleConnections(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A new transport opens its first connection at once (envd's /health), and the sandbox's first
+// request uses it: no dial on the way of the SDK's first command after create.
+func TestGuestOpenWarmsAConnection(t *testing.T) {
+	var mu sync.Mutex
+	var paths []string
+	cc := &connCounter{}
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		paths = append(paths, r.URL.Path)
+		mu.Unlock()
+		_, _ = io.WriteString(w, "ok")
+	}))
+	srv.Config.ConnState = cc.state
+	srv.Start()
+	t.Cleanup(srv.Close)
+	u, _ := url.Parse(srv.URL)
+	port, _ := strconv.Atoi(u.Port())
+	g := newGuestTransports(nil, port)
+	g.open(u.Hostname())
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		mu.Lock()
+		n := len(paths)
+		mu.Unlock()
+		if n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("open made no request of its own")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond) // the warm-up's connection back to idle
+	get(t, g, srv.URL+"/process.Process/Start")
+	mu.Lock()
+	defer mu.Unlock()
+	if opened, _ := cc.get(); opened != 1 || paths[0] != "/health" {
+		t.Fatalf("warm-up %q, %d connections for it and the first request; want /health and 1", paths, opened)
 	}
 }
