@@ -29,8 +29,9 @@ type service struct {
 	dataDir string
 
 	mu        sync.Mutex
-	guestHits []string        // "id:port" per GuestURL call that succeeded
-	down      map[string]bool // guest IPs whose connections are refused
+	guestHits []string                       // "id:port" per GuestURL call that succeeded
+	down      map[string]bool                // guest IPs whose connections are refused
+	conns     map[string]map[net.Conn]string // guest IP -> its open connections
 
 	fork  func(ctx context.Context, id string, count int, timeout time.Duration) ([]sandbox.ForkResult, error)
 	build func(ctx context.Context, req sandbox.BuildRequest, progress func(string)) (*sandbox.Template, error)
@@ -46,7 +47,7 @@ func newService(t testing.TB, guestAddr string) *service {
 		t.Fatal(err)
 	}
 	rig := sandboxtest.NewRig(256)
-	s := &service{t: t, rig: rig, down: map[string]bool{}, dataDir: filepath.Join(dir, "data")}
+	s := &service{t: t, rig: rig, down: map[string]bool{}, conns: map[string]map[net.Conn]string{}, dataDir: filepath.Join(dir, "data")}
 	var d net.Dialer
 	m, err := sandbox.New(context.Background(), sandbox.Config{
 		DataDir: filepath.Join(dir, "data"), Driver: rig.Driver, Network: rig.Network, Store: st,
@@ -59,7 +60,16 @@ func newService(t testing.TB, guestAddr string) *service {
 			if down {
 				return nil, fmt.Errorf("dial %s: connection refused", addr)
 			}
-			return d.DialContext(ctx, network, guestAddr)
+			c, err := d.DialContext(ctx, network, guestAddr)
+			if err == nil {
+				s.mu.Lock()
+				if s.conns[host] == nil {
+					s.conns[host] = map[net.Conn]string{}
+				}
+				s.conns[host][c] = addr
+				s.mu.Unlock()
+			}
+			return c, err
 		},
 		EnvdTimeout: 2 * time.Second, DrainTimeout: time.Second, CPUCount: 2, MemoryMB: 512, DiskMB: 1024,
 	})
@@ -78,11 +88,16 @@ func newService(t testing.TB, guestAddr string) *service {
 	return s
 }
 
-// unreachable makes a running sandbox's guest refuse every new connection.
+// unreachable makes a running sandbox's guest refuse every new connection and cuts the ones
+// open to it (the guest transport keeps connections alive), as a guest that went down would.
 func (s *service) unreachable(sb *sandbox.Sandbox) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.down[sb.Runtime.GuestIP] = true
+	for c := range s.conns[sb.Runtime.GuestIP] {
+		c.Close()
+	}
+	delete(s.conns, sb.Runtime.GuestIP)
 }
 
 // add creates a sandbox through the Manager and brings it to state.

@@ -3,8 +3,10 @@ package sandbox
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
+	"strconv"
 	"sync"
 	"time"
 
@@ -12,19 +14,33 @@ import (
 )
 
 // guestTransports gives every running sandbox its own HTTP transport, keyed by the guest
-// address it has now. Connections are never shared between sandboxes, and when a sandbox stops
-// (kill, pause) every connection of its transport is closed, the busy ones too: a slot's address
-// is reused by later sandboxes, a kept-alive connection must never carry one sandbox's request
-// to another, and a stream into a sandbox that is gone must end now. (A killed sandbox's netstack
-// sends no FIN or RST: without this, a proxied command stream would hang until TCP keepalive
-// gives up.)
+// address it has now. Its connections are kept alive between requests (each new one costs a
+// handshake with the sandbox's netstack and an accept in envd, a millisecond or more under
+// gVisor), but never shared between sandboxes: when a sandbox stops (kill, pause) every
+// connection of its transport is closed, idle and busy ones, and a new sandbox at the same
+// address gets a new transport. A slot's address is reused by later sandboxes, so a kept-alive
+// connection must never carry one sandbox's request to another, and a stream into a sandbox that
+// is gone must end now. (A killed sandbox's netstack sends no FIN or RST: without this, a proxied
+// command stream would hang until TCP keepalive gives up.)
 type guestTransports struct {
 	mu     sync.Mutex
 	byAddr map[string]*guestTransport
 	dial   dialFunc
+	// warmPort, when set, is envd's port: open makes the new transport's first connection at
+	// once (a GET /health), so that the sandbox's first request, typically the SDK's first
+	// command right after create, finds a connection ready instead of dialing one.
+	warmPort int
 }
 
 type dialFunc = func(ctx context.Context, network, addr string) (net.Conn, error)
+
+const (
+	// guestIdleConns bounds the idle connections kept per sandbox (envd holds a goroutine and
+	// buffers for each, inside the sandbox's memory).
+	guestIdleConns = 4
+	// guestIdleTimeout closes a connection left idle this long.
+	guestIdleTimeout = 30 * time.Second
+)
 
 // guestTransport is one sandbox's transport and the connections it has open.
 type guestTransport struct {
@@ -35,22 +51,22 @@ type guestTransport struct {
 }
 
 // newGuestTransports makes the transports; dial reaches a guest address (nil: a net.Dialer).
-func newGuestTransports(dial dialFunc) *guestTransports {
+// With warmPort, each transport opens its first connection to that port as soon as it exists.
+func newGuestTransports(dial dialFunc, warmPort int) *guestTransports {
 	if dial == nil {
 		dial = (&net.Dialer{Timeout: 3 * time.Second, KeepAlive: 30 * time.Second}).DialContext
 	}
-	return &guestTransports{byAddr: map[string]*guestTransport{}, dial: dial}
+	return &guestTransports{byAddr: map[string]*guestTransport{}, dial: dial, warmPort: warmPort}
 }
 
 // open registers the transport of a sandbox that now runs at guest IP addr.
 func (g *guestTransports) open(addr string) {
 	gt := &guestTransport{conns: map[*trackedConn]struct{}{}}
-	// No keep-alive: a fresh connection per request costs a fraction of a millisecond over the
-	// veth, and no connection ever outlives the request it was made for.
 	gt.Transport = &http.Transport{
-		DialContext:        gt.dial(g.dial),
-		DisableKeepAlives:  true,
-		DisableCompression: true,
+		DialContext:         gt.dial(g.dial),
+		DisableCompression:  true,
+		MaxIdleConnsPerHost: guestIdleConns,
+		IdleConnTimeout:     guestIdleTimeout,
 	}
 	g.mu.Lock()
 	old := g.byAddr[addr]
@@ -59,6 +75,29 @@ func (g *guestTransports) open(addr string) {
 	if old != nil {
 		old.closeAll()
 	}
+	if g.warmPort != 0 {
+		go gt.warm(net.JoinHostPort(addr, strconv.Itoa(g.warmPort)))
+	}
+}
+
+// warmTimeout bounds the request that opens a transport's first connection.
+const warmTimeout = 3 * time.Second
+
+// warm sends GET /health to hostport through the transport, leaving its connection idle for
+// the next request. Failures are of no consequence: that request then dials as usual.
+func (gt *guestTransport) warm(hostport string) {
+	ctx, cancel := context.WithTimeout(context.Background(), warmTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+hostport+"/health", nil)
+	if err != nil {
+		return
+	}
+	res, err := gt.RoundTrip(req)
+	if err != nil {
+		return
+	}
+	_, _ = io.Copy(io.Discard, res.Body)
+	res.Body.Close()
 }
 
 // close drops the transport of guest IP addr and closes all its connections, idle or not.

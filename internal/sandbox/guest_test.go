@@ -33,7 +33,7 @@ func TestGuestCloseEndsActiveStreams(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			g := newGuestTransports(nil)
+			g := newGuestTransports(nil, 0)
 			g.open(u.Hostname())
 			req, _ := http.NewRequest(http.MethodGet, srv.URL+"/stream", nil)
 			res, err := g.RoundTrip(req)

@@ -241,7 +241,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		// envd health and /init calls: no keep-alive, so a connection to a slot's address never
 		// outlives the sandbox that had it (slots and their addresses are reused).
 		client:    &http.Client{Transport: &http.Transport{DialContext: cfg.Dial, DisableKeepAlives: true}},
-		guestT:    newGuestTransports(cfg.Dial),
+		guestT:    newGuestTransports(cfg.Dial, EnvdPort),
 		live:      map[string]*entry{},
 		stop:      make(chan struct{}),
 		faults:    &faults{fail: cfg.Fail},

@@ -383,5 +383,8 @@ func (p *pool) restore(ctx context.Context, tpl *Template, owner string) (*poole
 		return nil, err
 	}
 	pe.place = place
+	if err := m.warmGuest(ctx, place.GuestIP, tpl.InitToken); err != nil {
+		m.logger(pe.owner).Debug("pool instance warm-up", "err", err)
+	}
 	return pe, nil
 }

@@ -431,7 +431,12 @@ func (b *Builder) BuildDebian(ctx context.Context, cfg ImageConfig, dest string,
 	stack, _, err := image.Compose(ctx, tmp, []image.LayerDir{ld})
 	if err == nil {
 		progress("adding user `user`, sudo and envd")
-		err = stack.Edit(ctx, func(t *image.Tree) error { return customizeTree(t, image.Defaults{}) })
+		err = stack.Edit(ctx, func(t *image.Tree) error {
+			if err := customizeTree(t, image.Defaults{}); err != nil {
+				return err
+			}
+			return leanLoginShell(t)
+		})
 	}
 	if err == nil {
 		err = linkEnvd(tmp, envdStore)

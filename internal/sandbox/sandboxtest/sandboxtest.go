@@ -189,10 +189,12 @@ type Instance struct {
 	files map[string]string
 	mem   map[string]string
 	token string
-	ln    net.Listener
-	srv   *http.Server
-	done  chan struct{}
-	exit  runtime.Exit
+	// starts are the process Starts envd answered, as "<command line> token=<access token>".
+	starts []string
+	ln     net.Listener
+	srv    *http.Server
+	done   chan struct{}
+	exit   runtime.Exit
 }
 
 // image is what Checkpoint writes.
@@ -341,6 +343,11 @@ func (in *Instance) serve(w http.ResponseWriter, r *http.Request) {
 		json.NewDecoder(r.Body).Decode(&req)
 		in.token = req.AccessToken
 		w.WriteHeader(http.StatusNoContent)
+	case r.URL.Path == "/process.Process/Start" && r.Method == http.MethodPost:
+		// Recorded only; the stream is not answered (the caller sees an error).
+		b, _ := io.ReadAll(r.Body)
+		in.starts = append(in.starts, fmt.Sprintf("%q token=%s", b, r.Header.Get("X-Access-Token")))
+		http.Error(w, "fake envd runs no processes", http.StatusNotImplemented)
 	case r.URL.Path == "/fake/files" || r.URL.Path == "/fake/mem":
 		if !authed {
 			http.Error(w, "invalid or missing access token", http.StatusUnauthorized)
@@ -650,4 +657,16 @@ type Builder struct{}
 // BuildRootFS implements sandbox.RootFSBuilder.
 func (Builder) BuildRootFS(ctx context.Context, req sandbox.BuildRequest, dest string, progress func(string)) (sandbox.RootFSInfo, error) {
 	return sandbox.RootFSInfo{}, os.MkdirAll(filepath.Join(dest, "usr", "local", "bin"), 0o755)
+}
+
+// Starts returns the process Starts a running instance's envd was asked for, each as the
+// request body (quoted) and " token=" the access token it carried.
+func (d *Driver) Starts(id string) []string {
+	in, err := d.get(id)
+	if err != nil {
+		return nil
+	}
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return append([]string(nil), in.starts...)
 }

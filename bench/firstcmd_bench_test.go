@@ -1,0 +1,339 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/testutil"
+)
+
+// firstCmdScript drives the unmodified e2b SDK (test/sdk's pinned version): per iteration it
+// creates a sandbox, runs `echo ok` twice and kills the sandbox, and prints the durations (ms)
+// as JSON. SETTLE_MS between iterations lets the warm pool refill (0: a create–run–kill loop).
+const firstCmdScript = `
+import { Sandbox } from 'e2b'
+const n = +process.env.ITERATIONS, settle = +process.env.SETTLE_MS
+const out = { create: [], first: [], total: [], second: [] }
+for (let i = 0; i < n; i++) {
+  const t0 = performance.now()
+  const sbx = await Sandbox.create('base')
+  const t1 = performance.now()
+  const r = await sbx.commands.run('echo ok')
+  const t2 = performance.now()
+  if (r.stdout !== 'ok\n') throw new Error('first command printed ' + JSON.stringify(r.stdout))
+  await sbx.commands.run('echo ok')
+  const t3 = performance.now()
+  out.create.push(t1 - t0); out.first.push(t2 - t1); out.total.push(t2 - t0); out.second.push(t3 - t2)
+  await sbx.kill()
+  if (settle > 0) await new Promise(res => setTimeout(res, settle))
+}
+console.log(JSON.stringify(out))
+`
+
+const firstCmdIterations = 20
+
+// BenchmarkFirstCommand: SDK create → the first commands.run('echo ok') done, through the
+// daemon's API and sandbox plane, with the pool warm and in a create–run–kill loop, next to
+// its floor measured inside the sandbox: a plain `bash -l -c true` (issue 11, lever 5).
+func BenchmarkFirstCommand(b *testing.B) {
+	sdkDir := filepath.Join(testutil.RepoRoot(), "test", "sdk")
+	_, err := os.Stat(filepath.Join(sdkDir, "node_modules", "e2b"))
+	testutil.Need(b, err == nil, "test/sdk/node_modules/e2b is missing (cd test/sdk && npm ci)")
+	_, err = exec.LookPath("node")
+	testutil.Need(b, err == nil, "node is not installed")
+	n := getNode(b, 2)
+	fmt.Printf("\n== ember first command through the e2b SDK (%d iterations each, medians and p99) ==\n", firstCmdIterations)
+
+	sdk := func(settle time.Duration) map[string]dist {
+		cmd := exec.Command("node", "--input-type=module", "-e", firstCmdScript)
+		cmd.Dir = sdkDir // bare 'e2b' resolves from here
+		cmd.Env = append(os.Environ(), "E2B_API_URL="+n.url, "E2B_SANDBOX_URL="+n.url, "E2B_API_KEY="+n.key,
+			"E2B_DOMAIN=ember.local", "ITERATIONS="+strconv.Itoa(firstCmdIterations),
+			"SETTLE_MS="+strconv.Itoa(int(settle.Milliseconds())))
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		out, err := cmd.Output()
+		if err != nil {
+			b.Fatalf("sdk script: %v\n%s", err, stderr.String())
+		}
+		var raw map[string][]float64
+		if err := json.Unmarshal(out, &raw); err != nil {
+			b.Fatalf("sdk script output %q: %v", out, err)
+		}
+		res := map[string]dist{}
+		for k, v := range raw {
+			for _, f := range v {
+				res[k] = append(res[k], time.Duration(f*float64(time.Millisecond)))
+			}
+		}
+		return res
+	}
+	warm := sdk(1500 * time.Millisecond)
+	loop := sdk(0)
+	inside := loginShellInside(b, n)
+
+	report(b, "SDK create -> first run done (pool warm)", warm["total"])
+	report(b, "  create (pool warm)", warm["create"])
+	report(b, "  first commands.run (pool warm)", warm["first"])
+	report(b, "  second commands.run (pool warm)", warm["second"])
+	report(b, "SDK create -> first run done (loop)", loop["total"])
+	report(b, "  create (loop)", loop["create"])
+	report(b, "  first commands.run (loop)", loop["first"])
+	report(b, "baseline: bash -l -c true inside sandbox", inside)
+	fmt.Printf("first commands.run over its floor (p50): pool warm +%s ms, loop +%s ms (host load average %s)\n",
+		ms(warm["first"].pct(0.5)-inside.pct(0.5)), ms(loop["first"].pct(0.5)-inside.pct(0.5)), loadAvg())
+}
+
+// loginShellInside times `bash -l -c true` inside a sandbox, from bash itself ($EPOCHREALTIME
+// needs no process), as the default user that commands.run uses.
+func loginShellInside(b *testing.B, n *node) dist {
+	ctx := context.Background()
+	sb, err := n.Manager.Create(ctx, sandbox.CreateRequest{TemplateID: "base"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer n.Manager.Kill(ctx, sb.ID)
+	script := fmt.Sprintf(`for i in $(seq %d); do s=$EPOCHREALTIME; bash -l -c true; e=$EPOCHREALTIME; echo "$s $e"; done`, firstCmdIterations)
+	out, err := n.run(sb, script)
+	if err != nil {
+		b.Fatalf("inside: %v: %s", err, out)
+	}
+	var d dist
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+		f := strings.Fields(line)
+		if len(f) != 2 {
+			b.Fatalf("inside: line %q", line)
+		}
+		s, _ := strconv.ParseFloat(f[0], 64)
+		e, _ := strconv.ParseFloat(f[1], 64)
+		d = append(d, time.Duration((e-s)*float64(time.Second)))
+	}
+	return d
+}
+
+// BenchmarkIdleMemory: private memory per idle sandbox at N = 50, by host process (the runsc
+// sandbox process, i.e. the sentry; the gofer; the sentry's systrap stub processes) and, where
+// the kernel keeps one per sandbox, the sandbox cgroup's own accounting (issue 11, lever 8).
+func BenchmarkIdleMemory(b *testing.B) {
+	n := getNode(b, 2)
+	ctx := context.Background()
+	const count = 50
+	settle := 2 * time.Second
+	if s, err := time.ParseDuration(os.Getenv("EMBER_BENCH_IDLE_SETTLE")); err == nil {
+		settle = s
+	}
+	fmt.Printf("\n== ember memory per idle sandbox (N = %d, restored from the template, %s after the last create) ==\n", count, settle)
+	var ids []string
+	defer func() {
+		for _, id := range ids {
+			n.Manager.Kill(ctx, id)
+		}
+	}()
+	for i := 0; i < count; i++ {
+		sb, err := n.Manager.Create(ctx, sandbox.CreateRequest{TemplateID: "base", NoPool: true})
+		if err != nil {
+			b.Fatal(err)
+		}
+		ids = append(ids, sb.ID)
+	}
+	time.Sleep(settle)
+	m := sandboxMemory(filepath.Join(n.dataDir, "runsc"))
+	sandboxes := m.procs["sentry"].count // the pool's idle instances are counted too
+	if sandboxes == 0 {
+		b.Fatal("no runsc sandbox processes found")
+	}
+	per := func(kib int64) float64 { return float64(kib) / 1024 / float64(sandboxes) }
+	for _, k := range []string{"sentry", "gofer", "stubs"} {
+		u := m.procs[k]
+		fmt.Printf("  %-8s %3d processes: private %5.2f MiB/sandbox, PSS %5.2f MiB/sandbox, page tables %4.2f MiB/sandbox\n",
+			k, u.count, per(u.privKiB), per(u.pssKiB), per(u.pteKiB))
+	}
+	var priv, pss int64
+	for _, u := range m.procs {
+		priv, pss = priv+u.privKiB, pss+u.pssKiB
+	}
+	fmt.Printf("private memory per idle sandbox at N = %d (+%d in the pool): %.1f MiB (PSS %.1f MiB)\n", count, sandboxes-count, per(priv), per(pss))
+	b.ReportMetric(per(priv), "private_MiB_per_idle_sandbox")
+	if m.cgroups > 0 {
+		c := float64(m.cgroups)
+		fmt.Printf("  cgroup accounting (%d sandbox cgroups): charged %.1f MiB/sandbox (anon %.1f, shmem i.e. the sentry's memory file %.1f, file %.1f)\n",
+			m.cgroups, float64(m.cgUsage)/(1<<20)/c, float64(m.cgAnon)/(1<<20)/c, float64(m.cgShmem)/(1<<20)/c, float64(m.cgFile)/(1<<20)/c)
+	}
+}
+
+// loadAvg is the host's 1-minute load average (the figures above depend on it).
+func loadAvg() string {
+	data, _ := os.ReadFile("/proc/loadavg")
+	if f := strings.Fields(string(data)); len(f) > 0 {
+		return f[0]
+	}
+	return "?"
+}
+
+type procUse struct {
+	count                   int
+	privKiB, pssKiB, pteKiB int64
+}
+
+type memBreakdown struct {
+	procs                            map[string]*procUse
+	cgroups                          int
+	cgUsage, cgAnon, cgShmem, cgFile int64
+}
+
+// sandboxMemory sums the memory of the runsc processes under runscRoot by kind, and of their
+// memory cgroups.
+func sandboxMemory(runscRoot string) memBreakdown {
+	m := memBreakdown{procs: map[string]*procUse{"sentry": {}, "gofer": {}, "stubs": {}}}
+	sentries := map[string]bool{}
+	cgroups := map[string]bool{}
+	procs, _ := filepath.Glob("/proc/[0-9]*")
+	kindOf := map[string]string{}
+	for _, p := range procs {
+		cl, err := os.ReadFile(p + "/cmdline")
+		if err != nil || !strings.Contains(string(cl), runscRoot) {
+			continue
+		}
+		switch {
+		case strings.HasPrefix(string(cl), "runsc-sandbox"):
+			kindOf[p] = "sentry"
+			sentries[filepath.Base(p)] = true
+			if cg := memoryCgroup(p); cg != "" {
+				cgroups[cg] = true
+			}
+		case strings.HasPrefix(string(cl), "runsc-gofer"):
+			kindOf[p] = "gofer"
+		}
+	}
+	for _, p := range procs { // the sentries' stub processes have no cmdline of their own
+		if _, ok := kindOf[p]; !ok && sentries[parentPID(p)] {
+			kindOf[p] = "stubs"
+		}
+	}
+	for p, k := range kindOf {
+		u := m.procs[k]
+		u.count++
+		priv, pss := smapsRollup(p)
+		u.privKiB += priv
+		u.pssKiB += pss
+		u.pteKiB += statusKiB(p, "VmPTE:")
+	}
+	for cg := range cgroups {
+		st := readKV(filepath.Join(cg, "memory.stat"))
+		usage := readInt(filepath.Join(cg, "memory.usage_in_bytes")) // cgroup v1
+		anon, shmem, file := st["rss"], st["shmem"], st["cache"]-st["shmem"]
+		if usage < 0 { // cgroup v2
+			usage = readInt(filepath.Join(cg, "memory.current"))
+			anon, shmem, file = st["anon"], st["shmem"], st["file"]-st["shmem"]
+		}
+		if usage < 0 {
+			continue
+		}
+		m.cgroups++
+		m.cgUsage += usage
+		m.cgAnon += anon
+		m.cgShmem += shmem
+		m.cgFile += file
+	}
+	return m
+}
+
+// memoryCgroup is the memory cgroup directory of process p ("" if unknown).
+func memoryCgroup(p string) string {
+	data, _ := os.ReadFile(p + "/cgroup")
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.SplitN(line, ":", 3)
+		if len(f) != 3 {
+			continue
+		}
+		switch {
+		case f[1] == "memory":
+			return filepath.Join("/sys/fs/cgroup/memory", f[2])
+		case f[0] == "0" && f[1] == "":
+			if _, err := os.Stat("/sys/fs/cgroup/memory"); err != nil {
+				return filepath.Join("/sys/fs/cgroup", f[2])
+			}
+		}
+	}
+	return ""
+}
+
+func parentPID(p string) string {
+	b, _ := os.ReadFile(p + "/stat")
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return ""
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 2 {
+		return ""
+	}
+	return f[1]
+}
+
+func smapsRollup(p string) (privKiB, pssKiB int64) {
+	data, _ := os.ReadFile(p + "/smaps_rollup")
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 2 {
+			continue
+		}
+		v, _ := strconv.ParseInt(f[1], 10, 64)
+		switch f[0] {
+		case "Pss:":
+			pssKiB += v
+		case "Private_Clean:", "Private_Dirty:":
+			privKiB += v
+		}
+	}
+	return
+}
+
+func statusKiB(p, key string) int64 {
+	data, _ := os.ReadFile(p + "/status")
+	for _, line := range strings.Split(string(data), "\n") {
+		if strings.HasPrefix(line, key) {
+			f := strings.Fields(line)
+			if len(f) >= 2 {
+				v, _ := strconv.ParseInt(f[1], 10, 64)
+				return v
+			}
+		}
+	}
+	return 0
+}
+
+func readKV(path string) map[string]int64 {
+	out := map[string]int64{}
+	data, _ := os.ReadFile(path)
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 2 {
+			v, _ := strconv.ParseInt(f[1], 10, 64)
+			out[f[0]] = v
+		}
+	}
+	return out
+}
+
+func readInt(path string) int64 {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return -1
+	}
+	v, err := strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64)
+	if err != nil {
+		return -1
+	}
+	return v
+}
