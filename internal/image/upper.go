@@ -1,0 +1,93 @@
+package image
+
+import (
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// overlayOpaque marks an overlayfs upper directory whose lower contents are hidden.
+const overlayOpaque = "trusted.overlay.opaque"
+
+// FromUpper makes the overlayfs upper directory upper (a sandbox's writable layer, no longer
+// mounted) into a layer Compose can stack: each whiteout (a 0:0 character device) is removed
+// and recorded in Meta.Whiteouts, each opaque directory loses its trusted.overlay.* xattrs and
+// is recorded in Meta.Opaque, and other device nodes and sockets are removed (Meta.Skipped).
+// Paths in Meta are relative to upper. Bytes counts regular files' content.
+func FromUpper(upper string) (Meta, error) {
+	var m Meta
+	err := filepath.WalkDir(upper, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(upper, p)
+		if rel == "." {
+			return stripOverlayXattrs(p)
+		}
+		rel = filepath.ToSlash(rel)
+		m.Entries++
+		var st unix.Stat_t
+		if err := unix.Lstat(p, &st); err != nil {
+			return err
+		}
+		switch st.Mode & unix.S_IFMT {
+		case unix.S_IFDIR:
+			if v, err := getXattr(p, overlayOpaque); err == nil && v == "y" {
+				m.Opaque = append(m.Opaque, rel)
+			}
+			return stripOverlayXattrs(p)
+		case unix.S_IFCHR:
+			if st.Rdev == 0 {
+				m.Whiteouts = append(m.Whiteouts, rel)
+			} else {
+				m.Skipped = append(m.Skipped, rel)
+			}
+			return os.Remove(p)
+		case unix.S_IFBLK, unix.S_IFSOCK:
+			m.Skipped = append(m.Skipped, rel)
+			return os.Remove(p)
+		case unix.S_IFREG:
+			m.Bytes += st.Size
+			return stripOverlayXattrs(p)
+		}
+		return nil
+	})
+	if err != nil {
+		return m, fmt.Errorf("layer from %s: %w", upper, err)
+	}
+	return m, nil
+}
+
+func getXattr(p, name string) (string, error) {
+	buf := make([]byte, 64)
+	n, err := unix.Lgetxattr(p, name, buf)
+	if err != nil {
+		return "", err
+	}
+	return string(buf[:n]), nil
+}
+
+// stripOverlayXattrs removes overlayfs's private xattrs (opaque, origin, redirect, ...) of p:
+// in a composed tree they would mean something to the next overlay mount.
+func stripOverlayXattrs(p string) error {
+	sz, err := unix.Llistxattr(p, nil)
+	if err != nil || sz == 0 {
+		return nil
+	}
+	buf := make([]byte, sz)
+	if sz, err = unix.Llistxattr(p, buf); err != nil {
+		return nil
+	}
+	for _, name := range strings.Split(strings.TrimRight(string(buf[:sz]), "\x00"), "\x00") {
+		if strings.HasPrefix(name, "trusted.overlay.") || strings.HasPrefix(name, "user.overlay.") {
+			if err := unix.Lremovexattr(p, name); err != nil && err != unix.ENODATA {
+				return fmt.Errorf("remove xattr %s of %s: %w", name, p, err)
+			}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,98 @@
+package image
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestFromUpperOfARealOverlay deletes, replaces and re-creates entries through a real overlayfs
+// mount, then stacks its upper dir on the lower with Compose: the composed tree is what the
+// mount showed (deleted files gone, a re-created directory without its old contents), with no
+// whiteout devices or overlay xattrs left in it.
+func TestFromUpperOfARealOverlay(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (overlay mount, whiteouts)")
+	}
+	dir := t.TempDir()
+	lower, upper, work, merged := filepath.Join(dir, "lower"), filepath.Join(dir, "upper"), filepath.Join(dir, "work"), filepath.Join(dir, "merged")
+	for _, d := range []string{lower, upper, work, merged, filepath.Join(lower, "d"), filepath.Join(lower, "keep")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, f := range []string{"gone", "d/old", "keep/a", "changed"} {
+		if err := os.WriteFile(filepath.Join(lower, f), []byte("lower "+f), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := unix.Mount("overlay", merged, "overlay", 0, "lowerdir="+lower+",upperdir="+upper+",workdir="+work); err != nil {
+		t.Skipf("overlay mount: %v", err)
+	}
+	mounted := true
+	defer func() {
+		if mounted {
+			unix.Unmount(merged, 0)
+		}
+	}()
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(os.Remove(filepath.Join(merged, "gone")))
+	must(os.RemoveAll(filepath.Join(merged, "d")))
+	must(os.Mkdir(filepath.Join(merged, "d"), 0o750))
+	must(os.WriteFile(filepath.Join(merged, "d/new"), []byte("upper"), 0o600))
+	must(os.WriteFile(filepath.Join(merged, "changed"), []byte("upper changed"), 0o644))
+	must(os.WriteFile(filepath.Join(merged, "keep/b"), []byte("b"), 0o644))
+	must(unix.Unmount(merged, 0))
+	mounted = false
+
+	m, err := FromUpper(upper)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(m.Whiteouts, ",") != "gone" || strings.Join(m.Opaque, ",") != "d" {
+		t.Fatalf("whiteouts %v opaque %v", m.Whiteouts, m.Opaque)
+	}
+	dest := filepath.Join(dir, "dest")
+	must(os.Mkdir(dest, 0o755))
+	if _, err := Compose(context.Background(), dest, []LayerDir{{Digest: "lower", Root: lower}, {Digest: "upper", Root: upper, Meta: m}}); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	must(filepath.Walk(dest, func(p string, fi os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(dest, p)
+		if fi.Mode()&os.ModeDevice != 0 {
+			t.Errorf("device node %s in the composed tree", rel)
+		}
+		if n, _ := unix.Llistxattr(p, make([]byte, 256)); n > 0 {
+			buf := make([]byte, 256)
+			n, _ = unix.Llistxattr(p, buf)
+			if strings.Contains(string(buf[:n]), "overlay") {
+				t.Errorf("%s keeps overlay xattrs %q", rel, buf[:n])
+			}
+		}
+		if !fi.IsDir() {
+			b, _ := os.ReadFile(p)
+			rel += "=" + string(b)
+		}
+		got = append(got, rel)
+		return nil
+	}))
+	sort.Strings(got)
+	want := ".,changed=upper changed,d,d/new=upper,keep,keep/a=lower keep/a,keep/b=b"
+	if strings.Join(got, ",") != want {
+		t.Fatalf("composed tree\n got %s\nwant %s", strings.Join(got, ","), want)
+	}
+}
