@@ -13,8 +13,13 @@ import (
 // running: disconnecting does not stop it). Commands must go through envd, not the driver's
 // out-of-band Exec: gVisor kills exec'd processes on restore, while envd's children survive.
 func (m *Manager) envdCommand(ctx context.Context, base, token, cmdline string, wait bool) (int, string, error) {
+	return m.envdCommandAs(ctx, base, token, "root", cmdline, wait)
+}
+
+// envdCommandAs is envdCommand as user.
+func (m *Manager) envdCommandAs(ctx context.Context, base, token, user, cmdline string, wait bool) (int, string, error) {
 	var out strings.Builder
 	res, err := envdclient.Run(ctx, processconnect.NewProcessClient(m.client, base),
-		envdclient.Command{Line: cmdline, User: "root", Token: token, Wait: wait}, envdclient.Collect(&out))
+		envdclient.Command{Line: cmdline, User: user, Token: token, Wait: wait}, envdclient.Collect(&out))
 	return res.ExitCode, out.String(), err
 }

@@ -104,6 +104,9 @@ type Config struct {
 	MaxSandboxes int
 	// MaxBuilds caps concurrent template builds (default 2).
 	MaxBuilds int
+	// MaxBuildFileBytes bounds one uploaded COPY tarball of a step build (default
+	// DefaultMaxBuildFileBytes).
+	MaxBuildFileBytes int64
 	// DrainTimeout bounds how long Close waits for operations in flight before it cancels them
 	// (default 10 s).
 	DrainTimeout time.Duration
@@ -130,6 +133,7 @@ type Manager struct {
 	faults *faults
 	names  map[string]bool // template and snapshot names being written (reserveName)
 	builds chan struct{}   // one token per concurrent template build
+	tb     *builds         // records of step builds (builds.go)
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool
@@ -197,6 +201,9 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	if cfg.MaxBuilds == 0 {
 		cfg.MaxBuilds = 2
 	}
+	if cfg.MaxBuildFileBytes == 0 {
+		cfg.MaxBuildFileBytes = DefaultMaxBuildFileBytes
+	}
 	if cfg.DrainTimeout == 0 {
 		cfg.DrainTimeout = 10 * time.Second
 	}
@@ -230,6 +237,16 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		faults:    &faults{fail: cfg.Fail},
 		builds:    make(chan struct{}, cfg.MaxBuilds),
 		instances: map[string]bool{},
+	}
+	tb, err := openBuilds(filepath.Join(cfg.DataDir, "builds"), m.log.Warn)
+	if err != nil {
+		return nil, fmt.Errorf("build records: %w", err)
+	}
+	m.tb = tb
+	// Step layers a crash left staged (never committed under their key).
+	staged, _ := filepath.Glob(filepath.Join(cfg.DataDir, "layers", ".tmp-step-*"))
+	for _, d := range staged {
+		removeTree(d)
 	}
 	m.bg, m.cancelBG = context.WithCancel(context.Background())
 	m.abort, m.abortFn = context.WithCancel(context.Background())

@@ -49,6 +49,8 @@ type BuildRequest struct {
 	From     string // "debian:bookworm" (default), "docker://REF", "docker+http://REF", "archive:PATH"
 	StartCmd string // optional command started before the checkpoint
 	ReadyCmd string // optional command that must succeed before the checkpoint
+	// StartUser runs the start and ready commands ("" = root).
+	StartUser string
 	CPUCount int
 	MemoryMB int
 	Force    bool // rebuild the rootfs even if cached
