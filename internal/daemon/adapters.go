@@ -130,6 +130,17 @@ func (a *builderAdapter) BuildRootFS(ctx context.Context, req sandbox.BuildReque
 	return sandbox.RootFSInfo{Env: defs.Env, User: defs.User, Workdir: defs.Workdir, StartCmd: defs.StartCmd}, nil
 }
 
+// TemplateFor implements sandbox.TemplateResolver: an image reference aliased to a local
+// template (E2B's e2bdev/base is ember's base, plus EMBER_IMAGE_ALIASES).
+func (a *builderAdapter) TemplateFor(ref string) (string, bool) {
+	aliases, err := parseMap("EMBER_IMAGE_ALIASES")
+	if err != nil {
+		aliases = nil
+	}
+	r := &image.Resolver{Aliases: aliases}
+	return strings.CutPrefix(r.Resolve(ref), "template:")
+}
+
 // imageSource reads the image a build request names, if any.
 func imageSource(req sandbox.BuildRequest) (template.ImageSource, bool) {
 	src := template.ImageSource{Ref: req.FromImage, Archive: req.FromArchive, Insecure: req.Insecure}

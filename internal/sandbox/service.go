@@ -51,9 +51,9 @@ type BuildRequest struct {
 	ReadyCmd string // optional command that must succeed before the checkpoint
 	// StartUser runs the start and ready commands ("" = root).
 	StartUser string
-	CPUCount int
-	MemoryMB int
-	Force    bool // rebuild the rootfs even if cached
+	CPUCount  int
+	MemoryMB  int
+	Force     bool // rebuild the rootfs even if cached
 
 	// FromImage builds from an OCI/Docker image in a registry; FromArchive from a `docker save`
 	// or OCI layout tarball on the node. Insecure reaches FromImage's registry over plain HTTP.
