@@ -24,8 +24,9 @@ import (
 // paths (a panic, an internal error).
 type service struct {
 	*sandbox.Manager
-	t   testing.TB
-	rig *sandboxtest.Rig
+	t       testing.TB
+	rig     *sandboxtest.Rig
+	dataDir string
 
 	mu        sync.Mutex
 	guestHits []string        // "id:port" per GuestURL call that succeeded
@@ -45,7 +46,7 @@ func newService(t testing.TB, guestAddr string) *service {
 		t.Fatal(err)
 	}
 	rig := sandboxtest.NewRig(256)
-	s := &service{t: t, rig: rig, down: map[string]bool{}}
+	s := &service{t: t, rig: rig, down: map[string]bool{}, dataDir: filepath.Join(dir, "data")}
 	var d net.Dialer
 	m, err := sandbox.New(context.Background(), sandbox.Config{
 		DataDir: filepath.Join(dir, "data"), Driver: rig.Driver, Network: rig.Network, Store: st,
