@@ -95,7 +95,7 @@ func normalizeCopy(r io.Reader, src string, mode int64, w io.Writer) (copyPlan, 
 		}
 		oh := &tar.Header{Name: out, Mode: h.Mode & 0o7777, ModTime: h.ModTime, Format: tar.FormatPAX}
 		switch h.Typeflag {
-		case tar.TypeReg, tar.TypeRegA:
+		case tar.TypeReg:
 			oh.Typeflag, oh.Size = tar.TypeReg, h.Size
 			if mode >= 0 {
 				oh.Mode = mode
