@@ -276,7 +276,18 @@ func TestTemplateBuildFlow(t *testing.T) {
 	if !strings.Contains(bi.messages(), "CACHED [builder 5/6]") {
 		t.Fatalf("logs:\n%s", bi.messages())
 	}
-	// force on a step re-runs it and what follows; the cached prefix before it stays cached.
+	// force on a step re-runs it and what follows; the steps before it stay cached.
+	n = len(procs.lines())
+	_, bidF := e.requestBuild("app")
+	forced := strings.Replace(appSteps, `"args":["make it","root"]}`, `"args":["make it","root"],"force":true}`, 1)
+	e.ctl("POST", "/v2/templates/app/builds/"+bidF, buildBody(forced))
+	if bi = e.waitBuild(tpl, bidF); bi.Status != "ready" || !strings.Contains(bi.messages(), "CACHED [builder 4/5] COPY") {
+		t.Fatalf("forced step: %s\n%s", bi.Status, bi.messages())
+	}
+	if runs := strings.Join(procs.lines()[n:], "\n"); strings.Contains(runs, "echo one") || strings.Contains(runs, "tar -xf") || !strings.Contains(runs, "make it") {
+		t.Fatalf("forced step: commands %q", runs)
+	}
+	// The same on the appended step.
 	n = len(procs.lines())
 	_, bid4 := e.requestBuild("app")
 	e.ctl("POST", "/v2/templates/app/builds/"+bid4, buildBody(appSteps+`,{"type":"RUN","args":["echo two"],"force":true}`))
@@ -302,7 +313,7 @@ func TestTemplateBuildFlow(t *testing.T) {
 		Builds     []struct{ BuildID, Status string }
 	}
 	e.ctl("GET", "/templates/app", "").json(t, &tw)
-	if tw.TemplateID != "app" || len(tw.Builds) != 5 || tw.Builds[0].BuildID != bid5 || tw.Builds[0].Status != "ready" {
+	if tw.TemplateID != "app" || len(tw.Builds) != 6 || tw.Builds[0].BuildID != bid5 || tw.Builds[0].Status != "ready" {
 		t.Fatalf("GET /templates/app: %+v", tw)
 	}
 	// Tags follow the current build; removing one that is not there is a 404.

@@ -464,32 +464,52 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 		return nil, err
 	}
 	cleanup = append(cleanup, func() { os.Remove(dir) }) // only when empty
-	var fresh *stepLayer
-	if hitAt < n {
-		root := parent.RootFS
-		if hit != nil {
-			// The build sandbox boots on the cached prefix.
-			work := filepath.Join(dir, "build-"+bid[:8])
-			root = filepath.Join(work, "rootfs")
-			if err := os.MkdirAll(root, 0o755); err != nil {
+	// The steps not cached run in segments, each ending at a RUN or COPY (steps that only set
+	// state ride along; a segment of ENV steps needs no sandbox): a build sandbox boots on the
+	// layers so far, runs the segment and gives its writable layer, cached under the key of the
+	// segment's last step. A later build that changes a step reuses every segment before it.
+	var staged []*stepLayer
+	var lowerKeys []string
+	if hit != nil {
+		lowerKeys = append(append(lowerKeys, hit.Lowers...), hit.Key)
+	}
+	work := filepath.Join(dir, "build-"+bid[:8])
+	defer removeTree(work)
+	for i := hitAt; i < n; {
+		j := segmentEnd(req.Steps, i)
+		var l *stepLayer
+		if onlyEnv(req.Steps[i : j+1]) {
+			for k := i; k <= j; k++ {
+				logf(stepName(k), "[builder %d/%d] %s", k+1, n, describeStep(req.Steps[k]))
+			}
+			if l, err = m.emptyStepLayer(); err != nil {
 				return nil, err
 			}
-			defer removeTree(work)
-			if _, err := image.Compose(ctx, root, layers); err != nil {
-				return nil, fmt.Errorf("compose the cached steps: %w", err)
+		} else {
+			root := parent.RootFS
+			if len(layers) > 1 {
+				root = filepath.Join(work, fmt.Sprint("rootfs-", i))
+				if err := os.MkdirAll(root, 0o755); err != nil {
+					return nil, err
+				}
+				if _, err := image.Compose(ctx, root, layers); err != nil {
+					return nil, fmt.Errorf("compose the steps so far: %w", err)
+				}
+			}
+			l, err = m.runSteps(ctx, spec, req, parent, root, states, i, j+1, logf)
+			if root != parent.RootFS {
+				removeTree(root)
+			}
+			if err != nil {
+				return nil, err
 			}
 		}
-		l, err := m.runSteps(ctx, spec, req, parent, root, states, hitAt, logf)
-		if err != nil {
-			return nil, err
-		}
 		cleanup = append(cleanup, func() { removeTree(l.dir) })
-		l.Key = keys[n]
-		if hit != nil {
-			l.Lowers = append(append([]string(nil), hit.Lowers...), hit.Key)
-		}
-		fresh = l
+		l.Key, l.Lowers = keys[j+1], append([]string(nil), lowerKeys...)
+		lowerKeys = append(lowerKeys, l.Key)
+		staged = append(staged, l)
 		layers = append(layers, l.layerDir())
+		i = j + 1
 	}
 
 	rootfs := filepath.Join(dir, "rootfs-"+bid[:8])
@@ -525,8 +545,8 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 		return nil, &stepError{step: "finalize", err: fmt.Errorf("start the template: %w", err)}
 	}
 	tpl.Image, tpl.Ready = imageDir, true
-	if fresh != nil {
-		if err := m.commitStepLayer(fresh); err != nil {
+	for _, l := range staged {
+		if err := m.commitStepLayer(l); err != nil {
 			return nil, err
 		}
 	}
@@ -645,9 +665,49 @@ func dirExists(p string) bool {
 	return p != "" && err == nil && fi.IsDir()
 }
 
-// runSteps boots a build sandbox on root, runs steps from..n-1 in it and captures its
+// segmentEnd returns the last step of the segment that starts at i: the next RUN or COPY, or
+// the last step when only state-setting steps follow.
+func segmentEnd(steps []Step, i int) int {
+	j := i
+	for j < len(steps)-1 && steps[j].Type != "RUN" && steps[j].Type != "COPY" {
+		j++
+	}
+	for k := j + 1; k < len(steps); k++ {
+		if steps[k].Type == "RUN" || steps[k].Type == "COPY" {
+			return j
+		}
+	}
+	return len(steps) - 1
+}
+
+func onlyEnv(steps []Step) bool {
+	for _, s := range steps {
+		if s.Type != "ENV" {
+			return false
+		}
+	}
+	return true
+}
+
+// emptyStepLayer stages a layer with no files (steps that change no file).
+func (m *Manager) emptyStepLayer() (*stepLayer, error) {
+	if err := os.MkdirAll(m.layersDir(), 0o700); err != nil {
+		return nil, err
+	}
+	stage, err := os.MkdirTemp(m.layersDir(), ".tmp-step-")
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Mkdir(filepath.Join(stage, "root"), 0o755); err != nil {
+		removeTree(stage)
+		return nil, err
+	}
+	return &stepLayer{Root: "root", dir: stage}, nil
+}
+
+// runSteps boots a build sandbox on root, runs steps from..to-1 in it and captures its
 // writable layer into a staged step layer (not yet committed under its key).
-func (m *Manager) runSteps(ctx context.Context, spec TemplateBuild, req StepBuildRequest, parent *Template, root string, states []stepState, from int, logf func(step, format string, a ...any)) (*stepLayer, error) {
+func (m *Manager) runSteps(ctx context.Context, spec TemplateBuild, req StepBuildRequest, parent *Template, root string, states []stepState, from, to int, logf func(step, format string, a ...any)) (*stepLayer, error) {
 	n := len(req.Steps)
 	ud, ok := m.cfg.Driver.(runtime.UpperDirer)
 	if !ok {
@@ -669,9 +729,9 @@ func (m *Manager) runSteps(ctx context.Context, spec TemplateBuild, req StepBuil
 			m.teardown(context.WithoutCancel(ctx), owner, p)
 		}
 	}()
-	logf("base", "[base] build sandbox up in %s", time.Since(t0).Round(time.Millisecond))
+	logf(stepName(from), "build sandbox up in %s", time.Since(t0).Round(time.Millisecond))
 	g := &guestRun{m: m, base: envdBase(p.GuestIP), token: token}
-	for i := from; i < n; i++ {
+	for i := from; i < to; i++ {
 		s := req.Steps[i]
 		step := stepName(i)
 		logf(step, "[builder %d/%d] %s", i+1, n, describeStep(s))
@@ -712,7 +772,7 @@ func (m *Manager) runSteps(ctx context.Context, spec TemplateBuild, req StepBuil
 	if err != nil || !filepath.IsLocal(rel) {
 		return fail(fmt.Errorf("layer %s is not inside %s", upper, stage))
 	}
-	logf("finalize", "[finalize] layer captured: %s in %d entries, %d deletions, in %s", image.HumanBytes(meta.Bytes), meta.Entries, len(meta.Whiteouts)+len(meta.Opaque), time.Since(t1).Round(time.Millisecond))
+	logf(stepName(to-1), "layer captured: %s in %d entries, %d deletions, in %s", image.HumanBytes(meta.Bytes), meta.Entries, len(meta.Whiteouts)+len(meta.Opaque), time.Since(t1).Round(time.Millisecond))
 	return &stepLayer{Root: rel, Meta: meta, dir: stage}, nil
 }
 

@@ -25,7 +25,7 @@ describe('template build API', { timeout: BUILD_TIMEOUT * 3 }, () => {
 
   before(() => {
     ctxDir = mkdtempSync(path.join(tmpdir(), 'ember-sdk-tpl-'))
-    writeFileSync(path.join(ctxDir, 'hello.txt'), 'hello from the build context\n')
+    writeFileSync(path.join(ctxDir, 'hello.txt'), `hello from the build context ${nonce}\n`)
   })
   after(async () => {
     await sandboxes.killAll()
@@ -40,6 +40,8 @@ describe('template build API', { timeout: BUILD_TIMEOUT * 3 }, () => {
       .fromTemplate('base')
       .runCmd(`echo ${nonce} > /tmp/nonce`)
       .runCmd(['mkdir -p /opt/app', 'chown user:user /opt/app'], { user: 'root' })
+      // Deletions of the parent's files: a whiteout, and an opaque directory.
+      .runCmd(['rm /etc/motd', 'rm -rf /etc/skel', 'mkdir /etc/skel', 'touch /etc/skel/only'], { user: 'root' })
       .setEnvs({ GREETING: 'hi from the template' })
       .setWorkdir('/opt/app')
       .copy('hello.txt', '/opt/app/')
@@ -64,12 +66,12 @@ describe('template build API', { timeout: BUILD_TIMEOUT * 3 }, () => {
   test('a sandbox of the template sees its env, workdir, user, files and start command', { timeout: TEST_TIMEOUT }, async () => {
     assert.ok(built, 'the build failed')
     const sbx = sandboxes.add(await Sandbox.create(alias))
-    const r = await sbx.commands.run('pwd; whoami; echo "$GREETING"; cat hello.txt greeting.txt pwd.txt built-by /tmp/started.txt; stat -c %U hello.txt')
+    const r = await sbx.commands.run('pwd; whoami; echo "$GREETING"; cat hello.txt greeting.txt pwd.txt built-by /tmp/started.txt; stat -c %U hello.txt; test -e /etc/motd || echo motd-gone; ls -A /etc/skel')
     assert.equal(r.stdout, [
-      '/opt/app', 'user', 'hi from the template', 'hello from the build context', 'hi from the template',
-      '/opt/app', 'root', 'started', 'user', '',
+      '/opt/app', 'user', 'hi from the template', `hello from the build context ${nonce}`, 'hi from the template',
+      '/opt/app', 'root', 'started', 'user', 'motd-gone', 'only', '',
     ].join('\n'))
-    assert.equal(await sbx.files.read('/opt/app/hello.txt'), 'hello from the build context\n')
+    assert.equal(await sbx.files.read('/opt/app/hello.txt'), `hello from the build context ${nonce}\n`)
   })
 
   test('Template.exists and Template.getBuildStatus', { timeout: TEST_TIMEOUT }, async () => {
@@ -94,6 +96,19 @@ describe('template build API', { timeout: BUILD_TIMEOUT * 3 }, () => {
     assert.ok(messages.some((m) => m.startsWith("Skipping upload of 'hello.txt'")), 'the COPY file was uploaded again')
     assert.notEqual(again.buildId, built.buildId)
     console.log(`cached rebuild took ${ms} ms`)
+  })
+
+  test('an appended step runs alone on the cached steps', { timeout: BUILD_TIMEOUT }, async () => {
+    const logs = []
+    const more = `${alias}-more`
+    await Template.build(template().runCmd('echo appended > /opt/app/appended.txt'), more, { onBuildLogs: (e) => logs.push(e) })
+    const messages = logs.map((e) => e.message)
+    assert.ok(messages.some((m) => m.startsWith('CACHED') && m.includes('COPY hello.txt')), `the COPY step was not cached: ${JSON.stringify(messages)}`)
+    assert.ok(messages.some((m) => !m.startsWith('CACHED') && m.includes('RUN echo appended')), 'the appended step did not run')
+    const sbx = sandboxes.add(await Sandbox.create(more))
+    const r = await sbx.commands.run('cat appended.txt hello.txt')
+    assert.equal(r.stdout, `appended\nhello from the build context ${nonce}\n`)
+    await Sandbox.deleteSnapshot(more).catch(() => {})
   })
 
   test('tags: assign, list, remove', { timeout: TEST_TIMEOUT }, async () => {
