@@ -248,6 +248,17 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	for _, d := range staged {
 		removeTree(d)
 	}
+	// Rootfs trees a crash left half composed, and template directories left empty by a first
+	// build that never finished.
+	halves, _ := filepath.Glob(filepath.Join(cfg.DataDir, "templates", "*", "rootfs-*.tmp"))
+	for _, d := range halves {
+		removeTree(d)
+	}
+	if dirs, err := os.ReadDir(filepath.Join(cfg.DataDir, "templates")); err == nil {
+		for _, d := range dirs {
+			os.Remove(filepath.Join(cfg.DataDir, "templates", d.Name())) // only when empty
+		}
+	}
 	m.bg, m.cancelBG = context.WithCancel(context.Background())
 	m.abort, m.abortFn = context.WithCancel(context.Background())
 	m.pool = newPool(m)
