@@ -252,6 +252,17 @@ func TestTemplateBuildFlow(t *testing.T) {
 		t.Fatalf("tags %+v", tags)
 	}
 
+	// Sandboxes of name:tag (and name:latest) are sandboxes of the template.
+	for id, want := range map[string]int{"app:v1": 201, "app:latest": 201, "app:nope": 404} {
+		if r := e.ctl("POST", "/v2/sandboxes", `{"templateID":"`+id+`"}`); r.status != want {
+			t.Errorf("create from %s: %d %s", id, r.status, r.body)
+		} else if want == 201 {
+			var sb struct{ SandboxID string }
+			r.json(t, &sb)
+			e.ctl("DELETE", "/sandboxes/"+sb.SandboxID, "")
+		}
+	}
+
 	// The same steps again: every step CACHED, nothing runs.
 	n := len(procs.lines())
 	_, bid2 := e.requestBuild("app")

@@ -119,6 +119,18 @@ describe('template build API', { timeout: BUILD_TIMEOUT * 3 }, () => {
     await Template.removeTags(alias, 'v1')
     tags = (await Template.getTags(alias)).map((t) => t.tag)
     assert.deepEqual(tags, ['stable'])
+    const sbx = sandboxes.add(await Sandbox.create(`${alias}:stable`))
+    assert.equal((await sbx.commands.run('cat hello.txt')).stdout, `hello from the build context ${nonce}\n`)
+    await assert.rejects(Sandbox.create(`${alias}:v1`))
+  })
+
+  test("fromBaseImage() (E2B's e2bdev/base) builds on ember's base", { timeout: BUILD_TIMEOUT }, async () => {
+    const name = `${alias}-base-image`
+    await Template.build(Template().fromBaseImage().runCmd(`echo ${nonce} > marker.txt`), name)
+    const sbx = sandboxes.add(await Sandbox.create(name))
+    const r = await sbx.commands.run('pwd; whoami; cat marker.txt')
+    assert.equal(r.stdout, `/home/user\nuser\n${nonce}\n`)
+    await Sandbox.deleteSnapshot(name).catch(() => {})
   })
 
   test('a failing step fails the build with its message and leaves no template', { timeout: BUILD_TIMEOUT }, async () => {
