@@ -209,7 +209,13 @@ func (bs *builds) update(buildID string, f func(b *TemplateBuild) (statusChanged
 	}
 }
 
+// maxLogMessage bounds one log line (longer output lines are cut).
+const maxLogMessage = 8 << 10
+
 func (bs *builds) log(buildID, level, step, msg string) {
+	if len(msg) > maxLogMessage {
+		msg = strings.ToValidUTF8(msg[:maxLogMessage], "") + " [...]"
+	}
 	bs.update(buildID, func(b *TemplateBuild) bool {
 		if len(b.Logs) < maxBuildLogEntries {
 			b.Logs = append(b.Logs, BuildLogEntry{Timestamp: time.Now().UTC(), Level: level, Message: msg, Step: step})

@@ -62,6 +62,9 @@ type TemplateResolver interface {
 	TemplateFor(ref string) (name string, ok bool)
 }
 
+// MaxBuildDuration bounds one step build, steps and warm-up together.
+const MaxBuildDuration = time.Hour
+
 const (
 	maxSteps       = 256
 	maxStepArgs    = 64
@@ -104,6 +107,9 @@ func (m *Manager) validateSteps(ctx context.Context, req StepBuildRequest) error
 		case "RUN":
 			if len(s.Args) < 1 || strings.TrimSpace(s.Args[0]) == "" {
 				return bad("a command is required")
+			}
+			if len(s.Args) > 1 && s.Args[1] != "" && !userNameOK(s.Args[1]) {
+				return bad("invalid user %q", s.Args[1])
 			}
 		case "ENV":
 			if len(s.Args) < 2 || len(s.Args)%2 != 0 {
@@ -228,7 +234,18 @@ func (m *Manager) queueStepBuild(ctx context.Context, spec TemplateBuild, req St
 		}
 	}
 	defer func() { <-m.builds }()
-	return m.runStepBuild(ctx, spec, req)
+	ctx, cancel := context.WithTimeoutCause(ctx, MaxBuildDuration, fmt.Errorf("the build took longer than %s", MaxBuildDuration))
+	defer cancel()
+	t, err := m.runStepBuild(ctx, spec, req)
+	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		step := "finalize"
+		var se *stepError
+		if errors.As(err, &se) {
+			step = se.step
+		}
+		err = &stepError{step: step, err: context.Cause(ctx)}
+	}
+	return t, err
 }
 
 func (m *Manager) finishBuild(buildID string, t *Template, err error) {
