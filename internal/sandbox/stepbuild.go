@@ -69,7 +69,7 @@ const (
 	maxSteps       = 256
 	maxStepArgs    = 64
 	maxStepArgSize = 1 << 20
-	stepKeyVersion = "ember-step-build/1"
+	stepKeyVersion = "ember-step-build/2" // bump when what a step makes changes
 )
 
 // stepError is a failure of one step (its E2B step name).

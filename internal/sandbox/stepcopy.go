@@ -239,7 +239,8 @@ func (g *guestRun) copy(ctx context.Context, s Step, st stepState, out func(stri
 		}
 		fmt.Fprintf(&b, "if [ %s = 1 ] || [ -d \"$D\" ]; then mkdir -p \"$D\"; D=\"$D\"/%s; else mkdir -p \"$(dirname \"$D\")\"; fi; cp -a \"$S\"/%s \"$D\"; ", into01, shellQuote(plan.single), shellQuote(plan.single))
 	} else {
-		fmt.Fprintf(&b, "if [ ! -d \"$D\" ]; then mkdir -p \"$D\"; chown %s \"$D\"; fi; cp -a \"$S\"/. \"$D\"/; ", ownerQ)
+		// Each entry into D, so that D itself (an existing directory) keeps its owner and mode.
+		fmt.Fprintf(&b, "if [ ! -d \"$D\" ]; then mkdir -p \"$D\"; chown %s \"$D\"; fi; find \"$S\" -mindepth 1 -maxdepth 1 -exec cp -a {} \"$D\"/ \\; ; ", ownerQ)
 	}
 	b.WriteString("rm -rf \"$S\"")
 	if err := g.root(ctx, b.String(), out); err != nil {

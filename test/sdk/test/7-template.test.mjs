@@ -5,7 +5,7 @@
 // leaves no template. The tests run in order and share the built template.
 import { after, before, describe, test } from 'node:test'
 import assert from 'node:assert/strict'
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import path from 'node:path'
 import { BuildError, Sandbox, Template, waitForFile } from 'e2b'
@@ -26,6 +26,9 @@ describe('template build API', { timeout: BUILD_TIMEOUT * 3 }, () => {
   before(() => {
     ctxDir = mkdtempSync(path.join(tmpdir(), 'ember-sdk-tpl-'))
     writeFileSync(path.join(ctxDir, 'hello.txt'), `hello from the build context ${nonce}\n`)
+    mkdirSync(path.join(ctxDir, 'conf', 'sub'), { recursive: true })
+    writeFileSync(path.join(ctxDir, 'conf', 'a.conf'), 'a\n')
+    writeFileSync(path.join(ctxDir, 'conf', 'sub', 'b.conf'), 'b\n')
   })
   after(async () => {
     await sandboxes.killAll()
@@ -45,6 +48,7 @@ describe('template build API', { timeout: BUILD_TIMEOUT * 3 }, () => {
       .setEnvs({ GREETING: 'hi from the template' })
       .setWorkdir('/opt/app')
       .copy('hello.txt', '/opt/app/')
+      .copy('conf', 'conf', { user: 'root', mode: 0o640 })
       .runCmd('echo "$GREETING" > greeting.txt && pwd > pwd.txt')
       .setUser('root')
       .runCmd('whoami > /opt/app/built-by')
@@ -66,10 +70,10 @@ describe('template build API', { timeout: BUILD_TIMEOUT * 3 }, () => {
   test('a sandbox of the template sees its env, workdir, user, files and start command', { timeout: TEST_TIMEOUT }, async () => {
     assert.ok(built, 'the build failed')
     const sbx = sandboxes.add(await Sandbox.create(alias))
-    const r = await sbx.commands.run('pwd; whoami; echo "$GREETING"; cat hello.txt greeting.txt pwd.txt built-by /tmp/started.txt; stat -c %U hello.txt; test -e /etc/motd || echo motd-gone; ls -A /etc/skel')
+    const r = await sbx.commands.run('pwd; whoami; echo "$GREETING"; cat hello.txt greeting.txt pwd.txt built-by /tmp/started.txt; stat -c %U hello.txt; test -e /etc/motd || echo motd-gone; ls -A /etc/skel; stat -c "%U %a" conf/a.conf conf/sub/b.conf')
     assert.equal(r.stdout, [
       '/opt/app', 'user', 'hi from the template', `hello from the build context ${nonce}`, 'hi from the template',
-      '/opt/app', 'root', 'started', 'user', 'motd-gone', 'only', '',
+      '/opt/app', 'root', 'started', 'user', 'motd-gone', 'only', 'root 640', 'root 640', '',
     ].join('\n'))
     assert.equal(await sbx.files.read('/opt/app/hello.txt'), `hello from the build context ${nonce}\n`)
   })
