@@ -350,8 +350,17 @@ func TestTemplateBuildFailureLeavesNothing(t *testing.T) {
 		t.Fatalf("failed build: %s %+v", bi.Status, bi.Reason)
 	}
 	e.ctl("GET", "/templates/aliases/broken", "").wantError(t, 404)
-	if _, err := os.Stat(filepath.Join(e.fake.dataDir, "templates", "broken")); !os.IsNotExist(err) {
-		t.Fatalf("the failed build left its directory: %v", err)
+	// Scratch trees go in the background: give them a moment.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		_, err := os.Stat(filepath.Join(e.fake.dataDir, "templates", "broken"))
+		if os.IsNotExist(err) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the failed build left its directory: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 	layers, _ := filepath.Glob(filepath.Join(e.fake.dataDir, "layers", "*"))
 	if len(layers) != len(layersBefore) {

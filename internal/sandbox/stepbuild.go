@@ -491,7 +491,7 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 		lowerKeys = append(append(lowerKeys, hit.Lowers...), hit.Key)
 	}
 	work := filepath.Join(dir, "build-"+bid[:8])
-	defer removeTree(work)
+	defer m.removeLater(work, dir) // dir goes too when a failed first build leaves it empty
 	for i := hitAt; i < n; {
 		j := segmentEnd(req.Steps, i)
 		var l *stepLayer
@@ -515,7 +515,7 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 			}
 			l, err = m.runSteps(ctx, spec, req, parent, root, states, i, j+1, logf)
 			if root != parent.RootFS {
-				removeTree(root)
+				m.removeLater(root, "")
 			}
 			if err != nil {
 				return nil, err
@@ -574,6 +574,20 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 	m.pool.templateChanged(tpl)
 	logf("finalize", "[finalize] template %s built in %s", name, time.Since(start).Round(time.Millisecond))
 	return tpl, nil
+}
+
+// removeLater removes a build's scratch tree in the background (a tree of thousands of hard
+// links takes a while to unlink; the build does not wait for it), then parent if it is empty.
+// Close waits for it; a crash leaves it to reconcile (templates/*/build-*).
+func (m *Manager) removeLater(tree, parent string) {
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		removeTree(tree)
+		if parent != "" {
+			os.Remove(parent) // only when empty
+		}
+	}()
 }
 
 // commitStepLayer moves a staged layer to its key's place (a concurrent build of the same
