@@ -36,6 +36,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodPost, "/v2/templates", s.requestTemplateBuild)
 	rt.handle(http.MethodPost, "/v2/templates/{id}/builds/{buildID}", s.startTemplateBuild)
 	rt.handle(http.MethodGet, "/templates/{id}/builds/{buildID}/status", s.buildStatus)
+	rt.handle(http.MethodGet, "/templates/{id}/builds/{buildID}/logs", s.buildLogs)
 	rt.handle(http.MethodGet, "/templates/{id}/files/{hash}", s.templateFiles)
 	rt.handle(http.MethodPost, "/templates/tags", s.assignTags)
 	rt.handle(http.MethodDelete, "/templates/tags", s.removeTags)

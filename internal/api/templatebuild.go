@@ -471,3 +471,65 @@ func templateErr(err error, name string) error {
 	}
 	return err
 }
+
+// buildLogs is GET /templates/{id}/builds/{buildID}/logs?cursor=&limit=&direction=&level=:
+// {logs} from the cursor (a timestamp in ms) forward (oldest first, the default) or backward
+// (newest first).
+func (s *server) buildLogs(w http.ResponseWriter, r *http.Request, p params) error {
+	b, err := s.builder()
+	if err != nil {
+		return err
+	}
+	q := r.URL.Query()
+	limit := 100
+	if v := q.Get("limit"); v != "" {
+		if limit, err = strconv.Atoi(v); err != nil || limit < 0 || limit > 100 {
+			return badRequest("limit must be between 0 and 100")
+		}
+	}
+	var cursor time.Time
+	if v := q.Get("cursor"); v != "" {
+		ms, err := strconv.ParseInt(v, 10, 64)
+		if err != nil || ms < 0 {
+			return badRequest("cursor must be a timestamp in milliseconds")
+		}
+		cursor = time.UnixMilli(ms)
+	}
+	backward := false
+	switch q.Get("direction") {
+	case "", "forward":
+	case "backward":
+		backward = true
+	default:
+		return badRequest("direction must be forward or backward")
+	}
+	minLevel := 0
+	if v := q.Get("level"); v != "" {
+		l, ok := logLevels[v]
+		if !ok {
+			return badRequest("level must be one of debug, info, warn, error")
+		}
+		minLevel = l
+	}
+	bld, err := b.GetBuild(r.Context(), p["id"], p["buildID"])
+	if err != nil {
+		if statusOf(err) == http.StatusNotFound {
+			return notFound("build %s of template %s not found", quoteTemplate(p["buildID"]), quoteTemplate(p["id"]))
+		}
+		return err
+	}
+	out := []buildLogEntryJSON{}
+	n := len(bld.Logs)
+	for i := 0; i < n && len(out) < limit; i++ {
+		e := bld.Logs[i]
+		if backward {
+			e = bld.Logs[n-1-i]
+		}
+		if logLevels[e.Level] < minLevel || !cursor.IsZero() && (!backward && e.Timestamp.Before(cursor) || backward && e.Timestamp.After(cursor)) {
+			continue
+		}
+		out = append(out, buildLogEntryJSON(e))
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"logs": out})
+	return nil
+}

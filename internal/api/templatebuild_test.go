@@ -252,6 +252,23 @@ func TestTemplateBuildFlow(t *testing.T) {
 		t.Fatalf("tags %+v", tags)
 	}
 
+	// The logs endpoint pages the same lines, both ways.
+	var lg struct {
+		Logs []struct {
+			Message   string
+			Timestamp time.Time
+		}
+	}
+	e.ctl("GET", "/templates/app/builds/"+bid+"/logs?limit=2", "").json(t, &lg)
+	if len(lg.Logs) != 2 || lg.Logs[0].Message != bi.LogEntries[0].Message {
+		t.Fatalf("logs forward: %+v", lg.Logs)
+	}
+	last := bi.LogEntries[len(bi.LogEntries)-1]
+	e.ctl("GET", fmt.Sprintf("/templates/app/builds/%s/logs?direction=backward&limit=1&cursor=%d", bid, last.Timestamp.UnixMilli()+1), "").json(t, &lg)
+	if len(lg.Logs) != 1 || lg.Logs[0].Message != last.Message {
+		t.Fatalf("logs backward: %+v, want %q", lg.Logs, last.Message)
+	}
+
 	// Sandboxes of name:tag (and name:latest) are sandboxes of the template.
 	for id, want := range map[string]int{"app:v1": 201, "app:latest": 201, "app:nope": 404} {
 		if r := e.ctl("POST", "/v2/sandboxes", `{"templateID":"`+id+`"}`); r.status != want {
