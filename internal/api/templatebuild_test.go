@@ -400,10 +400,16 @@ func TestTemplateBuildsOfOneNameAreSerialised(t *testing.T) {
 	}
 	e.ctl("POST", "/v2/templates/busy/builds/"+b2, buildBody(`{"type":"RUN","args":["echo"]}`)).wantError(t, 409)
 	e.ctl("POST", "/v2/templates/busy/builds/"+b1, buildBody(`{"type":"RUN","args":["echo"]}`)).wantError(t, 409)
+	// Nor can the template be deleted under the build (which would put it back).
+	e.ctl("DELETE", "/templates/busy", "").wantError(t, 409)
 	close(procs.release)
 	if bi := e.waitBuild("busy", b1); bi.Status != "ready" {
 		t.Fatalf("first build: %s %+v", bi.Status, bi.Reason)
 	}
+	if r := e.ctl("DELETE", "/templates/busy", ""); r.status != http.StatusNoContent {
+		t.Fatalf("delete after the build: %d %s", r.status, r.body)
+	}
+	e.ctl("GET", "/templates/aliases/busy", "").wantError(t, 404)
 }
 
 // Bad requests are refused before a build starts, in E2B's error shape.

@@ -17,6 +17,9 @@ func (m *Manager) resolveTemplate(ctx context.Context, id string) (*Template, er
 	if name, tag, ok := strings.Cut(id, ":"); ok {
 		// E2B's name:tag: every tag of a template names its current build.
 		t, err := m.resolveTemplate(ctx, name)
+		if errors.Is(err, errdefs.ErrNotFound) {
+			return nil, fmt.Errorf("template %q not found: %w", id, errdefs.ErrNotFound)
+		}
 		if err != nil {
 			return nil, err
 		}

@@ -208,6 +208,13 @@ func (m *Manager) DeleteTemplate(ctx context.Context, id string) error {
 	if !nameRe.MatchString(id) {
 		return fmt.Errorf("template %q: %w", id, errdefs.ErrNotFound)
 	}
+	m.mu.Lock()
+	busy := m.names[id]
+	m.mu.Unlock()
+	if busy {
+		// A build in flight would put the template back when it ends.
+		return fmt.Errorf("%q is being built or snapshotted right now: %w", id, errdefs.ErrConflict)
+	}
 	tpl, err := m.cfg.Store.GetTemplate(ctx, id)
 	if err != nil {
 		return err
