@@ -8,16 +8,25 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
-// overlayOpaque marks an overlayfs upper directory whose lower contents are hidden.
-const overlayOpaque = "trusted.overlay.opaque"
+// overlayfs's xattrs in an upper directory: opaque marks a directory whose lower contents are
+// hidden; metacopy a file whose data is in a lower layer; redirect a directory renamed from
+// elsewhere in the lower layers.
+const (
+	overlayOpaque   = "trusted.overlay.opaque"
+	overlayMetacopy = "trusted.overlay.metacopy"
+	overlayRedirect = "trusted.overlay.redirect"
+)
 
 // FromUpper makes the overlayfs upper directory upper (a sandbox's writable layer, no longer
 // mounted) into a layer Compose can stack: each whiteout (a 0:0 character device) is removed
 // and recorded in Meta.Whiteouts, each opaque directory loses its trusted.overlay.* xattrs and
 // is recorded in Meta.Opaque, and other device nodes and sockets are removed (Meta.Skipped).
-// Paths in Meta are relative to upper. Bytes counts regular files' content.
+// Paths in Meta are relative to upper. Bytes counts regular files' content. An upper whose
+// entries depend on the lower layers (metacopy files, redirected directories) is refused.
 func FromUpper(upper string) (Meta, error) {
 	var m Meta
 	err := filepath.WalkDir(upper, func(p string, d fs.DirEntry, err error) error {
@@ -30,6 +39,13 @@ func FromUpper(upper string) (Meta, error) {
 		}
 		rel = filepath.ToSlash(rel)
 		m.Entries++
+		for _, x := range []string{overlayMetacopy, overlayRedirect} {
+			if _, err := getXattr(p, x); err == nil {
+				// The entry's data or contents are still in the lower layers, under a path the
+				// xattr names: stacked elsewhere it would be empty. Refuse rather than lose it.
+				return fmt.Errorf("/%s holds %s (overlayfs metacopy or redirect_dir is on): its data stays in the lower layer; mount the sandbox layers with metacopy=off,redirect_dir=off: %w", rel, x, errdefs.ErrInvalid)
+			}
+		}
 		var st unix.Stat_t
 		if err := unix.Lstat(p, &st); err != nil {
 			return err

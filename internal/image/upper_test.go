@@ -96,3 +96,24 @@ func TestFromUpperOfARealOverlay(t *testing.T) {
 		t.Fatalf("composed tree\n got %s\nwant %s", strings.Join(got, ","), want)
 	}
 }
+
+// A metacopy file (data still in the lower layer) or a redirected directory cannot be stacked
+// elsewhere: FromUpper refuses the layer instead of composing an empty file.
+func TestFromUpperRefusesLowerDependentEntries(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (trusted xattrs)")
+	}
+	for _, x := range []string{overlayMetacopy, overlayRedirect} {
+		upper := t.TempDir()
+		f := filepath.Join(upper, "f")
+		if err := os.WriteFile(f, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Lsetxattr(f, x, []byte("x"), 0); err != nil {
+			t.Skipf("trusted xattrs: %v", err)
+		}
+		if _, err := FromUpper(upper); err == nil || !strings.Contains(err.Error(), x) {
+			t.Errorf("%s: err = %v, want a refusal naming it", x, err)
+		}
+	}
+}
