@@ -344,6 +344,20 @@ func TestTemplateBuildFlow(t *testing.T) {
 	if tw.TemplateID != "app" || len(tw.Builds) != 6 || tw.Builds[0].BuildID != bid5 || tw.Builds[0].Status != "ready" {
 		t.Fatalf("GET /templates/app: %+v", tw)
 	}
+	var list []struct {
+		TemplateID, BuildID, BuildStatus string
+		Names                            []string
+	}
+	e.ctl("GET", "/v2/templates", "").json(t, &list)
+	found := false
+	for _, l := range list {
+		if l.TemplateID == "app" {
+			found = l.BuildID == bid5 && l.BuildStatus == "ready" && len(l.Names) == 1 && l.Names[0] == "app"
+		}
+	}
+	if !found {
+		t.Fatalf("GET /v2/templates: %+v", list)
+	}
 	// Tags follow the current build; removing one that is not there is a 404.
 	if r := e.ctl("POST", "/templates/tags", `{"target":"app:v1","tags":["prod"]}`); r.status != http.StatusCreated {
 		t.Fatalf("assign: %d %s", r.status, r.body)

@@ -553,7 +553,7 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 	tpl := &Template{
 		ID: name, Kind: "template", RootFS: rootfs, CreatedAt: created, CPUCount: spec.CPUCount, MemoryMB: spec.MemoryMB,
 		BuildID: bid, InitToken: randomHex(16), Env: final.Env, User: final.User, Workdir: final.Workdir,
-		Format: TemplateFormat, BuildKey: tplKey, Tags: mergeTags(oldTags, spec.Tags, bid),
+		Format: TemplateFormat, BuildKey: tplKey, Tags: mergeTags(oldTags, spec.Tags, bid), Names: []string{name},
 	}
 	imageDir := filepath.Join(dir, "image-"+bid[:8])
 	cleanup = append(cleanup, func() { removeTree(imageDir) })
