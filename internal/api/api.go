@@ -76,6 +76,8 @@ type server struct {
 	hostRe *regexp.Regexp
 	proxy  *httputil.ReverseProxy
 	routes *router
+	// uploads are the COPY-file upload URLs handed out (templatebuild.go).
+	uploads uploads
 }
 
 // New returns the daemon's HTTP handler. Serve it on one port; enabling h2c on the server is
@@ -120,6 +122,10 @@ func (s *server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		s.serveSandbox(w, r, id, port)
+		return
+	}
+	if strings.HasPrefix(r.URL.Path, uploadPrefix) {
+		s.serveUpload(w, r)
 		return
 	}
 	if r.URL.Path == "/files" {

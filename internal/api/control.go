@@ -29,7 +29,19 @@ func (s *server) controlRoutes() *router {
 	// Snapshots and templates.
 	rt.handle(http.MethodGet, "/snapshots", s.listSnapshots)
 	rt.handle(http.MethodGet, "/templates", s.listTemplates)
+	rt.handle(http.MethodGet, "/v2/templates", s.listTemplates)
 	rt.handle(http.MethodGet, "/templates/aliases/{alias}", s.getTemplateAlias)
+	// Template builds (templatebuild.go); /templates/tags before /templates/{id}.
+	rt.handle(http.MethodPost, "/v3/templates", s.requestTemplateBuild)
+	rt.handle(http.MethodPost, "/v2/templates", s.requestTemplateBuild)
+	rt.handle(http.MethodPost, "/v2/templates/{id}/builds/{buildID}", s.startTemplateBuild)
+	rt.handle(http.MethodGet, "/templates/{id}/builds/{buildID}/status", s.buildStatus)
+	rt.handle(http.MethodGet, "/templates/{id}/builds/{buildID}/logs", s.buildLogs)
+	rt.handle(http.MethodGet, "/templates/{id}/files/{hash}", s.templateFiles)
+	rt.handle(http.MethodPost, "/templates/tags", s.assignTags)
+	rt.handle(http.MethodDelete, "/templates/tags", s.removeTags)
+	rt.handle(http.MethodGet, "/templates/{id}/tags", s.templateTags)
+	rt.handle(http.MethodGet, "/templates/{id}", s.getTemplate)
 	rt.handle(http.MethodDelete, "/templates/{id}", s.deleteTemplate)
 	// ember extras for the CLI.
 	rt.handle(http.MethodPost, "/ember/templates/{name}/build", s.buildTemplate)

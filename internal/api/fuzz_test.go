@@ -78,6 +78,16 @@ func FuzzControlPlaneDecode(f *testing.F) {
 		{"POST", "/api-keys", `{"name":"x"}`},
 		{"DELETE", "/api-keys/00", ""},
 		{"GET", "/files?signature=v1_abc&path=/a", ""},
+		{"POST", "/v3/templates", `{"name":"t2:v1","tags":["a"],"cpuCount":1,"memoryMB":512}`},
+		{"GET", "/templates/t2/files/abababababababababababababababababababababababababababababababab", ""},
+		{"POST", "/v2/templates/t2/builds/00000000-0000-4000-8000-000000000000", `{"fromTemplate":"base","steps":[{"type":"RUN","args":["true"]},{"type":"ENV","args":["A","1"]}],"force":true}`},
+		{"GET", "/templates/t2/builds/00000000-0000-4000-8000-000000000000/status?logsOffset=3", ""},
+		{"GET", "/templates/t2/builds/00000000-0000-4000-8000-000000000000/logs?direction=backward&cursor=1", ""},
+		{"POST", "/templates/tags", `{"target":"base:latest","tags":["x"]}`},
+		{"DELETE", "/templates/tags", `{"name":"base","tags":["x"]}`},
+		{"GET", "/templates/base/tags", ""},
+		{"GET", "/templates/base", ""},
+		{"PUT", "/ember/template-files/abc", "tar"},
 	}
 	for _, s := range seeds {
 		f.Add(s.method, s.path, []byte(s.body))

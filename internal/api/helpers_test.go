@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 	"github.com/ember-sandbox/ember/internal/auth"
 )
 
@@ -112,6 +113,7 @@ func (e *env) ctl(method, path, body string, hdr ...string) resp {
 type guest struct {
 	srv     *httptest.Server
 	release chan struct{}
+	procs   *fakeProcesses // envd's process service (template build steps)
 }
 
 type guestEcho struct {
@@ -126,8 +128,9 @@ type guestEcho struct {
 }
 
 func newGuest(t testing.TB) *guest {
-	g := &guest{release: make(chan struct{})}
+	g := &guest{release: make(chan struct{}), procs: &fakeProcesses{release: make(chan struct{})}}
 	mux := http.NewServeMux()
+	mux.Handle(processconnect.NewProcessHandler(g.procs))
 	mux.HandleFunc("/stream", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/connect+json")
 		_, _ = io.WriteString(w, "chunk1\n")

@@ -214,9 +214,13 @@ func toTemplate(t *sandbox.Template) templateJSON {
 	if kind == "" {
 		kind = "template"
 	}
+	buildID := t.BuildID
+	if buildID == "" {
+		buildID = t.ID
+	}
 	return templateJSON{
 		TemplateID:  t.ID,
-		BuildID:     t.ID,
+		BuildID:     buildID,
 		CPUCount:    t.CPUCount,
 		MemoryMB:    t.MemoryMB,
 		DiskSizeMB:  t.DiskMB,

@@ -148,6 +148,17 @@ func (a *builderAdapter) CollectLayers(ctx context.Context, keep []string) ([]st
 	return cfg.Layers.GC(keep)
 }
 
+// TemplateFor implements sandbox.TemplateResolver: an image reference aliased to a local
+// template (E2B's e2bdev/base is ember's base, plus EMBER_IMAGE_ALIASES).
+func (a *builderAdapter) TemplateFor(ref string) (string, bool) {
+	aliases, err := parseMap("EMBER_IMAGE_ALIASES")
+	if err != nil {
+		aliases = nil
+	}
+	r := &image.Resolver{Aliases: aliases}
+	return strings.CutPrefix(r.Resolve(ref), "template:")
+}
+
 // imageSource reads the image a build request names, if any.
 func imageSource(req sandbox.BuildRequest) (template.ImageSource, bool) {
 	src := template.ImageSource{Ref: req.FromImage, Archive: req.FromArchive, Insecure: req.Insecure}

@@ -51,13 +51,21 @@ type hold struct {
 type LayerDir struct {
 	Digest string // sha256:<hex> of the uncompressed tar (the diff id)
 	Dir    string // <root>/sha256-<hex>; files under Dir/root
-	Meta   Meta
+	// Root, when set, is where the layer's files are instead of Dir/root (a layer captured
+	// from a sandbox's writable layer, or a template's rootfs used as a bottom layer).
+	Root string
+	Meta Meta
 	// Written is the content this call unpacked (0 when the layer was already on the node).
 	Written int64
 }
 
 // RootDir is where the layer's files are.
-func (l LayerDir) RootDir() string { return filepath.Join(l.Dir, "root") }
+func (l LayerDir) RootDir() string {
+	if l.Root != "" {
+		return l.Root
+	}
+	return filepath.Join(l.Dir, "root")
+}
 
 // Progress receives one line of progress.
 type Progress func(string)

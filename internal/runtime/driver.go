@@ -185,3 +185,13 @@ type Driver interface {
 	// processes belong to the init process (envd).
 	Exec(ctx context.Context, id string, args []string) (output []byte, exitCode int, err error)
 }
+
+// UpperDirer is implemented by drivers whose filesystem-only checkpoints (CheckpointOptions
+// FilesOnly) keep the instance's writable layer as an overlayfs upper directory on the host:
+// whiteouts as 0:0 character devices, opaque directories marked trusted.overlay.opaque. The
+// template builder turns that directory into a layer of the template it builds.
+type UpperDirer interface {
+	// UpperDir returns the upper directory inside imageDir, or an error wrapping
+	// errdefs.ErrNotFound when the image holds none (a disk-image layer, or no layer).
+	UpperDir(imageDir string) (string, error)
+}

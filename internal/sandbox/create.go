@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -12,6 +13,20 @@ import (
 func (m *Manager) resolveTemplate(ctx context.Context, id string) (*Template, error) {
 	if id == "" {
 		id = "base"
+	}
+	if name, tag, ok := strings.Cut(id, ":"); ok {
+		// E2B's name:tag: every tag of a template names its current build.
+		t, err := m.resolveTemplate(ctx, name)
+		if errors.Is(err, errdefs.ErrNotFound) {
+			return nil, fmt.Errorf("template %q not found: %w", id, errdefs.ErrNotFound)
+		}
+		if err != nil {
+			return nil, err
+		}
+		if tag != "latest" && !hasTag(t, tag) {
+			return nil, fmt.Errorf("template %q not found: %w", id, errdefs.ErrNotFound)
+		}
+		return t, nil
 	}
 	if !nameRe.MatchString(id) {
 		return nil, fmt.Errorf("template %q: %w", id, errdefs.ErrNotFound)

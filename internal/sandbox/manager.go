@@ -116,6 +116,9 @@ type Config struct {
 	MaxBuilds int
 	// MaxImportBytes bounds an uploaded image archive (default DefaultMaxImportBytes).
 	MaxImportBytes int64
+	// MaxBuildFileBytes bounds one uploaded COPY tarball of a step build (default
+	// DefaultMaxBuildFileBytes).
+	MaxBuildFileBytes int64
 	// DrainTimeout bounds how long Close waits for operations in flight before it cancels them
 	// (default 10 s).
 	DrainTimeout time.Duration
@@ -147,6 +150,7 @@ type Manager struct {
 	gcBuilds  int
 	gcPending bool
 	builds    chan struct{} // one token per concurrent template build
+	tb        *builds       // records of step builds (builds.go)
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool
@@ -214,6 +218,9 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	if cfg.MaxBuilds == 0 {
 		cfg.MaxBuilds = 2
 	}
+	if cfg.MaxBuildFileBytes == 0 {
+		cfg.MaxBuildFileBytes = DefaultMaxBuildFileBytes
+	}
 	if cfg.DrainTimeout == 0 {
 		cfg.DrainTimeout = 10 * time.Second
 	}
@@ -247,6 +254,27 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		faults:    &faults{fail: cfg.Fail},
 		builds:    make(chan struct{}, cfg.MaxBuilds),
 		instances: map[string]bool{},
+	}
+	tb, err := openBuilds(filepath.Join(cfg.DataDir, "builds"), m.log.Warn)
+	if err != nil {
+		return nil, fmt.Errorf("build records: %w", err)
+	}
+	m.tb = tb
+	// Step layers a crash left staged (never committed under their key).
+	staged, _ := filepath.Glob(filepath.Join(cfg.DataDir, "layers", ".tmp-step-*"))
+	for _, d := range staged {
+		removeTree(d)
+	}
+	// Rootfs trees a crash left half composed, and template directories left empty by a first
+	// build that never finished.
+	halves, _ := filepath.Glob(filepath.Join(cfg.DataDir, "templates", "*", "rootfs-*.tmp"))
+	for _, d := range halves {
+		removeTree(d)
+	}
+	if dirs, err := os.ReadDir(filepath.Join(cfg.DataDir, "templates")); err == nil {
+		for _, d := range dirs {
+			os.Remove(filepath.Join(cfg.DataDir, "templates", d.Name())) // only when empty
+		}
 	}
 	m.bg, m.cancelBG = context.WithCancel(context.Background())
 	m.abort, m.abortFn = context.WithCancel(context.Background())

@@ -56,9 +56,11 @@ type BuildRequest struct {
 	From     string // "debian:bookworm" (default), "docker://REF", "docker+http://REF", "archive:NAME" (an import)
 	StartCmd string // optional command started before the checkpoint
 	ReadyCmd string // optional command that must succeed before the checkpoint
-	CPUCount int
-	MemoryMB int
-	Force    bool // rebuild the rootfs even if cached
+	// StartUser runs the start and ready commands ("" = root).
+	StartUser string
+	CPUCount  int
+	MemoryMB  int
+	Force     bool // rebuild the rootfs even if cached
 
 	// FromImage builds from an OCI/Docker image in a registry; FromArchive from a `docker save`
 	// or OCI layout tarball in the node's import directory (its name there). Insecure reaches FromImage's registry over plain HTTP.

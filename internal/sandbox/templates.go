@@ -115,10 +115,14 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 	defer m.teardown(context.WithoutCancel(ctx), owner, p)
 	base := envdBase(p.GuestIP)
 	progress(fmt.Sprintf("envd up after %s", time.Since(t0).Round(time.Millisecond)))
+	user := req.StartUser
+	if user == "" {
+		user = "root"
+	}
 	if req.StartCmd != "" {
 		progress("start command: " + req.StartCmd)
 		cmd := fmt.Sprintf("exec >/tmp/ember-start.log 2>&1; exec /bin/bash -l -c %s", shellQuote(req.StartCmd))
-		if _, _, err := m.envdCommand(ctx, base, tpl.InitToken, cmd, false); err != nil {
+		if _, _, err := m.envdCommandAs(ctx, base, tpl.InitToken, user, cmd, false); err != nil {
 			return fmt.Errorf("start command: %w", err)
 		}
 	}
@@ -126,7 +130,7 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 		progress("waiting for ready command: " + req.ReadyCmd)
 		deadline := time.Now().Add(2 * time.Minute)
 		for {
-			code, out, err := m.envdCommand(ctx, base, tpl.InitToken, req.ReadyCmd, true)
+			code, out, err := m.envdCommandAs(ctx, base, tpl.InitToken, user, req.ReadyCmd, true)
 			if err == nil && code == 0 {
 				break
 			}
@@ -209,6 +213,13 @@ func (m *Manager) saveImage(ctx context.Context, id, dir string) error {
 func (m *Manager) DeleteTemplate(ctx context.Context, id string) error {
 	if !nameRe.MatchString(id) {
 		return fmt.Errorf("template %q: %w", id, errdefs.ErrNotFound)
+	}
+	m.mu.Lock()
+	busy := m.names[id]
+	m.mu.Unlock()
+	if busy {
+		// A build in flight would put the template back when it ends.
+		return fmt.Errorf("%q is being built or snapshotted right now: %w", id, errdefs.ErrConflict)
 	}
 	tpl, err := m.cfg.Store.GetTemplate(ctx, id)
 	if err != nil {

@@ -178,6 +178,18 @@ type Template struct {
 	// SourceSandbox is the sandbox a snapshot was taken from.
 	SourceSandbox string   `json:"sourceSandbox,omitempty"`
 	Names         []string `json:"names,omitempty"`
+	// BuildKey identifies what a step build made the template from (parent, steps, files,
+	// start and ready commands, resources): a rebuild with the same key is a cache hit.
+	BuildKey string `json:"buildKey,omitempty"`
+	// Tags name builds of the template (E2B's name:tag); every tag names the current build.
+	Tags []TemplateTag `json:"tags,omitempty"`
+}
+
+// TemplateTag is one tag of a template.
+type TemplateTag struct {
+	Tag       string    `json:"tag"`
+	BuildID   string    `json:"buildId"`
+	CreatedAt time.Time `json:"createdAt"`
 }
 
 // Metric is one resource-usage sample of a sandbox.

@@ -432,10 +432,34 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 	if err := os.WriteFile(filepath.Join(imageDir, "checkpoint.img"), b, 0o600); err != nil {
 		return err
 	}
+	if opts.FilesOnly {
+		// The layer as a real driver's upper directory: the instance's files as host files.
+		for p, v := range img.Files {
+			f := filepath.Join(imageDir, "upper", filepath.Clean("/"+p))
+			if err := os.MkdirAll(filepath.Dir(f), 0o755); err != nil {
+				return err
+			}
+			if err := os.WriteFile(f, []byte(v), 0o644); err != nil {
+				return err
+			}
+		}
+		if err := os.MkdirAll(filepath.Join(imageDir, "upper"), 0o755); err != nil {
+			return err
+		}
+	}
 	if !opts.LeaveRunning {
 		in.stop(runtime.ExitKilled)
 	}
 	return nil
+}
+
+// UpperDir implements runtime.UpperDirer: a filesystem-only checkpoint's files, as host files.
+func (d *Driver) UpperDir(imageDir string) (string, error) {
+	p := filepath.Join(imageDir, "upper")
+	if _, err := os.Stat(p); err != nil {
+		return "", fmt.Errorf("fake: %s holds no layer: %w", imageDir, errdefs.ErrNotFound)
+	}
+	return p, nil
 }
 
 // State implements runtime.Driver.

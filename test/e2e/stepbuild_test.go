@@ -1,0 +1,103 @@
+package e2e
+
+import (
+	"fmt"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+)
+
+// stepBuild drives E2B's template build API (the SDK's Template.build) to its end: request,
+// start with body, poll the status. It returns the final status and the log lines.
+func (d *daemon) stepBuild(t *testing.T, name string, body map[string]any) (string, string) {
+	t.Helper()
+	var req struct{ TemplateID, BuildID string }
+	if code := d.api(t, "POST", "/v3/templates", map[string]any{"name": name}, &req); code != 202 {
+		t.Fatalf("request build: %d", code)
+	}
+	if code, b := d.apiBody(t, "POST", "/v2/templates/"+req.TemplateID+"/builds/"+req.BuildID, body, nil); code != 202 {
+		t.Fatalf("start build: %d %s", code, b)
+	}
+	var logs []string
+	deadline := time.Now().Add(5 * time.Minute)
+	for {
+		var st struct {
+			Status     string
+			LogEntries []struct{ Message string }
+			Reason     *struct{ Message, Step string }
+		}
+		d.api(t, "GET", fmt.Sprintf("/templates/%s/builds/%s/status?logsOffset=%d", req.TemplateID, req.BuildID, len(logs)), nil, &st)
+		for _, e := range st.LogEntries {
+			logs = append(logs, e.Message)
+		}
+		if st.Status != "building" && st.Status != "waiting" && len(st.LogEntries) == 0 {
+			if st.Reason != nil {
+				logs = append(logs, "REASON step "+st.Reason.Step+": "+st.Reason.Message)
+			}
+			return st.Status, strings.Join(logs, "\n")
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("build still %s:\n%s", st.Status, strings.Join(logs, "\n"))
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// A step build from an image in a local registry (E2B's fromImage): the image's env, workdir and
+// user hold for the steps and in sandboxes of the result, steps add to them, and files the
+// steps delete from the image's layers are gone (whiteouts and opaque directories of the build
+// sandbox's layer, composed over the image). A rebuild is cached; the image is pulled once.
+func TestStepBuildFromImage(t *testing.T) {
+	d := need(t)
+	tarball := debootstrapTarball(t)
+	base := newFileLayer(t, tarball)
+	passwd := baseFile(t, tarball, "etc/passwd") + "app:x:1234:1234::/home/app:/bin/bash\n"
+	group := baseFile(t, tarball, "etc/group") + "app:x:1234:\n"
+	layer := tarLayer(t, tent{name: "etc/passwd", body: passwd}, tent{name: "etc/group", body: group},
+		tent{name: "home/app/", dir: true, uid: 1234}, tent{name: "app/", dir: true, uid: 1234},
+		tent{name: "app/drop-me.txt", body: "x\n"}, tent{name: "app/conf/", dir: true}, tent{name: "app/conf/old.txt", body: "old\n"})
+	img := imageOf(t, v1.Config{Env: []string{"PATH=/usr/local/bin:/usr/bin:/bin", "APP_MODE=image"}, WorkingDir: "/app", User: "app"}, base, layer)
+	host := imageRegistry(t, map[string]v1.Image{"test/steps:v1": img})
+
+	body := map[string]any{
+		"fromImage": host + "/test/steps:v1",
+		"steps": []map[string]any{
+			{"type": "RUN", "args": []string{"whoami > made-by.txt && pwd >> made-by.txt && echo \"$APP_MODE\" >> made-by.txt"}},
+			{"type": "RUN", "args": []string{"rm /app/drop-me.txt && rm -rf /app/conf && mkdir /app/conf && echo new > /app/conf/new.txt", "root"}},
+			{"type": "ENV", "args": []string{"STEP_VAR", "from-a-step"}},
+		},
+		"startCmd": "sleep infinity",
+	}
+	t0 := time.Now()
+	status, logs := d.stepBuild(t, "steps-img", body)
+	if status != "ready" {
+		t.Fatalf("build: %s\n%s\n%s", status, logs, d.logs())
+	}
+	t.Logf("step build from an image in %s:\n%s", time.Since(t0).Round(time.Millisecond), logs)
+	t.Cleanup(func() { d.api(t, "DELETE", "/templates/steps-img", nil, nil) })
+
+	s := d.create(t, map[string]any{"templateID": "steps-img"})
+	r := d.run(t, s, `cat made-by.txt; echo "$APP_MODE $STEP_VAR"; pwd; whoami; ls -A /app/conf; test -e /app/drop-me.txt || echo dropped`)
+	if want := "app\n/app\nimage\nimage from-a-step\n/app\napp\nnew.txt\ndropped\n"; r.stdout != want || r.exitCode != 0 {
+		t.Errorf("sandbox of the step build: %q (stderr %q, exit %d), want %q", r.stdout, r.stderr, r.exitCode, want)
+	}
+
+	t1 := time.Now()
+	status, logs = d.stepBuild(t, "steps-img", body)
+	if status != "ready" || !strings.Contains(logs, "CACHED [base] FROM image") || !strings.Contains(logs, "CACHED [builder 3/3]") {
+		t.Fatalf("rebuild: %s\n%s", status, logs)
+	}
+	t.Logf("cached rebuild in %s", time.Since(t1).Round(time.Millisecond))
+
+	// A failing build of a new name leaves no template directory behind.
+	status, logs = d.stepBuild(t, "steps-bad", map[string]any{"fromTemplate": "steps-img", "steps": []map[string]any{{"type": "RUN", "args": []string{"exit 7"}}}})
+	if status != "error" || !strings.Contains(logs, "exit status 7") {
+		t.Fatalf("failing build: %s\n%s", status, logs)
+	}
+	if m, _ := filepath.Glob(filepath.Join(d.dataDir, "templates", "steps-bad*")); len(m) != 0 {
+		t.Fatalf("the failed build left %v", m)
+	}
+}
