@@ -30,6 +30,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodGet, "/snapshots", s.listSnapshots)
 	rt.handle(http.MethodGet, "/templates", s.listTemplates)
 	rt.handle(http.MethodGet, "/templates/aliases/{alias}", s.getTemplateAlias)
+	rt.handle(http.MethodGet, "/templates/{id}", s.getTemplate)
 	rt.handle(http.MethodDelete, "/templates/{id}", s.deleteTemplate)
 	// ember extras for the CLI.
 	rt.handle(http.MethodPost, "/ember/templates/{name}/build", s.buildTemplate)
@@ -324,7 +325,7 @@ func (s *server) createSnapshot(w http.ResponseWriter, r *http.Request, p params
 	if err != nil {
 		return err
 	}
-	writeJSON(w, http.StatusCreated, createSnapshotResponse{SnapshotID: t.ID, Names: templateNames(t)})
+	writeJSON(w, http.StatusCreated, createSnapshotResponse{SnapshotID: t.ID, Names: templateNames(t), State: t.UploadState()})
 	return nil
 }
 

@@ -397,5 +397,5 @@ func openImages(cfg Config) (sandbox.ImageStore, error) {
 	if cfg.S3.Endpoint != "" {
 		opts = append(opts, snapshot.WithCache(filepath.Join(cfg.DataDir, "snapshot-cache")))
 	}
-	return &imageAdapter{s: snapshot.New(backend, opts...)}, nil
+	return &imageAdapter{s: snapshot.New(backend, opts...), private: cfg.S3.Endpoint == ""}, nil
 }

@@ -168,12 +168,21 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		m.log.Info("reconcile: removed orphan directory", "dir", b)
 		removeTree(b)
 	}
+	// Fork images, export stages, and snapshot captures whose record was never written.
+	tpls, err := m.cfg.Store.ListTemplates(ctx)
+	if err != nil {
+		return err
+	}
+	captures := snapshotCaptures(m.cfg.DataDir, tpls)
 	imgs, _ := os.ReadDir(filepath.Join(m.cfg.DataDir, "images"))
 	for _, e := range imgs {
-		if strings.HasPrefix(e.Name(), "fork-") || strings.HasPrefix(e.Name(), ".") {
+		if strings.HasPrefix(e.Name(), "fork-") || strings.HasPrefix(e.Name(), ".") || !captures[e.Name()] {
 			m.log.Info("reconcile: removed unfinished image", "image", e.Name())
 			removeTree(filepath.Join(m.cfg.DataDir, "images", e.Name()))
 		}
+	}
+	if err := m.resumeUploads(ctx, tpls); err != nil {
+		return err
 	}
 	if err := m.unmountOrphans(keepRun); err != nil {
 		return err

@@ -2,7 +2,6 @@ package sandbox
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -15,7 +14,7 @@ import (
 
 // BuildTemplate builds a template: its rootfs, then a boot with envd up and the optional start
 // command running and ready command succeeding, then a checkpoint that sandboxes restore from.
-func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress func(string)) (*Template, error) {
+func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress func(string)) (_ *Template, err error) {
 	if progress == nil {
 		progress = func(string) {}
 	}
@@ -45,6 +44,7 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 		return nil, fmt.Errorf("%q is a snapshot: %w", req.Name, errdefs.ErrConflict)
 	}
 	start := time.Now()
+	defer func() { m.observe(StageTemplateBuild, start, err) }()
 	buildID := randomHex(4)
 	dir := filepath.Join(m.cfg.DataDir, "templates", req.Name)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -199,11 +199,13 @@ func (m *Manager) saveImage(ctx context.Context, id, dir string) error {
 	return m.cfg.Images.Save(ctx, id, stage)
 }
 
-// DeleteTemplate deletes a template or snapshot. Sandboxes that run from it keep running.
+// DeleteTemplate deletes a template or snapshot. Sandboxes that run from it keep running. A
+// snapshot's upload in flight is cancelled first.
 func (m *Manager) DeleteTemplate(ctx context.Context, id string) error {
 	if !nameRe.MatchString(id) {
 		return fmt.Errorf("template %q: %w", id, errdefs.ErrNotFound)
 	}
+	m.cancelUpload(id)
 	tpl, err := m.cfg.Store.GetTemplate(ctx, id)
 	if err != nil {
 		return err
@@ -214,10 +216,8 @@ func (m *Manager) DeleteTemplate(ctx context.Context, id string) error {
 	m.pool.templateChanged(&Template{ID: id})
 	if tpl.Kind == "snapshot" {
 		os.RemoveAll(tpl.Image)
-		if tpl.SnapshotStored && m.cfg.Images != nil {
-			if err := m.cfg.Images.Delete(ctx, id); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
-				m.log.Warn("delete stored snapshot", "snapshot", id, "err", err)
-			}
+		if m.cfg.Images != nil {
+			m.deleteStored(ctx, id)
 		}
 	}
 	// A template's rootfs may still back running or paused sandboxes: it is left in place.
