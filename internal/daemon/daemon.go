@@ -26,6 +26,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/api"
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/metrics"
 	"github.com/ember-sandbox/ember/internal/network"
 	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/runtime/gvisor"
@@ -40,12 +41,15 @@ import (
 
 // Config of the daemon.
 type Config struct {
-	Listen   string // 127.0.0.1:3000
-	DataDir  string
-	CacheDir string // debootstrap cache; default <DataDir>/cache
-	Runsc    string
-	Envd     string // envd binary copied into templates
-	Domain   string
+	Listen string // 127.0.0.1:3000
+	// MetricsListen, if set, is a listener serving only GET /metrics, without an API key (for
+	// a scraper on a private network). /metrics on Listen needs the API key.
+	MetricsListen string
+	DataDir       string
+	CacheDir      string // debootstrap cache; default <DataDir>/cache
+	Runsc         string
+	Envd          string // envd binary copied into templates
+	Domain        string
 	// TLSListen, if set, is a second listener serving the same handler over HTTPS (E2B's Mode B:
 	// the SDK builds https://<port>-<id>.<domain>). TLSCert/TLSKey are the operator's PEM pair;
 	// without them ember's local CA under <DataDir>/tls issues a certificate for *.<domain>.
@@ -84,6 +88,7 @@ type Node struct {
 	Keys    *auth.Keys
 	Store   *store.Store
 	Handler http.Handler
+	Metrics *metrics.Metrics
 	net     *network.Manager
 }
 
@@ -159,7 +164,9 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
+	met := metrics.New()
 	mgr, err := sandbox.New(ctx, sandbox.Config{
+		Observer:     met,
 		DataDir:      cfg.DataDir,
 		Driver:       drv,
 		Network:      &netAdapter{m: nm, slots: map[int]*network.Slot{}},
@@ -193,9 +200,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			return nil, fmt.Errorf("build template %q: %w", name, err)
 		}
 	}
-	h := api.New(api.Config{Domain: cfg.Domain}, mgr, keys, cfg.Logger)
+	met.SetSource(mgr)
+	h := api.New(api.Config{Domain: cfg.Domain, Metrics: met.Handler()}, mgr, keys, cfg.Logger)
 	ok = true
-	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, net: nm}, nil
+	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, net: nm}, nil
 }
 
 // Close stops background work. Running sandboxes keep running and are re-adopted by the next
@@ -235,6 +243,13 @@ func Serve(ctx context.Context, cfg Config) error {
 			cfg.Domain = "localhost" + portSuffix(tlsLn.Addr().(*net.TCPAddr).Port)
 		}
 	}
+	var metricsLn net.Listener
+	if cfg.MetricsListen != "" {
+		if metricsLn, err = net.Listen("tcp", cfg.MetricsListen); err != nil {
+			return err
+		}
+		defer metricsLn.Close()
+	}
 	var tlsConf *tls.Config
 	if tlsLn != nil {
 		// Before Open: a bad certificate fails at once, not after a template build.
@@ -263,12 +278,20 @@ func Serve(ctx context.Context, cfg Config) error {
 	srv.Protocols.SetUnencryptedHTTP2(true)
 	fmt.Fprintf(cfg.Out, "ember listening on http://%s (data %s)\n", ln.Addr(), cfg.DataDir)
 	cfg.Logger.Info("serving", "addr", ln.Addr().String(), "data_dir", cfg.DataDir, "domain", cfg.Domain)
-	errc := make(chan error, 2)
+	errc := make(chan error, 3)
 	go func() { errc <- srv.Serve(ln) }()
 	if tlsLn != nil {
 		fmt.Fprintf(cfg.Out, "ember listening on https://%s (Mode B: E2B_DOMAIN=%s; hosts https://api.%[2]s, https://<port>-<id>.%[2]s)\n", tlsLn.Addr(), cfg.Domain)
 		cfg.Logger.Info("serving tls", "addr", tlsLn.Addr().String(), "domain", cfg.Domain)
 		go func() { errc <- srv.ServeTLS(tlsLn, "", "") }()
+	}
+	if metricsLn != nil {
+		mux := http.NewServeMux()
+		mux.Handle("GET /metrics", node.Metrics.Handler())
+		msrv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		defer msrv.Close()
+		fmt.Fprintf(cfg.Out, "ember metrics on http://%s/metrics (no API key)\n", metricsLn.Addr())
+		go func() { errc <- msrv.Serve(metricsLn) }()
 	}
 	select {
 	case err := <-errc:

@@ -33,3 +33,7 @@ func (nopObserver) ObserveStage(Stage, time.Duration, error) {}
 func (m *Manager) observe(stage Stage, start time.Time, err error) {
 	m.cfg.Observer.ObserveStage(stage, time.Since(start), err)
 }
+
+// Stages lists every Stage, in lifecycle order.
+var Stages = []Stage{StageCreatePool, StageCreateRestore, StageCreateBoot, StagePause, StageResume, StageFork,
+	StageSnapshot, StageSnapshotUpload, StageTemplateBuild}
