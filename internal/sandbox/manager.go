@@ -148,7 +148,8 @@ type Manager struct {
 	// counted against MaxSandboxes.
 	instances map[string]bool
 	// uploads are the snapshot uploads in flight, by snapshot id (snapupload.go).
-	uploads map[string]*upload
+	uploads    map[string]*upload
+	collectDue bool // a snapshot was deleted: collect unused chunks once no upload runs
 
 	// bg is the context of background work (pool, watchers, reaper); Close cancels it.
 	bg       context.Context

@@ -51,6 +51,7 @@ func (m *Manager) startUpload(id, image string, resumed bool) {
 		m.mu.Lock()
 		delete(m.uploads, id)
 		m.mu.Unlock()
+		m.maybeCollect()
 	}()
 }
 
@@ -184,10 +185,28 @@ func snapshotCaptures(dataDir string, tpls []*Template) map[string]bool {
 }
 
 // deleteStored removes snapshot id from the image store, with whatever an upload cut short
-// left there (in the background: collecting waits for the uploads in flight).
+// left there: the chunks no snapshot uses are collected in the background once no upload runs
+// (collecting excludes every save and load of the store while it runs).
 func (m *Manager) deleteStored(ctx context.Context, id string) {
 	if err := m.cfg.Images.Delete(ctx, id); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 		m.log.Warn("delete stored snapshot", "snapshot", id, "err", err)
+	}
+	m.mu.Lock()
+	m.collectDue = true
+	m.mu.Unlock()
+	m.maybeCollect()
+}
+
+// maybeCollect collects unused chunks if a delete asked for it and no upload runs.
+func (m *Manager) maybeCollect() {
+	m.mu.Lock()
+	due := m.collectDue && len(m.uploads) == 0
+	if due {
+		m.collectDue = false
+	}
+	m.mu.Unlock()
+	if !due {
+		return
 	}
 	m.goBG(func() {
 		if err := m.cfg.Images.Collect(m.bg); err != nil && m.bg.Err() == nil {

@@ -19,12 +19,26 @@ import (
 // for its ctx to end), and can be made to fail.
 type gatedImages struct {
 	imageStore
-	dir     string
-	gate    chan struct{}
-	mu      sync.Mutex
-	fail    error
-	saving  chan string // receives the id of each Save as it starts waiting
-	aborted chan string // receives the id of each Save whose ctx ended while it waited
+	dir      string
+	gate     chan struct{}
+	mu       sync.Mutex
+	fail     error
+	saving   chan string // receives the id of each Save as it starts waiting
+	aborted  chan string // receives the id of each Save whose ctx ended while it waited
+	collects int         // guarded by mu
+}
+
+func (g *gatedImages) Collect(ctx context.Context) error {
+	g.mu.Lock()
+	g.collects++
+	g.mu.Unlock()
+	return g.imageStore.Collect(ctx)
+}
+
+func (g *gatedImages) collected() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.collects
 }
 
 func newGatedImages(t *testing.T) *gatedImages {
@@ -266,5 +280,47 @@ func TestUploadFailureIsVisible(t *testing.T) {
 	n.start()
 	if st, why := n.snapshotState("lost"); st != sandbox.SnapshotFailed || why == "" {
 		t.Fatalf("snapshot whose capture was lost: %q %q", st, why)
+	}
+}
+
+// A delete while another snapshot uploads collects unused chunks only once that upload is done
+// (collecting would stall every save and load of the store meanwhile).
+func TestCollectWaitsForUploadsInFlight(t *testing.T) {
+	g := newGatedImages(t)
+	open := g.gate
+	close(open)
+	n := newNode(t, func(c *sandbox.Config) { c.Images = g })
+	n.build("base")
+	src := n.create(sandbox.CreateRequest{})
+	if _, err := n.m.Snapshot(context.Background(), src.ID, "first"); err != nil {
+		t.Fatal(err)
+	}
+	n.waitSnapshot("first", sandbox.SnapshotStoredState)
+	<-g.saving
+	g.gate = make(chan struct{})
+	second, err := n.m.Snapshot(context.Background(), src.ID, "second")
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-g.saving
+	if err := n.m.DeleteTemplate(context.Background(), "first"); err != nil {
+		t.Fatal(err)
+	}
+	if ids, _ := g.stored(t); len(ids) != 0 {
+		t.Fatalf("stored after deleting first: %v", ids)
+	}
+	time.Sleep(50 * time.Millisecond)
+	if c := g.collected(); c != 0 {
+		t.Fatalf("collected %d times while an upload ran", c)
+	}
+	close(g.gate)
+	n.waitSnapshot("second", sandbox.SnapshotStoredState)
+	eventually(t, 5*time.Second, "a collection after the upload", func() bool { return g.collected() == 1 })
+	// The collection kept what second needs: loaded from the store alone, it restores.
+	os.RemoveAll(second.Image)
+	imports := n.rig.Driver.Calls("ImportImage")
+	n.create(sandbox.CreateRequest{TemplateID: "second"})
+	if n.rig.Driver.Calls("ImportImage") != imports+1 {
+		t.Fatal("second was not loaded from the store")
 	}
 }
