@@ -41,15 +41,12 @@ import (
 
 // Config of the daemon.
 type Config struct {
-	Listen string // 127.0.0.1:3000
-	// MetricsListen, if set, is a listener serving only GET /metrics, without an API key (for
-	// a scraper on a private network). /metrics on Listen needs the API key.
-	MetricsListen string
-	DataDir       string
-	CacheDir      string // debootstrap cache; default <DataDir>/cache
-	Runsc         string
-	Envd          string // envd binary copied into templates
-	Domain        string
+	Listen   string // 127.0.0.1:3000
+	DataDir  string
+	CacheDir string // debootstrap cache; default <DataDir>/cache
+	Runsc    string
+	Envd     string // envd binary copied into templates
+	Domain   string
 	// TLSListen, if set, is a second listener serving the same handler over HTTPS (E2B's Mode B:
 	// the SDK builds https://<port>-<id>.<domain>). TLSCert/TLSKey are the operator's PEM pair;
 	// without them ember's local CA under <DataDir>/tls issues a certificate for *.<domain>.
@@ -79,6 +76,10 @@ type Config struct {
 	Logger *slog.Logger
 	// Out receives the lines a user reads: the API key on first start, template build progress.
 	Out io.Writer
+
+	// MetricsListen, if set, is a listener serving only GET /metrics, without an API key (for
+	// a scraper on a private network). /metrics on Listen needs the API key.
+	MetricsListen string
 }
 
 // Node is a running ember node.

@@ -160,8 +160,8 @@ type Template struct {
 	SnapshotStored bool `json:"snapshotStored,omitempty"`
 	// SnapshotState is where a named snapshot's image is: SnapshotUploading while it goes to
 	// the snapshot store in the background (sandboxes are created from its node-local capture,
-	// Image, meanwhile), SnapshotStored once it is there, SnapshotFailed when the upload gave
-	// up (SnapshotError says why; the node-local capture still serves this node). Empty for
+	// Image, meanwhile), SnapshotStoredState once it is there, SnapshotFailed when the upload
+	// gave up (SnapshotError says why; the node-local capture still serves this node). Empty for
 	// templates and for records written before the state existed (see UploadState).
 	SnapshotState string `json:"snapshotState,omitempty"`
 	SnapshotError string `json:"snapshotError,omitempty"`
