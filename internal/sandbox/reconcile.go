@@ -334,11 +334,28 @@ func unescapeMount(s string) string {
 	return b.String()
 }
 
-// removeTree unmounts whatever is mounted under dir (a crashed instance's rootfs) and removes it.
+// removeTree unmounts whatever is mounted under dir (a crashed instance's rootfs) or on it (the
+// read-only mount of an export a crash cut) and removes it.
 func removeTree(dir string) {
 	points := mountsUnder(dir)
 	for i := len(points) - 1; i >= 0; i-- {
 		unix.Unmount(points[i], unix.MNT_DETACH)
 	}
+	for mountedOn(dir) {
+		if unix.Unmount(dir, unix.MNT_DETACH) != nil {
+			break
+		}
+	}
 	os.RemoveAll(dir)
+}
+
+// mountedOn reports whether something is mounted on dir itself.
+func mountedOn(dir string) bool {
+	data, _ := os.ReadFile("/proc/self/mounts")
+	for _, line := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(line); len(f) > 1 && unescapeMount(f[1]) == dir {
+			return true
+		}
+	}
+	return false
 }

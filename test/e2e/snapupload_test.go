@@ -74,9 +74,11 @@ func (d *daemon) chunkFiles() int {
 	return n
 }
 
-// A snapshot answers while its upload runs, says uploading, serves creates on the node from its
-// capture; the daemon is killed -9 during the upload; the restarted daemon resumes the upload,
-// which completes, and the stored snapshot restores with its files.
+// A snapshot answers while its upload runs and says uploading; the daemon is killed -9 while the
+// upload exports the capture; the restarted daemon resumes the upload, creates from the
+// snapshot work while it runs (from the node-local capture), it completes, the stored snapshot
+// restores with its files, and nothing the cut export held (its read-only mount of the
+// capture's disk image) is left.
 func TestSnapshotUploadSurvivesKill9(t *testing.T) {
 	d := lostNode(t)
 	src, sum := d.bigSandbox(t)
@@ -93,15 +95,21 @@ func TestSnapshotUploadSurvivesKill9(t *testing.T) {
 	if created.State != "uploading" {
 		t.Fatalf("snapshot answered with state %q, want uploading", created.State)
 	}
-	// Created from before the upload is done (from the node-local capture).
-	c := d.create(t, map[string]any{"templateID": "upcrash"})
-	if r := d.run(t, c, "cat /home/user/small.txt"); r.stdout != "small\n" {
-		t.Fatalf("sandbox from the uploading snapshot reads %q", r.stdout)
-	}
-	if st := d.snapshotState(t, "upcrash"); st != "uploading" {
-		t.Fatalf("the upload was done before the crash (state %q): nothing to resume; make the file bigger", st)
+	// Kill it while the export reads the capture's disk image (mounted from a loop device).
+	images := filepath.Join(d.dataDir, "images")
+	deadline := time.Now().Add(20 * time.Second)
+	var exportMounts []string
+	for len(exportMounts) == 0 {
+		if time.Now().After(deadline) || d.snapshotState(t, "upcrash") != "uploading" {
+			t.Fatalf("never saw the upload export the capture's disk image\n%s", d.logs())
+		}
+		for _, dev := range d.loopsUnder(images) {
+			exportMounts = append(exportMounts, mountPointsOf(dev)...)
+		}
+		time.Sleep(5 * time.Millisecond)
 	}
 	d.crash()
+	t.Logf("killed while the export had %v mounted", exportMounts)
 	if _, err := os.Stat(filepath.Join(d.dataDir, "snapshots", "manifests", "upcrash.json")); err == nil {
 		t.Fatal("the manifest was stored before the crash")
 	}
@@ -111,7 +119,16 @@ func TestSnapshotUploadSurvivesKill9(t *testing.T) {
 	if !strings.Contains(d.logs(), "resuming snapshot upload") {
 		t.Fatalf("the restarted daemon did not resume the upload\n%s", d.logs())
 	}
-	deadline := time.Now().Add(3 * time.Minute)
+	// Created from while the resumed upload runs.
+	if st := d.snapshotState(t, "upcrash"); st != "uploading" {
+		t.Fatalf("state right after the restart: %q, want uploading", st)
+	}
+	c := d.create(t, map[string]any{"templateID": "upcrash"})
+	if r := d.run(t, c, "cat /home/user/small.txt"); r.stdout != "small\n" {
+		t.Fatalf("sandbox from the uploading snapshot reads %q", r.stdout)
+	}
+	d.api(t, "DELETE", "/sandboxes/"+c.SandboxID, nil, nil)
+	deadline = time.Now().Add(3 * time.Minute)
 	for d.snapshotState(t, "upcrash") != "stored" {
 		if time.Now().After(deadline) {
 			t.Fatalf("the resumed upload did not finish within 3 minutes\n%s", d.logs())
@@ -122,6 +139,40 @@ func TestSnapshotUploadSurvivesKill9(t *testing.T) {
 		t.Fatalf("stored snapshot without a manifest: %v", err)
 	}
 	d.checkSnapshotFiles(t, "upcrash", sum)
+	// An auto-clearing loop device stays attached while it is mounted.
+	if held := d.loopsUnder(images); len(held) > 0 {
+		t.Fatalf("the export cut by the crash left its mount of the capture's disk image: %v", held)
+	}
+	for _, p := range exportMounts {
+		if _, err := os.Stat(p); err == nil {
+			t.Fatalf("the export cut by the crash left its mount point %s", p)
+		}
+	}
+}
+
+// mountPointsOf lists where device dev (/dev/loopN) is mounted.
+func mountPointsOf(dev string) []string {
+	data, _ := os.ReadFile("/proc/self/mounts")
+	var out []string
+	for _, line := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(line); len(f) > 1 && f[0] == dev {
+			out = append(out, f[1])
+		}
+	}
+	return out
+}
+
+// loopsUnder lists the loop devices (/dev/loopN) whose backing file is under dir.
+func (d *daemon) loopsUnder(dir string) []string {
+	var held []string
+	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err == nil && strings.HasPrefix(string(b), dir+"/") {
+			held = append(held, "/dev/"+filepath.Base(filepath.Dir(filepath.Dir(f))))
+		}
+	}
+	return held
 }
 
 // Deleting a snapshot during its upload cancels the upload and leaves nothing behind: no record,
