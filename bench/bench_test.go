@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -177,7 +176,7 @@ func BenchmarkLifecycle(b *testing.B) {
 		snap = append(snap, time.Since(t0))
 		n.Manager.DeleteTemplate(ctx, s.ID)
 	}
-	report(b, "snapshot of an idle sandbox (stored)", snap)
+	report(b, "snapshot of an idle sandbox (answer)", snap)
 
 	var fork, perChild dist
 	for i := 0; i < 3; i++ {
@@ -199,40 +198,7 @@ func BenchmarkLifecycle(b *testing.B) {
 	report(b, "fork into 16 children (total)", fork)
 	report(b, "fork into 16 children (per child)", perChild)
 
-	// 1 GiB written, then snapshot.
-	fmt.Printf("sandbox writable layers on %s\n", layerFS)
-	big, err := n.Manager.Create(ctx, sandbox.CreateRequest{TemplateID: "base", NoPool: true})
-	if err != nil {
-		b.Fatal(err)
-	}
-	if _, err := n.run(big, "head -c 1G /dev/urandom > /home/user/big.bin && sync"); err != nil {
-		fmt.Printf("snapshot after 1 GiB written: could not write 1 GiB: %v\n", err)
-	} else {
-		info, _ := n.Manager.Get(ctx, big.ID)
-		var capture, stored dist
-		for i := 0; i < iterations; i++ {
-			img := filepath.Join(n.dataDir, "images", fmt.Sprintf("bench-capture-%d", i))
-			os.MkdirAll(img, 0o755)
-			t0 := time.Now()
-			if err := n.Driver.Checkpoint(ctx, info.Runtime.InstanceID, img, runtime.CheckpointOptions{LeaveRunning: true}); err != nil {
-				b.Fatal(err)
-			}
-			capture = append(capture, time.Since(t0))
-			os.RemoveAll(img)
-		}
-		for i := 0; i < 3; i++ {
-			t0 := time.Now()
-			s, err := n.Manager.Snapshot(ctx, big.ID, "")
-			if err != nil {
-				b.Fatal(err)
-			}
-			stored = append(stored, time.Since(t0))
-			n.Manager.DeleteTemplate(ctx, s.ID)
-		}
-		report(b, "capture after 1 GiB written (ckpt+layer clone)", capture)
-		report(b, "snapshot after 1 GiB written (stored, chunked)", stored)
-	}
-	n.Manager.Kill(ctx, big.ID)
+	// The named snapshot after 1 GiB written: BenchmarkSnapshot (snapshot_bench_test.go).
 	n.Manager.Kill(ctx, sb.ID)
 	idleMemory(b, n, 50)
 }

@@ -45,6 +45,10 @@ type Config struct {
 	MaxBodyBytes int64
 	// ClientID is the constant clientID in responses. Default DefaultClientID.
 	ClientID string
+	// Metrics, if set, serves GET /metrics (Prometheus), behind the API key like every
+	// control-plane call (Prometheus sends it as `authorization: {type: Bearer}`); the daemon's
+	// --metrics-listen serves it without a key on a listener of its own.
+	Metrics http.Handler
 }
 
 func (c Config) withDefaults() Config {
@@ -185,6 +189,10 @@ func (s *server) serveControl(w http.ResponseWriter, r *http.Request) {
 	}
 	if err := s.authenticate(r); err != nil {
 		writeError(sw, s.log, r, err)
+		return
+	}
+	if r.URL.Path == "/metrics" && s.cfg.Metrics != nil && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
+		s.cfg.Metrics.ServeHTTP(sw, r)
 		return
 	}
 	s.routes.serve(sw, r, s.log)

@@ -338,7 +338,7 @@ func (s *server) createSnapshot(w http.ResponseWriter, r *http.Request, p params
 	if err != nil {
 		return err
 	}
-	writeJSON(w, http.StatusCreated, createSnapshotResponse{SnapshotID: t.ID, Names: templateNames(t)})
+	writeJSON(w, http.StatusCreated, createSnapshotResponse{SnapshotID: t.ID, Names: templateNames(t), State: t.UploadState()})
 	return nil
 }
 

@@ -330,6 +330,10 @@ type templateWithBuilds struct {
 	LastSpawnedAt *time.Time          `json:"lastSpawnedAt"`
 	SpawnCount    int                 `json:"spawnCount"`
 	Builds        []templateBuildJSON `json:"builds"`
+	// ember's: what kind of record it is, and a snapshot's upload state (as in templateJSON).
+	Kind          string `json:"kind,omitempty"`
+	SnapshotState string `json:"snapshotState,omitempty"`
+	SnapshotError string `json:"snapshotError,omitempty"`
 }
 
 // getTemplate is GET /templates/{id}: the template and its builds (newest first).
@@ -343,7 +347,8 @@ func (s *server) getTemplate(w http.ResponseWriter, r *http.Request, p params) e
 		return notFound("template %s not found", quoteTemplate(p["id"]))
 	}
 	tj := toTemplate(t)
-	out := templateWithBuilds{TemplateID: t.ID, Aliases: tj.Aliases, Names: tj.Names, CreatedAt: t.CreatedAt, UpdatedAt: t.CreatedAt, Builds: []templateBuildJSON{}}
+	out := templateWithBuilds{TemplateID: t.ID, Aliases: tj.Aliases, Names: tj.Names, CreatedAt: t.CreatedAt, UpdatedAt: t.CreatedAt, Builds: []templateBuildJSON{},
+		Kind: tj.Kind, SnapshotState: tj.SnapshotState, SnapshotError: tj.SnapshotError}
 	blds, err := b.ListBuilds(r.Context(), t.ID)
 	if err != nil {
 		return err

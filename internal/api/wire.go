@@ -83,16 +83,22 @@ type metricJSON struct {
 	DiskTotal     uint64    `json:"diskTotal"`
 }
 
+// snapshotJSON is E2B's SnapshotInfo plus ember's state of the snapshot's image: "uploading"
+// (usable on this node; the upload to the snapshot store runs), "stored", "failed" (error says
+// why) or "local" (no snapshot store).
 type snapshotJSON struct {
 	SnapshotID string    `json:"snapshotID"`
 	Names      []string  `json:"names"`
 	SandboxID  string    `json:"sandboxID,omitempty"`
 	CreatedAt  time.Time `json:"createdAt"`
+	State      string    `json:"state"`
+	Error      string    `json:"error,omitempty"`
 }
 
 type createSnapshotResponse struct {
 	SnapshotID string   `json:"snapshotID"`
 	Names      []string `json:"names"`
+	State      string   `json:"state"`
 }
 
 type templateJSON struct {
@@ -113,6 +119,9 @@ type templateJSON struct {
 	EnvdVersion   string     `json:"envdVersion"`
 	BuildStatus   string     `json:"buildStatus"`
 	Kind          string     `json:"kind"`
+	// SnapshotState and SnapshotError: a snapshot's, as in snapshotJSON.
+	SnapshotState string `json:"snapshotState,omitempty"`
+	SnapshotError string `json:"snapshotError,omitempty"`
 }
 
 type forkResultJSON struct {
@@ -201,6 +210,8 @@ func toSnapshot(t *sandbox.Template) snapshotJSON {
 		Names:      templateNames(t),
 		SandboxID:  t.SourceSandbox,
 		CreatedAt:  t.CreatedAt.UTC(),
+		State:      t.UploadState(),
+		Error:      t.SnapshotError,
 	}
 }
 
@@ -219,18 +230,20 @@ func toTemplate(t *sandbox.Template) templateJSON {
 		buildID = t.ID
 	}
 	return templateJSON{
-		TemplateID:  t.ID,
-		BuildID:     buildID,
-		CPUCount:    t.CPUCount,
-		MemoryMB:    t.MemoryMB,
-		DiskSizeMB:  t.DiskMB,
-		Aliases:     aliases,
-		Names:       templateNames(t),
-		CreatedAt:   t.CreatedAt.UTC(),
-		UpdatedAt:   t.CreatedAt.UTC(),
-		BuildCount:  1,
-		EnvdVersion: sandbox.EnvdVersion,
-		BuildStatus: status,
-		Kind:        kind,
+		TemplateID:    t.ID,
+		BuildID:       buildID,
+		CPUCount:      t.CPUCount,
+		MemoryMB:      t.MemoryMB,
+		DiskSizeMB:    t.DiskMB,
+		Aliases:       aliases,
+		Names:         templateNames(t),
+		CreatedAt:     t.CreatedAt.UTC(),
+		UpdatedAt:     t.CreatedAt.UTC(),
+		BuildCount:    1,
+		EnvdVersion:   sandbox.EnvdVersion,
+		BuildStatus:   status,
+		Kind:          kind,
+		SnapshotState: t.UploadState(),
+		SnapshotError: t.SnapshotError,
 	}
 }

@@ -138,6 +138,7 @@ func serveCmd() *cobra.Command {
 	}
 	f := c.Flags()
 	f.StringVar(&cfg.Listen, "listen", "127.0.0.1:3000", "address to listen on")
+	f.StringVar(&cfg.MetricsListen, "metrics-listen", "", "also serve Prometheus /metrics without an API key on this address (on --listen, /metrics needs the API key)")
 	f.StringVar(&cfg.DataDir, "data-dir", envOr("EMBER_DATA_DIR", defaultDataDir()), "data directory ($EMBER_DATA_DIR)")
 	f.StringVar(&cfg.CacheDir, "cache-dir", os.Getenv("EMBER_CACHE_DIR"), "build cache (debootstrap); default <data-dir>/cache")
 	f.StringVar(&cfg.Runsc, "runsc", envOr("EMBER_RUNSC", findBinary("runsc")), "runsc binary ($EMBER_RUNSC)")

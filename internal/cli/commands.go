@@ -352,9 +352,13 @@ build log entry as a JSON line, then the result.`,
 			}
 			rows := [][]string{}
 			for _, t := range out {
-				rows = append(rows, []string{str(t["templateID"]), str(t["kind"]), str(t["aliases"]), str(t["createdAt"])})
+				state := str(t["snapshotState"])
+				if e := str(t["snapshotError"]); e != "" {
+					state += ": " + e
+				}
+				rows = append(rows, []string{str(t["templateID"]), str(t["kind"]), str(t["aliases"]), str(t["createdAt"]), state})
 			}
-			table([]string{"ID", "KIND", "ALIASES", "CREATED"}, rows)
+			table([]string{"ID", "KIND", "ALIASES", "CREATED", "SNAPSHOT"}, rows)
 			return nil
 		},
 	}

@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -245,7 +246,12 @@ func parseMap(env string) (map[string]string, error) {
 
 // imageAdapter stores exported checkpoint images (flat directories of regular files, in the
 // driver's format) in the snapshot store.
-type imageAdapter struct{ s *snapshot.Store }
+type imageAdapter struct {
+	s *snapshot.Store
+	// private: this node is the backend's only writer (the local backend), so collecting
+	// unreferenced chunks cannot remove chunks another node's save in progress needs.
+	private bool
+}
 
 func (a *imageAdapter) Save(ctx context.Context, id, dir string) error {
 	_, err := a.s.Save(ctx, id, dir)
@@ -257,6 +263,28 @@ func (a *imageAdapter) Fetch(ctx context.Context, id, dir string, unpack func(ct
 }
 
 func (a *imageAdapter) Delete(ctx context.Context, id string) error { return a.s.Delete(ctx, id) }
+
+func (a *imageAdapter) Exists(ctx context.Context, id string) (bool, error) {
+	_, err := a.s.Stat(ctx, id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return false, nil
+	}
+	return err == nil, err
+}
+
+func (a *imageAdapter) Adopt(ctx context.Context, id, dir string) error {
+	return a.s.Adopt(ctx, id, dir)
+}
+
+// Collect runs the store's GC on a private backend. A bucket other nodes may write is left
+// alone: its GC needs a cluster-wide view of the saves in flight.
+func (a *imageAdapter) Collect(ctx context.Context) error {
+	if !a.private {
+		return nil
+	}
+	_, err := a.s.GC(ctx)
+	return err
+}
 
 func parsePrefix(s string) (netip.Prefix, error) {
 	p, err := netip.ParsePrefix(s)

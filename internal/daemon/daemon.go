@@ -26,6 +26,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/api"
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/metrics"
 	"github.com/ember-sandbox/ember/internal/network"
 	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/runtime/gvisor"
@@ -75,6 +76,10 @@ type Config struct {
 	Logger *slog.Logger
 	// Out receives the lines a user reads: the API key on first start, template build progress.
 	Out io.Writer
+
+	// MetricsListen, if set, is a listener serving only GET /metrics, without an API key (for
+	// a scraper on a private network). /metrics on Listen needs the API key.
+	MetricsListen string
 }
 
 // Node is a running ember node.
@@ -84,6 +89,7 @@ type Node struct {
 	Keys    *auth.Keys
 	Store   *store.Store
 	Handler http.Handler
+	Metrics *metrics.Metrics
 	net     *network.Manager
 }
 
@@ -159,7 +165,9 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
+	met := metrics.New()
 	mgr, err := sandbox.New(ctx, sandbox.Config{
+		Observer:     met,
 		DataDir:      cfg.DataDir,
 		Driver:       drv,
 		Network:      &netAdapter{m: nm, slots: map[int]*network.Slot{}},
@@ -193,9 +201,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			return nil, fmt.Errorf("build template %q: %w", name, err)
 		}
 	}
-	h := api.New(api.Config{Domain: cfg.Domain}, mgr, keys, cfg.Logger)
+	met.SetSource(mgr)
+	h := api.New(api.Config{Domain: cfg.Domain, Metrics: met.Handler()}, mgr, keys, cfg.Logger)
 	ok = true
-	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, net: nm}, nil
+	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, net: nm}, nil
 }
 
 // Close stops background work. Running sandboxes keep running and are re-adopted by the next
@@ -235,6 +244,13 @@ func Serve(ctx context.Context, cfg Config) error {
 			cfg.Domain = "localhost" + portSuffix(tlsLn.Addr().(*net.TCPAddr).Port)
 		}
 	}
+	var metricsLn net.Listener
+	if cfg.MetricsListen != "" {
+		if metricsLn, err = net.Listen("tcp", cfg.MetricsListen); err != nil {
+			return err
+		}
+		defer metricsLn.Close()
+	}
 	var tlsConf *tls.Config
 	if tlsLn != nil {
 		// Before Open: a bad certificate fails at once, not after a template build.
@@ -263,12 +279,20 @@ func Serve(ctx context.Context, cfg Config) error {
 	srv.Protocols.SetUnencryptedHTTP2(true)
 	fmt.Fprintf(cfg.Out, "ember listening on http://%s (data %s)\n", ln.Addr(), cfg.DataDir)
 	cfg.Logger.Info("serving", "addr", ln.Addr().String(), "data_dir", cfg.DataDir, "domain", cfg.Domain)
-	errc := make(chan error, 2)
+	errc := make(chan error, 3)
 	go func() { errc <- srv.Serve(ln) }()
 	if tlsLn != nil {
 		fmt.Fprintf(cfg.Out, "ember listening on https://%s (Mode B: E2B_DOMAIN=%s; hosts https://api.%[2]s, https://<port>-<id>.%[2]s)\n", tlsLn.Addr(), cfg.Domain)
 		cfg.Logger.Info("serving tls", "addr", tlsLn.Addr().String(), "domain", cfg.Domain)
 		go func() { errc <- srv.ServeTLS(tlsLn, "", "") }()
+	}
+	if metricsLn != nil {
+		mux := http.NewServeMux()
+		mux.Handle("GET /metrics", node.Metrics.Handler())
+		msrv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		defer msrv.Close()
+		fmt.Fprintf(cfg.Out, "ember metrics on http://%s/metrics (no API key)\n", metricsLn.Addr())
+		go func() { errc <- msrv.Serve(metricsLn) }()
 	}
 	select {
 	case err := <-errc:
@@ -397,5 +421,5 @@ func openImages(cfg Config) (sandbox.ImageStore, error) {
 	if cfg.S3.Endpoint != "" {
 		opts = append(opts, snapshot.WithCache(filepath.Join(cfg.DataDir, "snapshot-cache")))
 	}
-	return &imageAdapter{s: snapshot.New(backend, opts...)}, nil
+	return &imageAdapter{s: snapshot.New(backend, opts...), private: cfg.S3.Endpoint == ""}, nil
 }

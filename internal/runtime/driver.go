@@ -172,7 +172,9 @@ type Driver interface {
 	Wait(ctx context.Context, id string) (Exit, error)
 	// ExportImage writes the image in imageDir (written by Checkpoint) into dstDir (existing,
 	// empty) as a flat set of regular files, for a content-addressed store to keep. The image
-	// format is the driver's own; imageDir is left unchanged.
+	// format is the driver's own; imageDir is left unchanged. While it runs it may keep entries
+	// named ".*" (mounts among them) in dstDir's parent, which a crash can leave behind: clean
+	// them up with the export's leftovers, unmounting what is mounted beneath them.
 	ExportImage(ctx context.Context, imageDir, dstDir string) error
 	// ImportImage turns the files ExportImage wrote (srcDir; untrusted: they may come from a
 	// shared bucket) back into an image directory at imageDir (must not exist). It never writes

@@ -140,6 +140,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 			return nil, err
 		}
 		if sb.Runtime, err = m.launch(ctx, spec); err != nil {
+			m.observe(createStage(how), started, err)
 			m.removeSandboxDir(sb.ID)
 			m.logger(sb.ID).Error("create failed", "template_id", tpl.ID, "how", how, "err", err)
 			return nil, err
@@ -148,6 +149,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	sb.StartedAt = time.Now().UTC()
 	sb.EndAt = sb.StartedAt.Add(timeout)
 	e, err := m.register(ctx, sb)
+	m.observe(createStage(how), started, err)
 	if err != nil {
 		return nil, err
 	}
@@ -177,6 +179,17 @@ func (m *Manager) register(ctx context.Context, sb *Sandbox) (*entry, error) {
 	m.guestT.open(sb.Runtime.GuestIP)
 	m.watch(e, sb.Runtime.InstanceID)
 	return e, nil
+}
+
+// createStage is the stage a create took ("pool", "restore" or "boot").
+func createStage(how string) Stage {
+	switch how {
+	case "pool":
+		return StageCreatePool
+	case "boot":
+		return StageCreateBoot
+	}
+	return StageCreateRestore
 }
 
 func orDefault(v, d int) int {

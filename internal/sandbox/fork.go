@@ -20,8 +20,10 @@ const MaxForkCount = 64
 const forkParallelism = 8
 
 // Snapshot checkpoints a running sandbox (which keeps running) into a named snapshot that can
-// be used as a template. With an image store configured the snapshot is persisted there as
-// content-addressed chunks, and its node-local copy is a verified cache.
+// be used as a template. It answers once the capture (checkpoint and layer clone) is on the
+// node and recorded: with an image store configured the snapshot is then uploaded there as
+// content-addressed chunks in the background (SnapshotState uploading, then stored or failed;
+// snapupload.go), and creates on this node use the capture meanwhile.
 func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, error) {
 	if name != "" && !nameRe.MatchString(name) {
 		return nil, fmt.Errorf("snapshot name %q: must match %s: %w", name, nameRe, errdefs.ErrInvalid)
@@ -60,6 +62,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 	e.mu.Unlock()
 	if err != nil {
 		os.RemoveAll(image)
+		m.observe(StageSnapshot, start, err)
 		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
 	ckpt := time.Since(start)
@@ -81,21 +84,21 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 		InitToken:     sb.AccessToken,
 		SourceSandbox: sb.ID,
 		Names:         []string{snapID},
+		SnapshotState: SnapshotLocal,
 	}
 	if m.cfg.Images != nil {
-		if err := m.saveImage(ctx, snapID, image); err != nil {
-			os.RemoveAll(image)
-			return nil, fmt.Errorf("store snapshot: %w", err)
-		}
-		snap.SnapshotStored = true
-		// The stored chunks are the source of truth; the local copy is rebuilt (and verified)
-		// from them on first use.
-		os.RemoveAll(image)
+		snap.SnapshotState = SnapshotUploading
 	}
+	// Recorded before the answer: a crash from here on finds the record and resumes the upload.
 	if err := m.cfg.Store.PutTemplate(ctx, snap); err != nil {
+		os.RemoveAll(image)
 		return nil, err
 	}
-	m.logger(id).Info("snapshot taken", "snapshot", snapID, "checkpoint_ms", ckpt.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
+	m.observe(StageSnapshot, start, nil)
+	if m.cfg.Images != nil {
+		m.startUpload(snapID, image, false)
+	}
+	m.logger(id).Info("snapshot taken", "snapshot", snapID, "state", snap.SnapshotState, "checkpoint_ms", ckpt.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
 	return snap, nil
 }
 
@@ -151,6 +154,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	err = m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
 	e.mu.Unlock()
 	if err != nil {
+		m.observe(StageFork, start, err)
 		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
 	ckpt := time.Since(start)
@@ -181,8 +185,11 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	m.logger(id).Info("sandbox forked", "children", ok, "failed", count-ok,
 		"checkpoint_ms", ckpt.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
 	if ok == 0 {
-		return results, fmt.Errorf("fork: every child failed: %w", errors.Join(results[0].Err))
+		err := fmt.Errorf("fork: every child failed: %w", errors.Join(results[0].Err))
+		m.observe(StageFork, start, err)
+		return results, err
 	}
+	m.observe(StageFork, start, nil)
 	return results, nil
 }
 

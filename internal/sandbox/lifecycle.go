@@ -125,6 +125,7 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory bool) er
 	}
 	if err := m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, runtime.CheckpointOptions{FilesOnly: !keepMemory}); err != nil {
 		os.RemoveAll(image)
+		m.observe(StagePause, start, err)
 		return fmt.Errorf("checkpoint: %w", err)
 	}
 	// The image is complete: say so on disk before the record does, so that a crash in
@@ -141,6 +142,7 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory bool) er
 		m.logger(sb.ID).Error("record pause", "err", err)
 	}
 	m.guestT.close(old.GuestIP)
+	m.observe(StagePause, start, nil)
 	m.logger(sb.ID).Info("sandbox paused", "memory", keepMemory, "ms", time.Since(start).Milliseconds())
 	// The checkpoint stopped every process of the instance and the record says paused: what is
 	// left (runsc's state, the network slot, the run directory) is released after answering.
@@ -216,6 +218,7 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 	}
 	p, err := m.launch(ctx, spec)
 	if err != nil {
+		m.observe(StageResume, start, err)
 		return fmt.Errorf("resume: %w", err)
 	}
 	sb.Runtime = p
@@ -225,8 +228,10 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
 		m.teardown(context.WithoutCancel(ctx), sb.ID, p)
 		sb.State, sb.PausedFilesOnly, sb.Runtime = StatePaused, boot, Placement{Image: image, SlotIndex: noSlot}
+		m.observe(StageResume, start, err)
 		return err
 	}
+	m.observe(StageResume, start, nil)
 	os.RemoveAll(image)
 	m.guestT.open(p.GuestIP)
 	m.watch(e, p.InstanceID)

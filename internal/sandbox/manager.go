@@ -77,6 +77,14 @@ type LayerCollector interface {
 // Optional: without it, snapshot images stay in the data directory only.
 type ImageStore interface {
 	Save(ctx context.Context, id, srcDir string) error
+	// Exists reports whether stored image id is complete in the store.
+	Exists(ctx context.Context, id string) (bool, error)
+	// Adopt marks dir, a node-local copy of the image stored as id (the capture it was saved
+	// from), as a complete and verified copy, so Fetch into dir loads nothing.
+	Adopt(ctx context.Context, id, dir string) error
+	// Collect removes stored data no image uses any more (the chunks of deleted or abandoned
+	// uploads) where that is safe; a store shared with other nodes may leave it for later.
+	Collect(ctx context.Context) error
 	// Fetch makes destDir a complete, verified copy of stored image id, loading it only if it
 	// is not one already; concurrent Fetches of one destination share one load. unpack turns
 	// the stored files (srcDir) into the image (dstDir, which it creates).
@@ -129,6 +137,12 @@ type Config struct {
 	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
 	// Fail, when set, is asked at named points of a launch whether to fail there (tests).
 	Fail func(point string) error
+	// Observer is told the duration and outcome of every lifecycle stage (metrics); nil = none.
+	Observer Observer
+	// UploadRetryDelay is the wait before the first retry of a failed snapshot upload (default
+	// 2 s; it doubles for each further attempt, UploadAttempts in all, default 3).
+	UploadRetryDelay time.Duration
+	UploadAttempts   int
 }
 
 // Manager owns every sandbox on this node. It implements Service.
@@ -154,6 +168,9 @@ type Manager struct {
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool
+	// uploads are the snapshot uploads in flight, by snapshot id (snapupload.go).
+	uploads    map[string]*upload
+	collectDue bool // a snapshot was deleted: collect unused chunks once no upload runs
 
 	// bg is the context of background work (pool, watchers, reaper); Close cancels it.
 	bg       context.Context
@@ -227,6 +244,15 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	if cfg.TombstoneTTL == 0 {
 		cfg.TombstoneTTL = 10 * time.Minute
 	}
+	if cfg.Observer == nil {
+		cfg.Observer = nopObserver{}
+	}
+	if cfg.UploadRetryDelay == 0 {
+		cfg.UploadRetryDelay = 2 * time.Second
+	}
+	if cfg.UploadAttempts == 0 {
+		cfg.UploadAttempts = 3
+	}
 	// The data directory holds every sandbox's files and memory images: root only.
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
 		return nil, err
@@ -254,6 +280,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		faults:    &faults{fail: cfg.Fail},
 		builds:    make(chan struct{}, cfg.MaxBuilds),
 		instances: map[string]bool{},
+		uploads:   map[string]*upload{},
 	}
 	tb, err := openBuilds(filepath.Join(cfg.DataDir, "builds"), m.log.Warn)
 	if err != nil {

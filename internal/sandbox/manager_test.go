@@ -685,6 +685,18 @@ func (a imageStore) Fetch(ctx context.Context, id, dir string, unpack func(ctx c
 	return a.s.Fetch(ctx, id, dir, snapshot.FetchImport(unpack))
 }
 func (a imageStore) Delete(ctx context.Context, id string) error { return a.s.Delete(ctx, id) }
+func (a imageStore) Exists(ctx context.Context, id string) (bool, error) {
+	_, err := a.s.Stat(ctx, id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return false, nil
+	}
+	return err == nil, err
+}
+func (a imageStore) Adopt(ctx context.Context, id, dir string) error { return a.s.Adopt(ctx, id, dir) }
+func (a imageStore) Collect(ctx context.Context) error {
+	_, err := a.s.GC(ctx)
+	return err
+}
 
 func TestStoredSnapshotsLoadOnceAndRefuseTampering(t *testing.T) {
 	dir := t.TempDir()
@@ -700,9 +712,14 @@ func TestStoredSnapshotsLoadOnceAndRefuseTampering(t *testing.T) {
 	n.build("base")
 	src := n.create(sandbox.CreateRequest{})
 	n.write(src.ID, "/s", "stored")
-	if _, err := n.m.Snapshot(context.Background(), src.ID, "stored1"); err != nil {
+	snap1, err := n.m.Snapshot(context.Background(), src.ID, "stored1")
+	if err != nil {
 		t.Fatal(err)
 	}
+	// The node's own capture becomes the stored snapshot's local copy; without it (another
+	// node, a lost cache) the snapshot loads from the store.
+	n.waitSnapshot("stored1", sandbox.SnapshotStoredState)
+	os.RemoveAll(snap1.Image)
 	imports := n.rig.Driver.Calls("ImportImage")
 	var wg sync.WaitGroup
 	sbs := make([]*sandbox.Sandbox, 4)
@@ -727,9 +744,12 @@ func TestStoredSnapshotsLoadOnceAndRefuseTampering(t *testing.T) {
 	}
 
 	// A second snapshot whose stored manifest is rewritten by someone with bucket access only.
-	if _, err := n.m.Snapshot(context.Background(), src.ID, "stored2"); err != nil {
+	snap2, err := n.m.Snapshot(context.Background(), src.ID, "stored2")
+	if err != nil {
 		t.Fatal(err)
 	}
+	n.waitSnapshot("stored2", sandbox.SnapshotStoredState)
+	os.RemoveAll(snap2.Image)
 	var manifests []string
 	filepath.Walk(filepath.Join(dir, "snapshots"), func(p string, fi os.FileInfo, err error) error {
 		if err == nil && !fi.IsDir() && strings.Contains(p, "stored2") {

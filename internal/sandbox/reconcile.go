@@ -173,12 +173,21 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		m.log.Info("reconcile: removed orphan directory", "dir", b)
 		removeTree(b)
 	}
+	// Fork images, export stages, and snapshot captures whose record was never written.
+	tpls, err := m.cfg.Store.ListTemplates(ctx)
+	if err != nil {
+		return err
+	}
+	captures := snapshotCaptures(m.cfg.DataDir, tpls)
 	imgs, _ := os.ReadDir(filepath.Join(m.cfg.DataDir, "images"))
 	for _, e := range imgs {
-		if strings.HasPrefix(e.Name(), "fork-") || strings.HasPrefix(e.Name(), ".") {
+		if strings.HasPrefix(e.Name(), "fork-") || strings.HasPrefix(e.Name(), ".") || !captures[e.Name()] {
 			m.log.Info("reconcile: removed unfinished image", "image", e.Name())
 			removeTree(filepath.Join(m.cfg.DataDir, "images", e.Name()))
 		}
+	}
+	if err := m.resumeUploads(ctx, tpls); err != nil {
+		return err
 	}
 	if err := m.unmountOrphans(keepRun); err != nil {
 		return err
@@ -330,11 +339,28 @@ func unescapeMount(s string) string {
 	return b.String()
 }
 
-// removeTree unmounts whatever is mounted under dir (a crashed instance's rootfs) and removes it.
+// removeTree unmounts whatever is mounted under dir (a crashed instance's rootfs) or on it (the
+// read-only mount of an export a crash cut) and removes it.
 func removeTree(dir string) {
 	points := mountsUnder(dir)
 	for i := len(points) - 1; i >= 0; i-- {
 		unix.Unmount(points[i], unix.MNT_DETACH)
 	}
+	for mountedOn(dir) {
+		if unix.Unmount(dir, unix.MNT_DETACH) != nil {
+			break
+		}
+	}
 	os.RemoveAll(dir)
+}
+
+// mountedOn reports whether something is mounted on dir itself.
+func mountedOn(dir string) bool {
+	data, _ := os.ReadFile("/proc/self/mounts")
+	for _, line := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(line); len(f) > 1 && unescapeMount(f[1]) == dir {
+			return true
+		}
+	}
+	return false
 }

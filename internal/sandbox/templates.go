@@ -2,7 +2,6 @@ package sandbox
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -15,11 +14,11 @@ import (
 
 // BuildTemplate builds a template: its rootfs, then a boot with envd up and the optional start
 // command running and ready command succeeding, then a checkpoint that sandboxes restore from.
-func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress func(string)) (*Template, error) {
+func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress func(string)) (_ *Template, err error) {
 	if progress == nil {
 		progress = func(string) {}
 	}
-	req, err := m.checkBuild(req)
+	req, err = m.checkBuild(req)
 	if err != nil {
 		return nil, err
 	}
@@ -50,6 +49,7 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 		defer m.collectLayers(context.WithoutCancel(ctx), "template "+req.Name+" rebuilt")
 	}
 	start := time.Now()
+	defer func() { m.observe(StageTemplateBuild, start, err) }()
 	buildID := randomHex(4)
 	dir := filepath.Join(m.cfg.DataDir, "templates", req.Name)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -209,11 +209,13 @@ func (m *Manager) saveImage(ctx context.Context, id, dir string) error {
 	return m.cfg.Images.Save(ctx, id, stage)
 }
 
-// DeleteTemplate deletes a template or snapshot. Sandboxes that run from it keep running.
+// DeleteTemplate deletes a template or snapshot. Sandboxes that run from it keep running. A
+// snapshot's upload in flight is cancelled first.
 func (m *Manager) DeleteTemplate(ctx context.Context, id string) error {
 	if !nameRe.MatchString(id) {
 		return fmt.Errorf("template %q: %w", id, errdefs.ErrNotFound)
 	}
+	m.cancelUpload(id)
 	m.mu.Lock()
 	busy := m.names[id]
 	m.mu.Unlock()
@@ -232,10 +234,8 @@ func (m *Manager) DeleteTemplate(ctx context.Context, id string) error {
 	defer m.collectLayers(context.WithoutCancel(ctx), "template "+id+" deleted")
 	if tpl.Kind == "snapshot" {
 		os.RemoveAll(tpl.Image)
-		if tpl.SnapshotStored && m.cfg.Images != nil {
-			if err := m.cfg.Images.Delete(ctx, id); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
-				m.log.Warn("delete stored snapshot", "snapshot", id, "err", err)
-			}
+		if m.cfg.Images != nil {
+			m.deleteStored(ctx, id)
 		}
 	}
 	// A template's rootfs may still back running or paused sandboxes: it is left in place.

@@ -165,6 +165,13 @@ type Template struct {
 	// SnapshotStored: the image lives in the snapshot store (content-addressed chunks); Image is
 	// then its node-local, verified copy.
 	SnapshotStored bool `json:"snapshotStored,omitempty"`
+	// SnapshotState is where a named snapshot's image is: SnapshotUploading while it goes to
+	// the snapshot store in the background (sandboxes are created from its node-local capture,
+	// Image, meanwhile), SnapshotStoredState once it is there, SnapshotFailed when the upload
+	// gave up (SnapshotError says why; the node-local capture still serves this node). Empty for
+	// templates and for records written before the state existed (see UploadState).
+	SnapshotState string `json:"snapshotState,omitempty"`
+	SnapshotError string `json:"snapshotError,omitempty"`
 	// Env, User and Workdir are the defaults of every sandbox of the template (from an image's
 	// config); empty User means "user", empty Workdir the user's home.
 	Env     map[string]string `json:"env,omitempty"`
@@ -190,6 +197,29 @@ type TemplateTag struct {
 	Tag       string    `json:"tag"`
 	BuildID   string    `json:"buildId"`
 	CreatedAt time.Time `json:"createdAt"`
+}
+
+// States of a named snapshot's image (Template.SnapshotState).
+const (
+	SnapshotUploading   = "uploading"
+	SnapshotStoredState = "stored"
+	SnapshotFailed      = "failed"
+	// SnapshotLocal: no snapshot store is configured; the image lives on this node only.
+	SnapshotLocal = "local"
+)
+
+// UploadState is a snapshot's SnapshotState ("" for a template), with records written before
+// the state existed read as stored or local.
+func (t *Template) UploadState() string {
+	switch {
+	case t.Kind != "snapshot":
+		return ""
+	case t.SnapshotState != "":
+		return t.SnapshotState
+	case t.SnapshotStored:
+		return SnapshotStoredState
+	}
+	return SnapshotLocal
 }
 
 // Metric is one resource-usage sample of a sandbox.

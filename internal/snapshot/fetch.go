@@ -268,3 +268,24 @@ func fetched(id, dest string) (bool, error) {
 	}
 	return true, nil
 }
+
+// Adopt makes dir count as a completed Fetch of snapshot id, so that Fetch into dir loads
+// nothing: it writes the marker (fsynced), naming the stored manifest. It is for the directory
+// a snapshot was saved from (a node's own capture), whose content the caller vouches for:
+// nothing in dir is read or verified. A snapshot that is not stored is ErrNotFound.
+func (s *Store) Adopt(ctx context.Context, id, dir string) error {
+	if s.cfgErr != nil {
+		return s.cfgErr
+	}
+	m, err := s.Stat(ctx, id)
+	if err != nil {
+		return err
+	}
+	if fi, err := os.Lstat(dir); err != nil || !fi.IsDir() {
+		return fmt.Errorf("snapshot %s: adopt %s: not a directory: %w", id, dir, errdefs.ErrInvalid)
+	}
+	if err := s.writeMarker(dir, marker{ID: id, Checksum: m.Checksum}); err != nil {
+		return fmt.Errorf("snapshot %s: %w", id, err)
+	}
+	return syncPath(dir)
+}

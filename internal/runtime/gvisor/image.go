@@ -111,7 +111,9 @@ func (d *Driver) ExportImage(ctx context.Context, imageDir, dstDir string) error
 		case name == layerDirName && e.IsDir():
 			// A disk-limited layer is an ext4 image: its files are exported, never the image
 			// itself (a filesystem the host kernel would mount on import).
-			err := DiskLayerFiles(imageDir, func(upper string) error {
+			// Mounted next to dstDir: a crash mid-export leaves the mount where the caller
+			// cleans up the export's leftovers.
+			err := DiskLayerFiles(imageDir, filepath.Dir(dstDir), func(upper string) error {
 				return exportLayer(ctx, upper, filepath.Join(dstDir, layerArchiveName))
 			})
 			if err != nil {

@@ -415,12 +415,14 @@ func copyImage(src, dst string) (err error) {
 // DiskLayerFiles calls fn with the upper directory of the layer in sandboxDir: the directory
 // itself for a plain layer, the image's upper mounted read-only (then unmounted) for an
 // unmounted limited layer, the live one for a mounted layer. For exporting a layer as files.
-func DiskLayerFiles(sandboxDir string, fn func(upper string) error) error {
+// The read-only mount is made on a new directory in mountParent, named ".ember-disk-*": give
+// one the caller's clean-up after a crash covers (the mount outlives a killed process).
+func DiskLayerFiles(sandboxDir, mountParent string, fn func(upper string) error) error {
 	layer := filepath.Join(sandboxDir, layerDirName)
 	if isMountPoint(layer) || !hasDiskImage(layer) {
 		return fn(filepath.Join(layer, upperDirName))
 	}
-	mnt, err := os.MkdirTemp("", "ember-disk-*")
+	mnt, err := os.MkdirTemp(mountParent, ".ember-disk-*")
 	if err != nil {
 		return fmt.Errorf("gvisor: disk limit: %w", err)
 	}

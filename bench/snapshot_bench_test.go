@@ -1,0 +1,95 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/runtime"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+// snapIterations: each writes 1 GiB anew, so that no snapshot dedupes against the one before.
+const snapIterations = 5
+
+// BenchmarkSnapshot prints what a named snapshot costs after 1 GiB written (issue 11, lever 6):
+// the answer (capture on the node: checkpoint, layer clone, record), and the time until the
+// background upload has stored it (chunked, in the node's snapshot store; each iteration writes
+// 1 GiB of new data, so nothing dedupes), and a second snapshot with no file written since
+// (what dedup leaves to upload), next to the raw capture (driver checkpoint + layer clone) of
+// the same sandbox as the baseline.
+func BenchmarkSnapshot(b *testing.B) {
+	n := getNode(b, 2)
+	ctx := context.Background()
+	fmt.Printf("\n== ember named snapshot after 1 GiB written (runsc systrap, %d iterations, medians and p99; layers on %s) ==\n", snapIterations, layerFS)
+	sb, err := n.Manager.Create(ctx, sandbox.CreateRequest{TemplateID: "base", NoPool: true, Timeout: time.Hour})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer n.Manager.Kill(ctx, sb.ID)
+	var capture, answer, stored, again dist
+	// waitStored waits until snapshot id is stored and returns the time since t.
+	waitStored := func(id string, t time.Time) time.Duration {
+		for {
+			tpl, err := n.Store.GetTemplate(ctx, id)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if st := tpl.UploadState(); st == sandbox.SnapshotStoredState {
+				return time.Since(t)
+			} else if st != sandbox.SnapshotUploading {
+				b.Fatalf("snapshot %s: state %s: %s", id, st, tpl.SnapshotError)
+			}
+			if time.Since(t) > 5*time.Minute {
+				b.Fatalf("snapshot %s not stored within 5 minutes", id)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	for i := 0; i < snapIterations; i++ {
+		if _, err := n.run(sb, "head -c 1G /dev/urandom > /home/user/big.bin && sync"); err != nil {
+			fmt.Printf("named snapshot after 1 GiB written: could not write 1 GiB: %v\n", err)
+			return
+		}
+		info, err := n.Manager.Get(ctx, sb.ID)
+		if err != nil {
+			b.Fatal(err)
+		}
+		img := filepath.Join(n.dataDir, "images", fmt.Sprintf("bench-capture-%d", i))
+		os.MkdirAll(img, 0o700)
+		t0 := time.Now()
+		if err := n.Driver.Checkpoint(ctx, info.Runtime.InstanceID, img, runtime.CheckpointOptions{LeaveRunning: true}); err != nil {
+			b.Fatal(err)
+		}
+		capture = append(capture, time.Since(t0))
+		os.RemoveAll(img)
+
+		t1 := time.Now()
+		snap, err := n.Manager.Snapshot(ctx, sb.ID, "")
+		if err != nil {
+			b.Fatal(err)
+		}
+		answer = append(answer, time.Since(t1))
+		stored = append(stored, waitStored(snap.ID, t1))
+		// The same files again: the store has every chunk of the layer (only memory changed).
+		t2 := time.Now()
+		snap2, err := n.Manager.Snapshot(ctx, sb.ID, "")
+		if err != nil {
+			b.Fatal(err)
+		}
+		again = append(again, waitStored(snap2.ID, t2))
+		for _, id := range []string{snap.ID, snap2.ID} {
+			if err := n.Manager.DeleteTemplate(ctx, id); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	report(b, "capture after 1 GiB written (ckpt+layer clone)", capture)
+	report(b, "named snapshot after 1 GiB written: answer", answer)
+	report(b, "... stored (upload done)", stored)
+	report(b, "... stored, nothing written since the last", again)
+	fmt.Printf("ratio (p50): answer/capture %.2fx, stored/answer %.1fx\n", ratio(answer, capture), ratio(stored, answer))
+}

@@ -1,0 +1,145 @@
+// Package metrics exposes a node's figures in Prometheus's format: lifecycle stage durations
+// (histograms) and failures, which the sandbox Manager reports through its Observer hook, and
+// the node's state (sandboxes by state, warm pools, snapshot uploads), read from the Manager
+// at every scrape. The domain knows nothing of Prometheus; the daemon wires this package in.
+package metrics
+
+import (
+	"context"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+// Source is what a scrape reads from the node (*sandbox.Manager implements it).
+type Source interface {
+	List(ctx context.Context, f sandbox.ListFilter) ([]*sandbox.Sandbox, error)
+	Pools(ctx context.Context) []sandbox.PoolState
+	ListTemplates(ctx context.Context) ([]*sandbox.Template, error)
+}
+
+// Buckets of the stage histograms (seconds): from a pool assignment (milliseconds) to a
+// template build or a large upload (minutes).
+var Buckets = []float64{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600}
+
+// Metrics is a node's registry. It implements sandbox.Observer.
+type Metrics struct {
+	reg      *prometheus.Registry
+	stages   *prometheus.HistogramVec
+	failures *prometheus.CounterVec
+	retries  prometheus.Counter
+
+	mu  sync.Mutex
+	src Source
+}
+
+// New returns the registry of one node, with the Go runtime and process collectors.
+func New() *Metrics {
+	m := &Metrics{
+		reg: prometheus.NewRegistry(),
+		stages: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "ember", Name: "stage_duration_seconds",
+			Help:    "Duration of the lifecycle stages that succeeded (create_pool, create_checkpoint, cold_boot, pause, resume, fork, snapshot_capture, snapshot_upload, template_build).",
+			Buckets: Buckets,
+		}, []string{"stage"}),
+		failures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "ember", Name: "stage_failures_total", Help: "Lifecycle stages that failed, by stage.",
+		}, []string{"stage"}),
+		retries: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "ember", Name: "placement_retries_total",
+			Help: "Creates placed again on another node after a refusal (always 0 on a single node).",
+		}),
+	}
+	for _, st := range sandbox.Stages {
+		m.stages.WithLabelValues(string(st))
+		m.failures.WithLabelValues(string(st))
+	}
+	m.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		m.stages, m.failures, m.retries, &stateCollector{m: m})
+	return m
+}
+
+// ObserveStage implements sandbox.Observer.
+func (m *Metrics) ObserveStage(stage sandbox.Stage, took time.Duration, err error) {
+	if err != nil {
+		m.failures.WithLabelValues(string(stage)).Inc()
+		return
+	}
+	m.stages.WithLabelValues(string(stage)).Observe(took.Seconds())
+}
+
+// PlacementRetry counts one create placed again elsewhere (cluster placement).
+func (m *Metrics) PlacementRetry() { m.retries.Inc() }
+
+// SetSource sets what scrapes read the node's state from (the Manager, once it exists).
+func (m *Metrics) SetSource(src Source) {
+	m.mu.Lock()
+	m.src = src
+	m.mu.Unlock()
+}
+
+// Handler serves the registry in Prometheus's exposition formats.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{Registry: m.reg})
+}
+
+var (
+	descSandboxes = prometheus.NewDesc("ember_sandboxes", "Sandboxes on this node by state (pool instances not counted).", []string{"state"}, nil)
+	descPoolReady = prometheus.NewDesc("ember_pool_ready", "Restored, unassigned sandboxes ready in a template's warm pool.", []string{"template"}, nil)
+	descPoolTgt   = prometheus.NewDesc("ember_pool_target", "The size a template's warm pool is kept at now.", []string{"template"}, nil)
+	descPoolHits  = prometheus.NewDesc("ember_pool_hits_total", "Creates served by a template's warm pool.", []string{"template"}, nil)
+	descPoolMiss  = prometheus.NewDesc("ember_pool_misses_total", "Creates that found a template's warm pool empty.", []string{"template"}, nil)
+	descSnapshots = prometheus.NewDesc("ember_snapshots", "Named snapshots by the state of their image (uploading, stored, failed, local).", []string{"state"}, nil)
+)
+
+// stateCollector reads the node's state at each scrape.
+type stateCollector struct{ m *Metrics }
+
+func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descSandboxes, descPoolReady, descPoolTgt, descPoolHits, descPoolMiss, descSnapshots} {
+		ch <- d
+	}
+}
+
+func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
+	c.m.mu.Lock()
+	src := c.m.src
+	c.m.mu.Unlock()
+	if src == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if sbs, err := src.List(ctx, sandbox.ListFilter{States: []sandbox.State{sandbox.StateRunning, sandbox.StatePaused}}); err == nil {
+		n := map[sandbox.State]int{sandbox.StateRunning: 0, sandbox.StatePaused: 0}
+		for _, sb := range sbs {
+			n[sb.State]++
+		}
+		for st, v := range n {
+			ch <- prometheus.MustNewConstMetric(descSandboxes, prometheus.GaugeValue, float64(v), string(st))
+		}
+	}
+	for _, p := range src.Pools(ctx) {
+		ch <- prometheus.MustNewConstMetric(descPoolReady, prometheus.GaugeValue, float64(p.Ready), p.TemplateID)
+		ch <- prometheus.MustNewConstMetric(descPoolTgt, prometheus.GaugeValue, float64(p.Target), p.TemplateID)
+		ch <- prometheus.MustNewConstMetric(descPoolHits, prometheus.CounterValue, float64(p.Hits), p.TemplateID)
+		ch <- prometheus.MustNewConstMetric(descPoolMiss, prometheus.CounterValue, float64(p.Misses), p.TemplateID)
+	}
+	if tpls, err := src.ListTemplates(ctx); err == nil {
+		n := map[string]int{sandbox.SnapshotUploading: 0, sandbox.SnapshotStoredState: 0, sandbox.SnapshotFailed: 0, sandbox.SnapshotLocal: 0}
+		for _, t := range tpls {
+			if st := t.UploadState(); st != "" {
+				n[st]++
+			}
+		}
+		for st, v := range n {
+			ch <- prometheus.MustNewConstMetric(descSnapshots, prometheus.GaugeValue, float64(v), st)
+		}
+	}
+}
