@@ -65,6 +65,7 @@ func Run(t *testing.T, newDriver func(t *testing.T) runtime.Driver, rootfs func(
 		{"WaitLifecycle", s.testWaitLifecycle},
 		{"MemoryHog", s.testMemoryHog},
 		{"ExportImport", s.testExportImport},
+		{"Prestart", s.testPrestart},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, tc.fn)
