@@ -93,6 +93,12 @@ type Config struct {
 	// PoolMax bounds one template's pool (default 16). PoolMemoryMB bounds the memory all pool
 	// instances may use, counted at PoolInstanceMB each (defaults 1024 and 32).
 	PoolMax, PoolMemoryMB, PoolInstanceMB int
+	// PrestartSize is the least number of pre-started instances (created by the runtime with a
+	// template image's layer and a network slot, restored into on demand) kept per template;
+	// PrestartMax bounds them per template (0 disables them, as does a driver without
+	// runtime.Prestarter). They follow the rate of creates the restored pool cannot serve and
+	// share PoolMemoryMB, counted at PrestartInstanceMB each (default 16).
+	PrestartSize, PrestartMax, PrestartInstanceMB int
 	// PoolDecay is how fast the observed create rate fades when creates stop (default 30 s).
 	PoolDecay time.Duration
 	// Default resources of a sandbox.
@@ -126,10 +132,11 @@ type Manager struct {
 	mu   sync.Mutex
 	live map[string]*entry // sandboxes by id: running, paused, and recently ended (tombstones)
 
-	pool   *pool
-	faults *faults
-	names  map[string]bool // template and snapshot names being written (reserveName)
-	builds chan struct{}   // one token per concurrent template build
+	pool      *pool // restored sandboxes waiting for an assignment
+	prestarts *pool // pre-started instances waiting for a restore into them
+	faults    *faults
+	names     map[string]bool // template and snapshot names being written (reserveName)
+	builds    chan struct{}   // one token per concurrent template build
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool
@@ -191,6 +198,12 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	if cfg.PoolInstanceMB == 0 {
 		cfg.PoolInstanceMB = 32
 	}
+	if cfg.PrestartInstanceMB == 0 {
+		cfg.PrestartInstanceMB = 16
+	}
+	if cfg.PrestartSize > cfg.PrestartMax {
+		cfg.PrestartMax = cfg.PrestartSize
+	}
 	if cfg.MaxSandboxes == 0 {
 		cfg.MaxSandboxes = 500
 	}
@@ -233,7 +246,8 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	}
 	m.bg, m.cancelBG = context.WithCancel(context.Background())
 	m.abort, m.abortFn = context.WithCancel(context.Background())
-	m.pool = newPool(m)
+	m.pool, m.prestarts = newPool(m, kindRestored), newPool(m, kindPrestarted)
+	m.pool.other, m.prestarts.other = m.prestarts, m.pool
 	if err := m.reconcile(ctx); err != nil {
 		m.cancelBG()
 		m.wg.Wait()
@@ -242,6 +256,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	m.wg.Add(1)
 	go m.reaper()
 	m.pool.start()
+	m.prestarts.start()
 	return m, nil
 }
 
@@ -264,7 +279,7 @@ func (m *Manager) Close() {
 	}
 	close(m.stop)
 	m.cancelBG()
-	pooled := m.pool.close()
+	pooled := m.pool.close() + m.prestarts.close()
 	m.wg.Wait()
 	m.abortFn()
 	running, paused := 0, 0

@@ -1,0 +1,65 @@
+package gvisor_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/runtime"
+	"github.com/ember-sandbox/ember/internal/runtime/drivertest"
+)
+
+// BenchmarkPrestart compares, at the driver, a restore of an image into a new instance with a
+// restore into an instance pre-started (untimed; its own cost is reported as prestart-ms-p50)
+// from the same image, with and without a disk limit on the layer.
+func BenchmarkPrestart(b *testing.B) {
+	for _, diskMB := range []int{0, 2048} {
+		for _, pre := range []bool{false, true} {
+			b.Run(fmt.Sprintf("disk=%dMiB/prestarted=%v", diskMB, pre), func(b *testing.B) {
+				d := newDriver(b, nil)
+				rootfs := drivertest.BusyboxRootFS(b)
+				ctx := context.Background()
+				sp := startIdle(b, d, rootfs, 99999999, 0)
+				img := b.TempDir()
+				if err := d.Checkpoint(ctx, sp.ID, img, runtime.CheckpointOptions{LeaveRunning: true}); err != nil {
+					b.Fatal(err)
+				}
+				var ts, pts timings
+				for i := 0; i < b.N; i++ {
+					c := benchSpec(b, rootfs, i)
+					c.DiskMB = diskMB
+					if pre {
+						b.StopTimer()
+						t0 := time.Now()
+						if err := d.Prestart(ctx, c, img); err != nil {
+							b.Fatal(err)
+						}
+						pts = append(pts, time.Since(t0))
+						b.StartTimer()
+					}
+					t0 := time.Now()
+					var err error
+					if pre {
+						err = d.RestoreInto(ctx, c.ID, img)
+					} else {
+						err = d.Restore(ctx, c, img)
+					}
+					if err != nil {
+						b.Fatal(err)
+					}
+					ts = append(ts, time.Since(t0))
+					b.StopTimer()
+					if err := d.Delete(ctx, c.ID); err != nil {
+						b.Fatal(err)
+					}
+					b.StartTimer()
+				}
+				ts.report(b)
+				if len(pts) > 0 {
+					b.ReportMetric(float64(median([]time.Duration(pts)).Microseconds())/1000, "prestart-ms-p50")
+				}
+			})
+		}
+	}
+}

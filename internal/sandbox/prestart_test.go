@@ -1,0 +1,195 @@
+package sandbox_test
+
+import (
+	"context"
+	"errors"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/runtime"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+func prestartPools(m *sandbox.Manager) []sandbox.PoolState {
+	var out []sandbox.PoolState
+	for _, p := range m.Pools(context.Background()) {
+		if p.Kind == "prestarted" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// A create that finds no restored sandbox ready restores into a pre-started instance: the
+// sandbox takes the instance's id, slot and directory, gets its own identity and files, and the
+// pool makes another.
+func TestPrestartedInstancesServePoolMisses(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.PrestartSize = 2; c.PrestartMax = 4 })
+	n.build("base")
+	eventually(t, 5*time.Second, "two pre-started instances", func() bool { return len(n.rig.Driver.Prestarted()) == 2 })
+	if got := n.rig.Driver.Running(); len(got) != 0 {
+		t.Fatalf("instances running before any create: %v", got)
+	}
+	if st := prestartPools(n.m); len(st) != 1 || st[0].Ready != 2 || st[0].Min != 2 || st[0].Max != 4 {
+		t.Fatalf("GET /ember/pools for pre-started instances: %+v", st)
+	}
+	pre := n.rig.Driver.Prestarted()
+	restores := n.rig.Driver.Calls("Restore")
+	a, b := n.create(sandbox.CreateRequest{}), n.create(sandbox.CreateRequest{})
+	for _, sb := range []*sandbox.Sandbox{a, b} {
+		if !slices.Contains(pre, sb.Runtime.InstanceID) {
+			t.Fatalf("sandbox %s runs on %s, not on a pre-started instance %v", sb.ID, sb.Runtime.InstanceID, pre)
+		}
+		if !strings.HasPrefix(sb.Runtime.StateDir, filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID)+"/") {
+			t.Fatalf("state dir %s is not under the sandbox's directory", sb.Runtime.StateDir)
+		}
+		if got := n.rig.Driver.Token(sb.Runtime.InstanceID); got != sb.AccessToken {
+			t.Fatalf("envd token %q, want the sandbox's own", got)
+		}
+	}
+	if got := n.rig.Driver.Calls("Restore") - restores; got != 0 {
+		t.Fatalf("%d plain restores for creates that had pre-started instances", got)
+	}
+	if a.Runtime.SlotIndex == b.Runtime.SlotIndex || a.Runtime.GuestIP == b.Runtime.GuestIP {
+		t.Fatalf("two sandboxes on one slot: %+v %+v", a.Runtime, b.Runtime)
+	}
+	n.write(a.ID, "/f", "a")
+	if _, err := n.read(b.ID, "/f"); err == nil {
+		t.Fatal("a file written in one sandbox shows in the other")
+	}
+	eventually(t, 5*time.Second, "pre-started pool refilled", func() bool { return len(n.rig.Driver.Prestarted()) >= 2 })
+	if st := prestartPools(n.m); st[0].Hits != 2 {
+		t.Fatalf("pool state after two creates: %+v", st)
+	}
+	for _, sb := range []*sandbox.Sandbox{a, b} {
+		if err := n.m.Kill(context.Background(), sb.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A graceful stop discards the pre-started instances with their slots and directories.
+	n.m.Close()
+	n.m = nil
+	if ids, _ := n.rig.Driver.List(context.Background()); len(ids) != 0 {
+		t.Fatalf("instances left after close: %v", ids)
+	}
+	if got := n.rig.Network.InUse(); len(got) != 0 {
+		t.Fatalf("slots left after close: %v", got)
+	}
+	if dirs := n.sandboxDirs(); len(dirs) != 0 {
+		t.Fatalf("directories left after close: %v", dirs)
+	}
+}
+
+// With the restored pool on, pre-started instances serve what it misses; a burst of creates
+// grows the pre-started pool past its minimum, within the memory budget the two pools share.
+func TestPrestartedPoolFollowsMissesWithinBudget(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) {
+		c.PoolSize = 1
+		c.PoolMax = 1
+		c.PrestartSize = 1
+		c.PrestartMax = 6
+		c.PoolMemoryMB = 32 + 4*16
+	})
+	n.build("base")
+	eventually(t, 5*time.Second, "both pools at their minimum", func() bool {
+		return len(n.rig.Driver.Running()) == 1 && len(n.rig.Driver.Prestarted()) == 1
+	})
+	var ids []string
+	for i := 0; i < 20; i++ {
+		ids = append(ids, n.create(sandbox.CreateRequest{}).ID)
+	}
+	st := prestartPools(n.m)
+	if len(st) != 1 || st[0].Hits == 0 || st[0].Target <= st[0].Min {
+		t.Fatalf("pre-started pool after a burst: %+v", st)
+	}
+	for _, id := range ids {
+		n.m.Kill(context.Background(), id)
+	}
+	eventually(t, 5*time.Second, "pre-started pool grew", func() bool { return len(n.rig.Driver.Prestarted()) > 1 })
+	time.Sleep(1500 * time.Millisecond)
+	if got := len(n.rig.Driver.Prestarted()); got > 4 {
+		t.Fatalf("%d pre-started instances with a budget for 4 beside the restored pool", got)
+	}
+}
+
+// A restore into a pre-started instance that fails costs the create nothing but time: the
+// instance is torn down and a plain restore runs; nothing is left of it.
+func TestFailedRestoreIntoFallsBack(t *testing.T) {
+	var mu sync.Mutex
+	failing := true
+	n := newNode(t, func(c *sandbox.Config) { c.PrestartSize = 1; c.PrestartMax = 1 })
+	n.rig.Driver.Fail = func(op, id string) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if op == "RestoreInto" && failing {
+			return errors.New("boom")
+		}
+		return nil
+	}
+	n.build("base")
+	eventually(t, 5*time.Second, "pre-started", func() bool { return len(n.rig.Driver.Prestarted()) == 1 })
+	pre := n.rig.Driver.Prestarted()[0]
+	sb := n.create(sandbox.CreateRequest{})
+	if sb.Runtime.InstanceID == pre || strings.HasPrefix(pre, sb.ID) {
+		t.Fatalf("sandbox %s on the failed instance %s", sb.ID, pre)
+	}
+	if _, err := n.rig.Driver.State(context.Background(), pre); err == nil {
+		t.Fatalf("the failed pre-started instance %s is still known", pre)
+	}
+	n.write(sb.ID, "/f", "ok")
+	if dirs := n.sandboxDirs(); slices.Contains(dirs, pre[:len(pre)-5]) {
+		t.Fatalf("the failed instance's directory is left: %v", dirs)
+	}
+}
+
+// plainDriver hides the fake's runtime.Prestarter, as a driver without support.
+type plainDriver struct{ runtime.Driver }
+
+func TestDriverWithoutPrestartRestores(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.PrestartSize = 2; c.PrestartMax = 2 })
+	n.m.Close()
+	n.cfg.Driver = plainDriver{n.rig.Driver}
+	n.start()
+	n.build("base")
+	sb := n.create(sandbox.CreateRequest{})
+	n.write(sb.ID, "/f", "ok")
+	if st := prestartPools(n.m); len(st) != 0 {
+		t.Fatalf("pre-started pools on a driver without support: %+v", st)
+	}
+	if got := n.rig.Driver.Calls("Prestart"); got != 0 {
+		t.Fatalf("%d Prestart calls", got)
+	}
+}
+
+// A pre-start cut at any point leaves nothing: no instance, slot or directory.
+func TestFailedPrestartReleasesEverything(t *testing.T) {
+	for _, point := range []string{"launch.prestart"} {
+		t.Run(point, func(t *testing.T) {
+			n := newNode(t, func(c *sandbox.Config) {
+				c.PrestartSize, c.PrestartMax = 1, 1
+				c.Fail = func(p string) error {
+					if p == point {
+						return errors.New("boom")
+					}
+					return nil
+				}
+			})
+			n.build("base")
+			eventually(t, 5*time.Second, "a refill tried", func() bool { return n.rig.Driver.Calls("Prestart") > 0 })
+			time.Sleep(1200 * time.Millisecond) // the ticker's retry, too
+			if ids, _ := n.rig.Driver.List(context.Background()); len(ids) != 0 {
+				t.Fatalf("instances left: %v", ids)
+			}
+			if got := n.rig.Network.InUse(); len(got) != 0 {
+				t.Fatalf("slots left: %v", got)
+			}
+			if dirs := n.sandboxDirs(); len(dirs) != 0 {
+				t.Fatalf("directories left: %v", dirs)
+			}
+		})
+	}
+}
