@@ -116,8 +116,8 @@ const (
 	// crashPrestarted bounds the pre-started instances (runsc state "created") of a settled
 	// node: ember's default --prestart-size (1) and one being made.
 	crashPrestarted = 2
-	crashSlotPool = 4 // ember's default --slot-pool-size
-	crashMaxLive  = 5 // sandboxes kept alive across rounds
+	crashSlotPool   = 4 // ember's default --slot-pool-size
+	crashMaxLive    = 5 // sandboxes kept alive across rounds
 )
 
 func envInt(name string, def int) int {
