@@ -101,7 +101,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	started := time.Now()
 	how := ""
 	pooling := !req.Cold && tpl.Image != "" && !req.NoPool && req.IsDefaultEgress()
-	if pooling {
+	if pooling && !req.NoRestoredPool {
 		if pe := m.pool.take(tpl, sb.CPUCount, sb.MemoryMB, sb.DiskSizeMB); pe != nil {
 			// The pool instance already lives under the id it was made for: the sandbox takes it.
 			sb.ID = pe.owner

@@ -107,8 +107,12 @@ type CreateRequest struct {
 	Network *NetworkConfig
 	// Cold boots the template's rootfs instead of restoring its checkpoint (benchmarks, fallback).
 	Cold bool
-	// NoPool skips the warm pool and restores the template's checkpoint (benchmarks).
+	// NoPool skips the warm pools (restored and pre-started) and restores the template's
+	// checkpoint into a new instance (benchmarks).
 	NoPool bool
+	// NoRestoredPool skips the restored pool only: a pre-started instance serves the create
+	// when one is ready (benchmarks: a pool miss).
+	NoRestoredPool bool
 }
 
 // PauseOptions tune a pause.
