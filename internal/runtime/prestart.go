@@ -10,8 +10,9 @@ import "context"
 type Prestarter interface {
 	// Prestart creates the instance spec describes (its id, state directory, network namespace,
 	// hostname, env, limits and cgroup are fixed from here on) with the writable layer of
-	// imageDir, an image written by Checkpoint, cloned in (never moved: spec.ConsumeImage is
-	// not supported); imageDir "" gives it an empty layer. Nothing runs in it until RestoreInto.
+	// imageDir, an image written by Checkpoint: cloned in, or moved with spec.ConsumeImage as
+	// Restore does (deleting the instance before the caller removes the image gives the layer
+	// back); imageDir "" gives it an empty layer. Nothing runs in it until RestoreInto.
 	Prestart(ctx context.Context, spec Spec, imageDir string) error
 	// RestoreInto restores imageDir into the pre-started instance id: it then runs the
 	// checkpointed processes, as after Restore. imageDir must be the image the instance was

@@ -134,6 +134,9 @@ type Manager struct {
 
 	pool      *pool // restored sandboxes waiting for an assignment
 	prestarts *pool // pre-started instances waiting for a restore into them
+	// resumePre counts the instances pre-started for the resume of a paused sandbox
+	// (entry.pre), which share the pools' memory budget.
+	resumePre atomic.Int32
 	faults    *faults
 	names     map[string]bool // template and snapshot names being written (reserveName)
 	builds    chan struct{}   // one token per concurrent template build
@@ -161,6 +164,9 @@ type Manager struct {
 type entry struct {
 	mu sync.Mutex
 	sb *Sandbox
+	// pre is, for a paused sandbox, an instance pre-started with its pause image's layer
+	// (moved in; a discard gives it back) for its resume to restore into (prestart.go).
+	pre *Placement
 }
 
 var idRe = regexp.MustCompile(`^[a-z0-9]{1,64}$`)
@@ -281,6 +287,7 @@ func (m *Manager) Close() {
 	m.cancelBG()
 	pooled := m.pool.close() + m.prestarts.close()
 	m.wg.Wait()
+	pooled += m.dropAllPre()
 	m.abortFn()
 	running, paused := 0, 0
 	m.mu.Lock()

@@ -375,10 +375,10 @@ func (p *pool) next(ctx context.Context) *Template {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	_, _, instanceMB := p.limits()
-	used := 0
+	used := int(p.m.resumePre.Load()) * p.m.cfg.PrestartInstanceMB // pre-started for resumes
 	if o := p.other; o != nil && o.enabled() {
 		_, _, otherMB := o.limits()
-		used = int(o.n.Load()) * otherMB
+		used += int(o.n.Load()) * otherMB
 	}
 	budget := (p.m.cfg.PoolMemoryMB - used) / instanceMB
 	var best *Template

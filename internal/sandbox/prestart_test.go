@@ -193,3 +193,83 @@ func TestFailedPrestartReleasesEverything(t *testing.T) {
 		})
 	}
 }
+
+// After a memory pause the sandbox gets an instance pre-started with its layer: the resume
+// restores into it (same id, token and files), a kill of the paused sandbox discards it with
+// everything it holds, and a filesystem-only resume (reboot) boots on the files it gives back.
+func TestResumeRestoresIntoPrestarted(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.PrestartMax = 1 })
+	n.build("base")
+	sb := n.create(sandbox.CreateRequest{})
+	n.write(sb.ID, "/f", "kept")
+	if err := n.m.Pause(context.Background(), sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "an instance pre-started for the resume", func() bool { return len(preFor(n, sb.ID)) == 1 })
+	pre := preFor(n, sb.ID)[0]
+	got, resumed, err := n.m.Connect(context.Background(), sb.ID, time.Minute)
+	if err != nil || !resumed {
+		t.Fatalf("resume: %v %v", resumed, err)
+	}
+	if got.Runtime.InstanceID != pre {
+		t.Fatalf("resumed on %s, not on the pre-started %s", got.Runtime.InstanceID, pre)
+	}
+	if v, err := n.read(sb.ID, "/f"); err != nil || v != "kept" {
+		t.Fatalf("file after resume: %q %v", v, err)
+	}
+	if tok := n.rig.Driver.Token(pre); tok != sb.AccessToken {
+		t.Fatalf("token after resume %q, want the sandbox's", tok)
+	}
+
+	// Paused with a pre-started instance, then killed: nothing is left.
+	if err := n.m.Pause(context.Background(), sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "pre-started again", func() bool { return len(preFor(n, sb.ID)) == 1 })
+	if err := n.m.Kill(context.Background(), sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	if ids, _ := n.rig.Driver.List(context.Background()); slices.ContainsFunc(ids, func(id string) bool { return strings.HasPrefix(id, sb.ID) }) {
+		t.Fatalf("instances of the killed paused sandbox left: %v", ids)
+	}
+	if dirs := n.sandboxDirs(); slices.Contains(dirs, sb.ID) {
+		t.Fatalf("directory of the killed paused sandbox left: %v", dirs)
+	}
+
+	// A reboot resume discards the pre-started instance and boots on the files.
+	other := n.create(sandbox.CreateRequest{})
+	n.write(other.ID, "/g", "files")
+	if err := n.m.Pause(context.Background(), other.ID); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "pre-started for the other", func() bool { return len(preFor(n, other.ID)) == 1 })
+	if _, _, err := n.m.ConnectWith(context.Background(), other.ID, sandbox.ConnectOptions{Reboot: true}); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := n.read(other.ID, "/g"); err != nil || v != "files" {
+		t.Fatalf("file after a reboot resume: %q %v", v, err)
+	}
+	if got := preFor(n, other.ID); len(got) != 0 {
+		t.Fatalf("pre-started instances left: %v", got)
+	}
+
+	// NoPrestart: none is made.
+	if err := n.m.PauseWith(context.Background(), other.ID, sandbox.PauseOptions{KeepMemory: true, NoPrestart: true}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if got := preFor(n, other.ID); len(got) != 0 {
+		t.Fatalf("pre-started despite NoPrestart: %v", got)
+	}
+}
+
+// preFor lists the pre-started instances of sandbox id.
+func preFor(n *node, id string) []string {
+	var out []string
+	for _, p := range n.rig.Driver.Prestarted() {
+		if strings.HasPrefix(p, id+"-") {
+			out = append(out, p)
+		}
+	}
+	return out
+}

@@ -120,6 +120,8 @@ type PauseOptions struct {
 	// KeepMemory: checkpoint memory and files (the default); false keeps the filesystem only,
 	// and resume boots the sandbox again on its files.
 	KeepMemory bool
+	// NoPrestart: no instance is pre-started for the resume (benchmarks).
+	NoPrestart bool
 }
 
 // ConnectOptions tune Connect.

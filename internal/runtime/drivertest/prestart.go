@@ -1,6 +1,7 @@
 package drivertest
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -101,6 +102,42 @@ func (s *suite) testPrestart(t *testing.T) {
 		e.track(sp.ID)
 		if err := ps.RestoreInto(ctx(t), sp.ID, other); !errors.Is(err, errdefs.ErrInvalid) {
 			t.Errorf("RestoreInto of another image than the layer's = %v, want ErrInvalid", err)
+		}
+	})
+	t.Run("resume", func(t *testing.T) {
+		// A pause image's layer moved into a pre-started instance (ConsumeImage): discarding the
+		// instance gives it back to the image; one pre-started again and restored into resumes
+		// the paused processes and files under the same id.
+		sp := e.start()
+		pid := e.spawn(sp.ID, "exec sleep 1000")
+		e.sh(sp.ID, 0, "mkdir -p /var/app && echo paused > /var/app/p")
+		pimg := t.TempDir()
+		if err := e.d.Checkpoint(ctx(t), sp.ID, pimg, rt.CheckpointOptions{}); err != nil {
+			t.Fatalf("Checkpoint: %v", err)
+		}
+		for i, discard := range []bool{true, false} {
+			r := sp
+			r.StateDir = filepath.Join(t.TempDir(), fmt.Sprintf("resume-%d", i))
+			r.ConsumeImage = true
+			if err := ps.Prestart(ctx(t), r, pimg); err != nil {
+				t.Fatalf("Prestart(ConsumeImage): %v", err)
+			}
+			if discard {
+				if err := e.d.Delete(ctx(t), r.ID); err != nil {
+					t.Fatalf("Delete: %v", err)
+				}
+				if err := e.d.Release(ctx(t), r.StateDir); err != nil {
+					t.Fatalf("Release: %v", err)
+				}
+				continue
+			}
+			t.Cleanup(func() { _ = e.d.Delete(context.Background(), r.ID) }) // before its state dir goes
+			if err := ps.RestoreInto(ctx(t), r.ID, pimg); err != nil {
+				t.Fatalf("RestoreInto after a discarded pre-start gave the layer back: %v", err)
+			}
+		}
+		if got := e.sh(sp.ID, 0, "cat /var/app/p; cat /proc/"+pid+"/cmdline | tr '\\0' ' '"); !strings.Contains(got, "paused\n") || !strings.Contains(got, "sleep 1000") {
+			t.Errorf("resumed into a pre-started instance: %q", got)
 		}
 	})
 	t.Run("discard", func(t *testing.T) {

@@ -30,8 +30,8 @@ func (d *Driver) Prestart(ctx context.Context, spec runtime.Spec, imageDir strin
 	if err := validateSpec(spec); err != nil {
 		return err
 	}
-	if spec.ConsumeImage || spec.LayerFrom != "" {
-		return fmt.Errorf("gvisor: prestart %s: ConsumeImage and LayerFrom are not supported: %w", spec.ID, errdefs.ErrInvalid)
+	if spec.LayerFrom != "" {
+		return fmt.Errorf("gvisor: prestart %s: LayerFrom is not supported: %w", spec.ID, errdefs.ErrInvalid)
 	}
 	if imageDir != "" {
 		if _, err := os.Stat(filepath.Join(imageDir, "checkpoint.img")); err != nil {
