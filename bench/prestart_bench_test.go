@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -89,23 +90,47 @@ func BenchmarkPrestart(b *testing.B) {
 		b.Fatal(err)
 	}
 	fmt.Printf("sandboxes have a disk limit of %d MiB (an ext4 image per writable layer)\n", sb.DiskSizeMB)
-	var pause, resume dist
-	for i := 0; i < iterations; i++ {
+	// resumeReady waits until the paused sandbox has its pre-started instance.
+	resumeReady := func() bool {
+		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+			for _, p := range n.Manager.Pools(ctx) {
+				if p.Kind == "resume" && slices.Contains(p.SandboxIDs, sb.ID) {
+					return true
+				}
+			}
+		}
+		return false
+	}
+	var pause, resume, preResume dist
+	missed := 0
+	for i := 0; i < 2*iterations; i++ {
+		pre := i%2 == 1
 		settle()
 		t0 := time.Now()
-		if err := n.Manager.Pause(ctx, sb.ID); err != nil {
+		if err := n.Manager.PauseWith(ctx, sb.ID, sandbox.PauseOptions{KeepMemory: true, NoPrestart: !pre}); err != nil {
 			b.Fatal(err)
 		}
 		pause = append(pause, time.Since(t0))
 		settle()
+		if pre && !resumeReady() {
+			missed++
+		}
 		t1 := time.Now()
 		if _, _, err := n.Manager.Connect(ctx, sb.ID, time.Minute); err != nil {
 			b.Fatal(err)
 		}
-		resume = append(resume, time.Since(t1))
+		if pre {
+			preResume = append(preResume, time.Since(t1))
+		} else {
+			resume = append(resume, time.Since(t1))
+		}
 	}
 	report(b, "pause (answer once the image is durable)", pause)
-	report(b, "resume (restore into a new instance)", resume)
+	report(b, "resume, pre-started instance", preResume)
+	report(b, "resume, new instance (restore)", resume)
+	if missed > 0 {
+		fmt.Printf("(%d resumes found no pre-started instance)\n", missed)
+	}
 
 	var perChild dist
 	for i := 0; i < 3; i++ {

@@ -137,6 +137,7 @@ type Manager struct {
 	// resumePre counts the instances pre-started for the resume of a paused sandbox
 	// (entry.pre), which share the pools' memory budget.
 	resumePre atomic.Int32
+	preOf     map[string]string // sandbox id -> template id of each entry.pre (under mu)
 	faults    *faults
 	names     map[string]bool // template and snapshot names being written (reserveName)
 	builds    chan struct{}   // one token per concurrent template build
@@ -249,6 +250,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		faults:    &faults{fail: cfg.Fail},
 		builds:    make(chan struct{}, cfg.MaxBuilds),
 		instances: map[string]bool{},
+		preOf:     map[string]string{},
 	}
 	m.bg, m.cancelBG = context.WithCancel(context.Background())
 	m.abort, m.abortFn = context.WithCancel(context.Background())

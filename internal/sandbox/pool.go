@@ -52,6 +52,8 @@ type pooled struct {
 const (
 	kindRestored   = "restored"
 	kindPrestarted = "prestarted"
+	// kindResume: instances pre-started for the resume of a paused sandbox (prestart.go).
+	kindResume = "resume"
 )
 
 // demand is what the pool observed of one template.
@@ -69,8 +71,9 @@ type demand struct {
 // PoolState is one template's pool, as the API and CLI show it.
 type PoolState struct {
 	TemplateID string `json:"templateID"`
-	// Kind is "restored" (sandboxes restored and waiting for an assignment) or "prestarted"
-	// (instances created by the runtime, waiting for a restore into them).
+	// Kind is "restored" (sandboxes restored and waiting for an assignment), "prestarted"
+	// (instances created by the runtime, waiting for a restore into them) or "resume"
+	// (instances pre-started for the resume of paused sandboxes: SandboxIDs).
 	Kind       string  `json:"kind"`
 	Ready      int     `json:"ready"`
 	Target     int     `json:"target"`
@@ -291,7 +294,7 @@ func (m *Manager) Pools(ctx context.Context) []PoolState {
 			out = append(out, p.state()...)
 		}
 	}
-	return out
+	return append(out, m.resumeStates()...)
 }
 
 func (p *pool) loop() {

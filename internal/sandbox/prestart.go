@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"context"
+	"sort"
 	"time"
 )
 
@@ -46,6 +47,9 @@ func (m *Manager) prestartForResume(e *entry, image string) {
 	}
 	e.pre = &p
 	m.resumePre.Add(1)
+	m.mu.Lock()
+	m.preOf[sb.ID] = sb.TemplateID
+	m.mu.Unlock()
 	m.logger(sb.ID).Debug("pre-started for resume", "instance", p.InstanceID, "ms", time.Since(start).Milliseconds())
 }
 
@@ -56,6 +60,9 @@ func (m *Manager) takePreLocked(e *entry) *Placement {
 	if p != nil {
 		e.pre = nil
 		m.resumePre.Add(-1)
+		m.mu.Lock()
+		delete(m.preOf, e.sb.ID)
+		m.mu.Unlock()
 	}
 	return p
 }
@@ -65,6 +72,30 @@ func (m *Manager) dropPreLocked(ctx context.Context, e *entry) {
 	if p := m.takePreLocked(e); p != nil {
 		m.teardown(context.WithoutCancel(ctx), e.sb.ID, *p)
 	}
+}
+
+// resumeStates are the instances pre-started for resumes, as pool states of kind "resume"
+// (one per template; Ready counts them, SandboxIDs are the paused sandboxes they are for).
+func (m *Manager) resumeStates() []PoolState {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	by := map[string]*PoolState{}
+	var out []PoolState
+	for id, tpl := range m.preOf {
+		st := by[tpl]
+		if st == nil {
+			st = &PoolState{TemplateID: tpl, Kind: kindResume, SandboxIDs: []string{}}
+			by[tpl] = st
+		}
+		st.Ready++
+		st.SandboxIDs = append(st.SandboxIDs, id)
+	}
+	for _, st := range by {
+		sort.Strings(st.SandboxIDs)
+		out = append(out, *st)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].TemplateID < out[j].TemplateID })
+	return out
 }
 
 // dropAllPre discards every resume instance (graceful stop).

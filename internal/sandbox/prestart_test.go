@@ -207,6 +207,13 @@ func TestResumeRestoresIntoPrestarted(t *testing.T) {
 	}
 	eventually(t, 5*time.Second, "an instance pre-started for the resume", func() bool { return len(preFor(n, sb.ID)) == 1 })
 	pre := preFor(n, sb.ID)[0]
+	found := false
+	for _, p := range n.m.Pools(context.Background()) {
+		found = found || (p.Kind == "resume" && p.Ready == 1 && slices.Equal(p.SandboxIDs, []string{sb.ID}))
+	}
+	if !found {
+		t.Fatalf("GET /ember/pools does not show the resume instance: %+v", n.m.Pools(context.Background()))
+	}
 	got, resumed, err := n.m.Connect(context.Background(), sb.ID, time.Minute)
 	if err != nil || !resumed {
 		t.Fatalf("resume: %v %v", resumed, err)
