@@ -208,7 +208,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	if cfg.PrestartInstanceMB == 0 {
 		cfg.PrestartInstanceMB = 16
 	}
-	if cfg.PrestartSize > cfg.PrestartMax {
+	if cfg.PrestartMax > 0 && cfg.PrestartSize > cfg.PrestartMax {
 		cfg.PrestartMax = cfg.PrestartSize
 	}
 	if cfg.MaxSandboxes == 0 {

@@ -280,3 +280,15 @@ func preFor(n *node, id string) []string {
 	}
 	return out
 }
+
+// PrestartMax 0 disables pre-started instances whatever PrestartSize says (ember serve's
+// --prestart-max 0 with the default --prestart-size 1).
+func TestPrestartMaxZeroDisables(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.PrestartSize = 1 })
+	n.build("base")
+	n.create(sandbox.CreateRequest{})
+	time.Sleep(1200 * time.Millisecond)
+	if got := n.rig.Driver.Calls("Prestart"); got != 0 {
+		t.Fatalf("%d Prestart calls with PrestartMax 0", got)
+	}
+}

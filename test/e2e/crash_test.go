@@ -592,7 +592,7 @@ func (c *crashRun) check() {
 		}
 		tr.cut = ""
 		if err := c.checkFiles(tr, tr.files); err != nil {
-			c.violate("sandbox %s (created round %d): %v", id, tr.created, err)
+			c.violate("sandbox %s (created round %d): %v; the daemon said of it:\n%s", id, tr.created, err, d.logLines(id, 15))
 			d.call(30*time.Second, "DELETE", "/sandboxes/"+id, nil, nil)
 			delete(c.live, id)
 			continue

@@ -38,7 +38,8 @@ func TestPoolMissRestoresIntoPrestarted(t *testing.T) {
 	d := lostNode(t, "--pool-size", "0")
 	pre := d.waitPrestarted(t, 1, 90*time.Second)
 	s := d.createNoCleanup(t, nil) // killAll below; the daemon is stopped at the end
-	if how := d.createdHow(s.SandboxID); how != "prestarted" {
+	// The log line may not be read yet ("", as elsewhere); the pool's hits are checked below.
+	if how := d.createdHow(s.SandboxID); how != "" && how != "prestarted" {
 		t.Fatalf("restored pool off, %d pre-started: sandbox created by %q, want prestarted", len(pre), how)
 	}
 	if r := d.run(t, s, "hostname; echo kept > /home/user/k.txt && cat /home/user/k.txt"); r.exitCode != 0 || r.stdout != "sandbox\nkept\n" {
