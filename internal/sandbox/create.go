@@ -116,13 +116,24 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 			}
 		}
 	}
-	if how == "" && pooling {
+	// A pre-started instance runs nothing yet: its slot can take other egress rules first.
+	up, canUpdate := m.cfg.Network.(egressUpdater)
+	if how == "" && !req.Cold && tpl.Image != "" && !req.NoPool && (pooling || canUpdate) {
 		if pe := m.prestarts.take(tpl, sb.CPUCount, sb.MemoryMB, sb.DiskSizeMB); pe != nil {
 			// Like a pool instance it lives under the id it was made for.
 			sb.ID = pe.owner
 			spec := launchSpec{owner: sb.ID, tpl: tpl, image: pe.image, into: &pe.place, init: sb, initToken: tpl.InitToken,
 				cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()}
-			if sb.Runtime, err = m.launch(ctx, spec); err == nil {
+			err = nil
+			if !sb.Egress().IsDefault() {
+				if err = up.Update(ctx, pe.place.SlotIndex, sb.Egress()); err != nil {
+					m.teardown(context.WithoutCancel(ctx), pe.owner, pe.place)
+				}
+			}
+			if err == nil {
+				sb.Runtime, err = m.launch(ctx, spec)
+			}
+			if err == nil {
 				how = "prestarted"
 			} else {
 				// launch tore the instance down; a plain restore follows.

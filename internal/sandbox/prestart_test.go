@@ -292,3 +292,20 @@ func TestPrestartMaxZeroDisables(t *testing.T) {
 		t.Fatalf("%d Prestart calls with PrestartMax 0", got)
 	}
 }
+
+// A create with its own egress rules restores into a pre-started instance too: its slot gets
+// the rules before anything runs in it.
+func TestPrestartedInstanceTakesTheCreatesEgress(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.PrestartSize, c.PrestartMax = 1, 1 })
+	n.build("base")
+	eventually(t, 5*time.Second, "pre-started", func() bool { return len(n.rig.Driver.Prestarted()) == 1 })
+	pre := n.rig.Driver.Prestarted()[0]
+	no := false
+	sb := n.create(sandbox.CreateRequest{AllowInternet: &no})
+	if sb.Runtime.InstanceID != pre {
+		t.Fatalf("a create without internet access restored into %s, not the pre-started %s", sb.Runtime.InstanceID, pre)
+	}
+	if e := n.rig.Network.Egress(sb.Runtime.SlotIndex); e.AllowInternet {
+		t.Fatalf("the slot of a sandbox created without internet access allows it: %+v", e)
+	}
+}
