@@ -90,6 +90,7 @@ func startNode(runsc string, poolSize int) (*node, error) {
 	}
 	n, err := daemon.Open(context.Background(), daemon.Config{
 		DataDir: dataDir, CacheDir: cache, Runsc: runsc, Envd: envd, PoolSize: poolSize, SlotPoolSize: -1,
+		PrestartSize: 1, PrestartMax: 8, // ember serve's defaults
 		// Names and addresses of its own, so a benchmark never meets a daemon on this host.
 		NodeID: envOr("EMBER_BENCH_NODE", "bench"), CIDR: envOr("EMBER_BENCH_CIDR", "10.240.0.0/16"),
 		Templates: []string{"base"},

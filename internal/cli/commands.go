@@ -392,11 +392,11 @@ build log entry as a JSON line, then the result.`,
 			for _, p := range out {
 				rate, _ := p["createsPerSecond"].(float64)
 				refill, _ := p["refillMs"].(float64)
-				rows = append(rows, []string{str(p["templateID"]), str(p["ready"]), str(p["target"]),
+				rows = append(rows, []string{str(p["templateID"]), str(p["kind"]), str(p["ready"]), str(p["target"]),
 					fmt.Sprintf("%s-%s", str(p["min"]), str(p["max"])), fmt.Sprintf("%.2f", rate), fmt.Sprintf("%.0f", refill),
 					str(p["hits"]), str(p["misses"])})
 			}
-			table([]string{"TEMPLATE", "READY", "TARGET", "RANGE", "CREATES/S", "REFILL MS", "HITS", "MISSES"}, rows)
+			table([]string{"TEMPLATE", "KIND", "READY", "TARGET", "RANGE", "CREATES/S", "REFILL MS", "HITS", "MISSES"}, rows)
 			return nil
 		},
 	}

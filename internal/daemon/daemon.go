@@ -54,6 +54,8 @@ type Config struct {
 	PoolSize                   int
 	// PoolMax and PoolMemoryMB bound the warm pools (0 = the Manager's defaults).
 	PoolMax, PoolMemoryMB int
+	// PrestartSize and PrestartMax bound the pre-started instances per template (0 = none).
+	PrestartSize, PrestartMax int
 	// SlotPoolSize is the number of network slots made ahead of need (-1 = default 4).
 	SlotPoolSize int
 	// MaxSandboxes and MaxBuilds cap what this node runs at once (0 = the Manager's defaults);
@@ -179,6 +181,8 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		PoolSize:     cfg.PoolSize,
 		PoolMax:      cfg.PoolMax,
 		PoolMemoryMB: cfg.PoolMemoryMB,
+		PrestartSize: cfg.PrestartSize,
+		PrestartMax:  cfg.PrestartMax,
 		MaxSandboxes: cfg.MaxSandboxes,
 		MaxBuilds:    cfg.MaxBuilds,
 	})

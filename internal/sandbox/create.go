@@ -53,7 +53,8 @@ func (m *Manager) resolveTemplate(ctx context.Context, id string) (*Template, er
 }
 
 // Create starts a new sandbox from a template: an assignment from the warm pool when one is
-// ready, else a restore of the template's checkpoint, else (no checkpoint, or req.Cold) a boot.
+// ready, else a restore of the template's checkpoint (into a pre-started instance when one is
+// ready), else (no checkpoint, or req.Cold) a boot.
 func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) {
 	if req.Timeout < 0 || req.Timeout > MaxTimeout {
 		return nil, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
@@ -115,8 +116,9 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	}
 	started := time.Now()
 	how := ""
-	if !req.Cold && tpl.Image != "" && !req.NoPool && req.IsDefaultEgress() {
-		if pe := m.pool.take(tpl, sb.CPUCount, sb.MemoryMB); pe != nil {
+	pooling := !req.Cold && tpl.Image != "" && !req.NoPool && req.IsDefaultEgress()
+	if pooling && !req.NoRestoredPool {
+		if pe := m.pool.take(tpl, sb.CPUCount, sb.MemoryMB, sb.DiskSizeMB); pe != nil {
 			// The pool instance already lives under the id it was made for: the sandbox takes it.
 			sb.ID = pe.owner
 			if err := m.initEnvd(ctx, envdBase(pe.place.GuestIP), sb, tpl.InitToken, tpl); err == nil {
@@ -125,6 +127,33 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 			} else {
 				m.logger(pe.owner).Warn("pool instance did not take its identity; restoring instead", "err", err)
 				m.teardown(context.WithoutCancel(ctx), pe.owner, pe.place)
+				m.removeSandboxDir(pe.owner)
+				sb.ID = newID()
+			}
+		}
+	}
+	// A pre-started instance runs nothing yet: its slot can take other egress rules first.
+	up, canUpdate := m.cfg.Network.(egressUpdater)
+	if how == "" && !req.Cold && tpl.Image != "" && !req.NoPool && (pooling || canUpdate) {
+		if pe := m.prestarts.take(tpl, sb.CPUCount, sb.MemoryMB, sb.DiskSizeMB); pe != nil {
+			// Like a pool instance it lives under the id it was made for.
+			sb.ID = pe.owner
+			spec := launchSpec{owner: sb.ID, tpl: tpl, image: pe.image, into: &pe.place, init: sb, initToken: tpl.InitToken,
+				cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()}
+			err = nil
+			if !sb.Egress().IsDefault() {
+				if err = up.Update(ctx, pe.place.SlotIndex, sb.Egress()); err != nil {
+					m.teardown(context.WithoutCancel(ctx), pe.owner, pe.place)
+				}
+			}
+			if err == nil {
+				sb.Runtime, err = m.launch(ctx, spec)
+			}
+			if err == nil {
+				how = "prestarted"
+			} else {
+				// launch tore the instance down; a plain restore follows.
+				m.logger(pe.owner).Warn("restore into a pre-started instance failed; restoring anew", "err", err)
 				m.removeSandboxDir(pe.owner)
 				sb.ID = newID()
 			}

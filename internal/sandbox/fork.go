@@ -149,7 +149,15 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 		e.mu.Unlock()
 		return nil, err
 	}
-	defer os.RemoveAll(image)
+	// The image is removed after the answer (lever 3): the children no longer read it once
+	// restored, and a crash before its removal leaves an unfinished image reconcile removes.
+	defer func() {
+		m.wg.Add(1)
+		go func() {
+			defer m.wg.Done()
+			removeTree(image)
+		}()
+	}()
 	start := time.Now()
 	err = m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
 	e.mu.Unlock()

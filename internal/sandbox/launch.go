@@ -35,6 +35,13 @@ type launchSpec struct {
 	layerFrom string
 	// consume: the image is not used again (resume): the driver may move its contents.
 	consume bool
+	// prestart stops once the runtime has created the instance with image's layer (and its
+	// slot): nothing is restored, envd is not waited for. The placement goes to the
+	// pre-started pool; a later launch with into restores image into it.
+	prestart bool
+	// into is a pre-started instance's placement (owned by owner) to restore image into
+	// instead of creating an instance; on failure it is torn down like any other.
+	into *Placement
 	// init gives the instance sb's identity through envd /init; initToken authenticates against
 	// an image whose envd already holds a token.
 	init      *Sandbox
@@ -58,6 +65,10 @@ const noSlot = -1
 func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err error) {
 	p = Placement{Driver: m.cfg.Driver.Name(), SlotIndex: noSlot}
 	inst := instanceID(spec.owner)
+	if spec.into != nil {
+		// Admitted, with its slot and instance, when it was pre-started.
+		p, inst = *spec.into, spec.into.InstanceID
+	}
 	defer func() {
 		if err != nil {
 			m.teardown(context.WithoutCancel(ctx), spec.owner, p)
@@ -68,10 +79,13 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 	if err := m.faults.hit("launch.start"); err != nil {
 		return p, err
 	}
+	t0 := time.Now()
+	if spec.into != nil {
+		return p, m.restoreInto(ctx, spec, p, t0)
+	}
 	if err := m.admit(inst); err != nil {
 		return p, err
 	}
-	t0 := time.Now()
 	slot, err := m.cfg.Network.Acquire(ctx, spec.egress)
 	if err != nil {
 		return p, fmt.Errorf("network slot: %w", err)
@@ -102,6 +116,20 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 	}
 	t1 := time.Now()
 	p.InstanceID = inst // from here on teardown deletes the instance, whatever state it reached
+	if spec.prestart {
+		ps, ok := m.cfg.Driver.(runtime.Prestarter)
+		if !ok {
+			return p, fmt.Errorf("driver %s cannot pre-start instances: %w", m.cfg.Driver.Name(), errdefs.ErrInvalid)
+		}
+		if err := ps.Prestart(ctx, rs, spec.image); err != nil {
+			return p, fmt.Errorf("pre-start instance: %w", err)
+		}
+		if err := m.faults.hit("launch.prestart"); err != nil {
+			return p, err
+		}
+		m.logger(spec.owner).Debug("pre-start timings", "instance", inst, "slot_ms", ms(t1.Sub(t0)), "runtime_ms", ms(time.Since(t1)))
+		return p, nil
+	}
 	if spec.image == "" {
 		err = m.cfg.Driver.Start(ctx, rs)
 	} else {
@@ -110,26 +138,46 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 	if err != nil {
 		return p, fmt.Errorf("start instance: %w", err)
 	}
+	return p, m.launched(ctx, spec, p, t0, t1)
+}
+
+// restoreInto is launch's path for a pre-started instance: spec.image is restored into the
+// instance of p, then envd and /init as for any launch.
+func (m *Manager) restoreInto(ctx context.Context, spec launchSpec, p Placement, t0 time.Time) error {
+	ps, ok := m.cfg.Driver.(runtime.Prestarter)
+	if !ok {
+		return fmt.Errorf("driver %s cannot restore into pre-started instances: %w", m.cfg.Driver.Name(), errdefs.ErrInvalid)
+	}
+	if err := ps.RestoreInto(ctx, p.InstanceID, spec.image); err != nil {
+		return fmt.Errorf("restore into pre-started instance: %w", err)
+	}
+	return m.launched(ctx, spec, p, t0, t0)
+}
+
+// launched completes a launch once the runtime runs the instance: the fault point, envd's
+// health, /init and the timings line.
+func (m *Manager) launched(ctx context.Context, spec launchSpec, p Placement, t0, t1 time.Time) error {
+	inst := p.InstanceID
 	if err := m.faults.hit("launch.runtime"); err != nil {
-		return p, err
+		return err
 	}
 	t2 := time.Now()
 	base := envdBase(p.GuestIP)
 	if err := m.waitEnvd(ctx, base); err != nil {
-		return p, err
+		return err
 	}
 	t3 := time.Now()
 	if spec.init != nil {
 		if err := m.initEnvd(ctx, base, spec.init, spec.initToken, spec.tpl); err != nil {
-			return p, err
+			return err
 		}
 	}
 	if err := m.faults.hit("launch.envd"); err != nil {
-		return p, err
+		return err
 	}
-	m.logger(spec.owner).Debug("launch timings", "instance", inst, "restore", spec.image != "",
+	m.logger(spec.owner).Debug("launch timings", "instance", inst, "restore", spec.image != "", "prestarted", spec.into != nil,
 		"slot_ms", ms(t1.Sub(t0)), "runtime_ms", ms(t2.Sub(t1)), "envd_ms", ms(t3.Sub(t2)), "init_ms", ms(time.Since(t3)))
-	return p, nil
+	return nil
 }
 
 // teardown releases what placement p holds: the runtime instance, the network slot, the

@@ -53,6 +53,7 @@ func (m *Manager) endLocked(ctx context.Context, e *entry, reason string) {
 	sb := e.sb
 	ctx = context.WithoutCancel(ctx)
 	m.teardown(ctx, sb.ID, sb.Runtime)
+	m.dropPreLocked(ctx, e)
 	m.removeSandboxDir(sb.ID)
 	sb.State = StateKilled
 	sb.EndReason = reason
@@ -113,10 +114,12 @@ func (m *Manager) PauseWith(ctx context.Context, id string, opts PauseOptions) e
 	case StateKilled:
 		return goneErr(e.sb)
 	}
-	return m.pauseLocked(ctx, e, opts.KeepMemory)
+	return m.pauseLocked(ctx, e, opts.KeepMemory, !opts.NoPrestart)
 }
 
-func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory bool) error {
+// pauseLocked pauses e; with prestart (and memory kept) an instance is pre-started for its
+// resume afterwards, budget permitting.
+func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestart bool) error {
 	sb := e.sb
 	start := time.Now()
 	image := filepath.Join(m.sandboxDir(sb.ID), "image-"+randomHex(3))
@@ -151,6 +154,9 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory bool) er
 	go func() {
 		defer m.wg.Done()
 		m.teardown(context.Background(), sb.ID, old)
+		if keepMemory && prestart {
+			m.prestartForResume(e, image)
+		}
 	}()
 	return nil
 }
@@ -212,14 +218,29 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 	spec := launchSpec{owner: sb.ID, tpl: tpl, image: image, consume: true,
 		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()}
 	boot := sb.PausedFilesOnly || reboot
+	var p Placement
+	prestarted := false
+	if pre := m.takePreLocked(e); pre != nil && !boot {
+		// Restore into the instance pre-started with the image's layer; if that fails, the
+		// teardown gives the layer back and a plain resume follows.
+		into := spec
+		into.into = pre
+		if p, err = m.launch(ctx, into); err != nil {
+			m.logger(sb.ID).Warn("resume into a pre-started instance failed; restoring anew", "err", err)
+		}
+		prestarted = err == nil
+	} else if pre != nil {
+		m.teardown(context.WithoutCancel(ctx), sb.ID, *pre) // the boot takes the layer from the image
+	}
 	if boot {
 		// A fresh envd: it learns the sandbox's identity (the same id, token and env vars) again.
 		spec.image, spec.layerFrom, spec.init = "", image, sb
 	}
-	p, err := m.launch(ctx, spec)
-	if err != nil {
-		m.observe(StageResume, start, err)
-		return fmt.Errorf("resume: %w", err)
+	if p.InstanceID == "" {
+		if p, err = m.launch(ctx, spec); err != nil {
+			m.observe(StageResume, start, err)
+			return fmt.Errorf("resume: %w", err)
+		}
 	}
 	sb.Runtime = p
 	sb.State = StateRunning
@@ -235,7 +256,7 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 	os.RemoveAll(image)
 	m.guestT.open(p.GuestIP)
 	m.watch(e, p.InstanceID)
-	m.logger(sb.ID).Info("sandbox resumed", "instance", p.InstanceID, "boot", boot, "ms", time.Since(start).Milliseconds())
+	m.logger(sb.ID).Info("sandbox resumed", "instance", p.InstanceID, "boot", boot, "prestarted", prestarted, "ms", time.Since(start).Milliseconds())
 	return nil
 }
 

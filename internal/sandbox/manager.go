@@ -111,6 +111,12 @@ type Config struct {
 	// PoolMax bounds one template's pool (default 16). PoolMemoryMB bounds the memory all pool
 	// instances may use, counted at PoolInstanceMB each (defaults 1024 and 32).
 	PoolMax, PoolMemoryMB, PoolInstanceMB int
+	// PrestartSize is the least number of pre-started instances (created by the runtime with a
+	// template image's layer and a network slot, restored into on demand) kept per template;
+	// PrestartMax bounds them per template (0 disables them, as does a driver without
+	// runtime.Prestarter). They follow the rate of creates the restored pool cannot serve and
+	// share PoolMemoryMB, counted at PrestartInstanceMB each (default 16).
+	PrestartSize, PrestartMax, PrestartInstanceMB int
 	// PoolDecay is how fast the observed create rate fades when creates stop (default 30 s).
 	PoolDecay time.Duration
 	// Default resources of a sandbox.
@@ -155,9 +161,14 @@ type Manager struct {
 	mu   sync.Mutex
 	live map[string]*entry // sandboxes by id: running, paused, and recently ended (tombstones)
 
-	pool   *pool
-	faults *faults
-	names  map[string]bool // template and snapshot names being written (reserveName)
+	pool      *pool // restored sandboxes waiting for an assignment
+	prestarts *pool // pre-started instances waiting for a restore into them
+	// resumePre counts the instances pre-started for the resume of a paused sandbox
+	// (entry.pre), which share the pools' memory budget.
+	resumePre atomic.Int32
+	preOf     map[string]string // sandbox id -> template id of each entry.pre (under mu)
+	faults    *faults
+	names     map[string]bool // template and snapshot names being written (reserveName)
 	// gcMu serialises layer collections with the start of builds; gcBuilds counts the builds
 	// in flight, gcPending a collection asked for while there were some (layers.go).
 	gcMu      sync.Mutex
@@ -192,6 +203,9 @@ type Manager struct {
 type entry struct {
 	mu sync.Mutex
 	sb *Sandbox
+	// pre is, for a paused sandbox, an instance pre-started with its pause image's layer
+	// (moved in; a discard gives it back) for its resume to restore into (prestart.go).
+	pre *Placement
 }
 
 var idRe = regexp.MustCompile(`^[a-z0-9]{1,64}$`)
@@ -228,6 +242,12 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	}
 	if cfg.PoolInstanceMB == 0 {
 		cfg.PoolInstanceMB = 32
+	}
+	if cfg.PrestartInstanceMB == 0 {
+		cfg.PrestartInstanceMB = 16
+	}
+	if cfg.PrestartMax > 0 && cfg.PrestartSize > cfg.PrestartMax {
+		cfg.PrestartMax = cfg.PrestartSize
 	}
 	if cfg.MaxSandboxes == 0 {
 		cfg.MaxSandboxes = 500
@@ -280,6 +300,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		faults:    &faults{fail: cfg.Fail},
 		builds:    make(chan struct{}, cfg.MaxBuilds),
 		instances: map[string]bool{},
+		preOf:     map[string]string{},
 		uploads:   map[string]*upload{},
 	}
 	tb, err := openBuilds(filepath.Join(cfg.DataDir, "builds"), m.log.Warn)
@@ -305,7 +326,8 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	}
 	m.bg, m.cancelBG = context.WithCancel(context.Background())
 	m.abort, m.abortFn = context.WithCancel(context.Background())
-	m.pool = newPool(m)
+	m.pool, m.prestarts = newPool(m, kindRestored), newPool(m, kindPrestarted)
+	m.pool.other, m.prestarts.other = m.prestarts, m.pool
 	if err := m.reconcile(ctx); err != nil {
 		m.cancelBG()
 		m.wg.Wait()
@@ -315,6 +337,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	m.wg.Add(1)
 	go m.reaper()
 	m.pool.start()
+	m.prestarts.start()
 	return m, nil
 }
 
@@ -337,8 +360,9 @@ func (m *Manager) Close() {
 	}
 	close(m.stop)
 	m.cancelBG()
-	pooled := m.pool.close()
+	pooled := m.pool.close() + m.prestarts.close()
 	m.wg.Wait()
+	pooled += m.dropAllPre()
 	m.abortFn()
 	running, paused := 0, 0
 	m.mu.Lock()

@@ -5,7 +5,10 @@ import (
 	"math"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
 // pool keeps, per template, instances restored from the template's checkpoint but not yet
@@ -19,8 +22,16 @@ import (
 // a refill takes (with headroom), at least Config.PoolSize and at most Config.PoolMax, and all
 // pools together stay within Config.PoolMemoryMB. Refills run one at a time and wait while
 // creates are in flight, so they never compete with the requests they are there to serve.
+//
+// A second pool of the same kind of machinery keeps pre-started instances (kindPrestarted,
+// prestart.go): created by the runtime with the template image's layer and a network slot,
+// nothing restored into them yet. A create the restored pool cannot serve restores into one;
+// its demand is the rate of those misses, and its instances share the memory budget.
 type pool struct {
 	m     *Manager
+	kind  string       // kindRestored or kindPrestarted
+	other *pool        // the pool of the other kind, whose instances share the memory budget
+	n     atomic.Int32 // ready instances, readable without mu (for the other pool's budget)
 	mu    sync.Mutex
 	ready map[string][]*pooled // by template id
 	stats map[string]*demand   // by template id
@@ -30,11 +41,20 @@ type pool struct {
 }
 
 type pooled struct {
-	owner    string // the sandbox id it is assigned with
-	buildID  string
-	cpu, mem int
-	place    Placement
+	owner          string // the sandbox id it is assigned with
+	buildID        string
+	image          string // pre-started: the image its layer came from, to restore into it
+	cpu, mem, disk int
+	place          Placement
 }
+
+// Pool kinds.
+const (
+	kindRestored   = "restored"
+	kindPrestarted = "prestarted"
+	// kindResume: instances pre-started for the resume of a paused sandbox (prestart.go).
+	kindResume = "resume"
+)
 
 // demand is what the pool observed of one template.
 type demand struct {
@@ -50,7 +70,11 @@ type demand struct {
 
 // PoolState is one template's pool, as the API and CLI show it.
 type PoolState struct {
-	TemplateID string  `json:"templateID"`
+	TemplateID string `json:"templateID"`
+	// Kind is "restored" (sandboxes restored and waiting for an assignment), "prestarted"
+	// (instances created by the runtime, waiting for a restore into them) or "resume"
+	// (instances pre-started for the resume of paused sandboxes: SandboxIDs).
+	Kind       string  `json:"kind"`
 	Ready      int     `json:"ready"`
 	Target     int     `json:"target"`
 	Min        int     `json:"min"`
@@ -65,11 +89,36 @@ type PoolState struct {
 	SandboxIDs []string `json:"sandboxIDs"`
 }
 
-func newPool(m *Manager) *pool {
-	return &pool{m: m, ready: map[string][]*pooled{}, stats: map[string]*demand{}, kick: make(chan struct{}, 1), stop: make(chan struct{})}
+func newPool(m *Manager, kind string) *pool {
+	return &pool{m: m, kind: kind, ready: map[string][]*pooled{}, stats: map[string]*demand{}, kick: make(chan struct{}, 1), stop: make(chan struct{})}
 }
 
-func (p *pool) enabled() bool { return p.m.cfg.PoolSize > 0 }
+func (p *pool) enabled() bool {
+	if p.kind == kindPrestarted {
+		_, ok := p.m.cfg.Driver.(runtime.Prestarter)
+		return ok && p.m.cfg.PrestartMax > 0
+	}
+	return p.m.cfg.PoolSize > 0
+}
+
+// limits are the least and most instances per template, and what one counts in the budget.
+func (p *pool) limits() (least, most, instanceMB int) {
+	cfg := p.m.cfg
+	if p.kind == kindPrestarted {
+		return cfg.PrestartSize, cfg.PrestartMax, cfg.PrestartInstanceMB
+	}
+	return cfg.PoolSize, cfg.PoolMax, cfg.PoolInstanceMB
+}
+
+// setReadyLocked replaces template id's ready list and keeps the count.
+func (p *pool) setReadyLocked(id string, list []*pooled) {
+	p.n.Add(int32(len(list) - len(p.ready[id])))
+	if len(list) == 0 {
+		delete(p.ready, id)
+		return
+	}
+	p.ready[id] = list
+}
 
 func (p *pool) start() {
 	if !p.enabled() {
@@ -99,7 +148,7 @@ func (p *pool) close() int {
 			p.discard(pe)
 			n++
 		}
-		delete(p.ready, id)
+		p.setReadyLocked(id, nil)
 	}
 	return n
 }
@@ -154,7 +203,8 @@ func (p *pool) targetLocked(id string, now time.Time) int {
 	if !d.lastMiss.IsZero() && now.Sub(d.lastMiss) < cfg.PoolDecay {
 		want++ // a recent miss: one more than the rate alone says
 	}
-	return max(cfg.PoolSize, min(want, cfg.PoolMax))
+	least, most, _ := p.limits()
+	return max(least, min(want, most))
 }
 
 // totalLocked counts ready instances of every template.
@@ -168,7 +218,7 @@ func (p *pool) totalLocked() int {
 
 // take returns a ready instance of tpl's current build with the given resources, or nil.
 // Only creates with the default egress rules take one.
-func (p *pool) take(tpl *Template, cpu, mem int) *pooled {
+func (p *pool) take(tpl *Template, cpu, mem, disk int) *pooled {
 	if !p.enabled() || tpl.Kind != "template" {
 		return nil
 	}
@@ -180,10 +230,10 @@ func (p *pool) take(tpl *Template, cpu, mem int) *pooled {
 	d.observe(p, now)
 	list := p.ready[tpl.ID]
 	for i, pe := range list {
-		if pe.buildID != tpl.BuildID || pe.cpu != cpu || pe.mem != mem {
+		if pe.buildID != tpl.BuildID || pe.cpu != cpu || pe.mem != mem || (p.kind == kindPrestarted && pe.disk != disk) {
 			continue
 		}
-		p.ready[tpl.ID] = append(list[:i:i], list[i+1:]...)
+		p.setReadyLocked(tpl.ID, append(list[:i:i], list[i+1:]...))
 		d.hits++
 		return pe
 	}
@@ -196,7 +246,7 @@ func (p *pool) take(tpl *Template, cpu, mem int) *pooled {
 func (p *pool) templateChanged(tpl *Template) {
 	p.mu.Lock()
 	list := p.ready[tpl.ID]
-	delete(p.ready, tpl.ID)
+	p.setReadyLocked(tpl.ID, nil)
 	p.mu.Unlock()
 	for _, pe := range list {
 		p.discard(pe)
@@ -226,20 +276,25 @@ func (p *pool) state() []PoolState {
 		if d.refilling {
 			owners = append(owners, d.owner)
 		}
-		out = append(out, PoolState{TemplateID: id, Ready: len(p.ready[id]), Target: p.targetLocked(id, now),
-			Min: p.m.cfg.PoolSize, Max: p.m.cfg.PoolMax, CreateRate: d.decayed(now, p.m.cfg.PoolDecay), RefillMs: d.refill * 1000,
+		least, most, _ := p.limits()
+		out = append(out, PoolState{TemplateID: id, Kind: p.kind, Ready: len(p.ready[id]), Target: p.targetLocked(id, now),
+			Min: least, Max: most, CreateRate: d.decayed(now, p.m.cfg.PoolDecay), RefillMs: d.refill * 1000,
 			Hits: d.hits, Misses: d.misses, Refilling: d.refilling, SandboxIDs: owners})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].TemplateID < out[j].TemplateID })
 	return out
 }
 
-// Pools returns the state of the warm pools (empty when the pool is disabled).
+// Pools returns the state of the warm pools, restored then pre-started (empty when both are
+// disabled).
 func (m *Manager) Pools(ctx context.Context) []PoolState {
-	if !m.pool.enabled() {
-		return []PoolState{}
+	out := []PoolState{}
+	for _, p := range []*pool{m.pool, m.prestarts} {
+		if p.enabled() {
+			out = append(out, p.state()...)
+		}
 	}
-	return m.pool.state()
+	return append(out, m.resumeStates()...)
 }
 
 func (p *pool) loop() {
@@ -301,7 +356,7 @@ func (p *pool) fill() {
 		} else {
 			d.refill = 0.75*d.refill + 0.25*took
 		}
-		p.ready[tpl.ID] = append(p.ready[tpl.ID], pe)
+		p.setReadyLocked(tpl.ID, append(p.ready[tpl.ID], pe))
 		p.mu.Unlock()
 	}
 }
@@ -338,7 +393,13 @@ func (p *pool) next(ctx context.Context) *Template {
 			delete(p.ready, id)
 		}
 	}
-	budget := p.m.cfg.PoolMemoryMB / p.m.cfg.PoolInstanceMB
+	_, _, instanceMB := p.limits()
+	used := int(p.m.resumePre.Load()) * p.m.cfg.PrestartInstanceMB // pre-started for resumes
+	if o := p.other; o != nil && o.enabled() {
+		_, _, otherMB := o.limits()
+		used += int(o.n.Load()) * otherMB
+	}
+	budget := (p.m.cfg.PoolMemoryMB - used) / instanceMB
 	var best *Template
 	bestGap := 0
 	for _, tpl := range tpls {
@@ -361,7 +422,7 @@ func (p *pool) next(ctx context.Context) *Template {
 			stale = append(stale, keep[0])
 			keep = keep[1:]
 		}
-		p.ready[tpl.ID] = keep
+		p.setReadyLocked(tpl.ID, keep)
 		if gap := target - len(keep); gap > bestGap {
 			best, bestGap = tpl, gap
 		}
@@ -372,12 +433,14 @@ func (p *pool) next(ctx context.Context) *Template {
 	return best
 }
 
+// restore makes one instance for the pool: a sandbox restored from tpl's image, or (the
+// pre-started kind) an instance created with that image's layer and nothing restored yet.
 func (p *pool) restore(ctx context.Context, tpl *Template, owner string) (*pooled, error) {
 	m := p.m
-	pe := &pooled{owner: owner, buildID: tpl.BuildID,
-		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), mem: orDefault(tpl.MemoryMB, m.cfg.MemoryMB)}
-	place, err := m.launch(ctx, launchSpec{owner: pe.owner, tpl: tpl, image: tpl.Image,
-		cpu: pe.cpu, memMB: pe.mem, diskMB: orDefault(tpl.DiskMB, m.cfg.DiskMB), egress: Egress{AllowInternet: true}})
+	pe := &pooled{owner: owner, buildID: tpl.BuildID, image: tpl.Image,
+		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), mem: orDefault(tpl.MemoryMB, m.cfg.MemoryMB), disk: orDefault(tpl.DiskMB, m.cfg.DiskMB)}
+	place, err := m.launch(ctx, launchSpec{owner: pe.owner, tpl: tpl, image: tpl.Image, prestart: p.kind == kindPrestarted,
+		cpu: pe.cpu, memMB: pe.mem, diskMB: pe.disk, egress: Egress{AllowInternet: true}})
 	if err != nil {
 		m.removeSandboxDir(pe.owner)
 		return nil, err

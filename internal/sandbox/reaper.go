@@ -38,7 +38,8 @@ func (m *Manager) reap(e *entry, now time.Time) {
 	switch {
 	case sb.State == StateRunning && now.After(sb.EndAt):
 		if sb.AutoPause {
-			if err := m.pauseLocked(ctx, e, !sb.PauseDropsMemory); err == nil {
+			// Only a sandbox that traffic wakes gets an instance pre-started for its resume.
+			if err := m.pauseLocked(ctx, e, !sb.PauseDropsMemory, sb.AutoResume); err == nil {
 				return
 			} else {
 				m.logger(sb.ID).Error("auto-pause failed; killing", "err", err)

@@ -93,6 +93,7 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 		return nil, err
 	}
 	m.pool.templateChanged(tpl)
+	m.prestarts.templateChanged(tpl)
 	progress(fmt.Sprintf("template %q ready in %s", tpl.ID, time.Since(start).Round(time.Millisecond)))
 	return tpl, nil
 }
@@ -231,6 +232,7 @@ func (m *Manager) DeleteTemplate(ctx context.Context, id string) error {
 		return err
 	}
 	m.pool.templateChanged(&Template{ID: id})
+	m.prestarts.templateChanged(&Template{ID: id})
 	defer m.collectLayers(context.WithoutCancel(ctx), "template "+id+" deleted")
 	if tpl.Kind == "snapshot" {
 		os.RemoveAll(tpl.Image)

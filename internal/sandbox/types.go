@@ -110,8 +110,12 @@ type CreateRequest struct {
 	Network *NetworkConfig
 	// Cold boots the template's rootfs instead of restoring its checkpoint (benchmarks, fallback).
 	Cold bool
-	// NoPool skips the warm pool and restores the template's checkpoint (benchmarks).
+	// NoPool skips the warm pools (restored and pre-started) and restores the template's
+	// checkpoint into a new instance (benchmarks).
 	NoPool bool
+	// NoRestoredPool skips the restored pool only: a pre-started instance serves the create
+	// when one is ready (benchmarks: a pool miss).
+	NoRestoredPool bool
 }
 
 // PauseOptions tune a pause.
@@ -119,6 +123,8 @@ type PauseOptions struct {
 	// KeepMemory: checkpoint memory and files (the default); false keeps the filesystem only,
 	// and resume boots the sandbox again on its files.
 	KeepMemory bool
+	// NoPrestart: no instance is pre-started for the resume (benchmarks).
+	NoPrestart bool
 }
 
 // ConnectOptions tune Connect.

@@ -113,8 +113,11 @@ func TestCrashInjection(t *testing.T) {
 
 const (
 	crashPoolSize = 2 // ember's default --pool-size
-	crashSlotPool = 4 // ember's default --slot-pool-size
-	crashMaxLive  = 5 // sandboxes kept alive across rounds
+	// crashPrestarted bounds the pre-started instances (runsc state "created") of a settled
+	// node: ember's default --prestart-size (1) and one being made.
+	crashPrestarted = 2
+	crashSlotPool   = 4 // ember's default --slot-pool-size
+	crashMaxLive    = 5 // sandboxes kept alive across rounds
 )
 
 func envInt(name string, def int) int {
@@ -589,7 +592,7 @@ func (c *crashRun) check() {
 		}
 		tr.cut = ""
 		if err := c.checkFiles(tr, tr.files); err != nil {
-			c.violate("sandbox %s (created round %d): %v", id, tr.created, err)
+			c.violate("sandbox %s (created round %d): %v; the daemon said of it:\n%s", id, tr.created, err, d.logLines(id, 15))
 			d.call(30*time.Second, "DELETE", "/sandboxes/"+id, nil, nil)
 			delete(c.live, id)
 			continue
@@ -740,22 +743,27 @@ func (c *crashRun) checkHost() {
 		owned[i.ID] = id
 		tr.instID = i.ID
 	}
-	var extra []string
+	var extra, prestarted []string
 	used := map[string]bool{}
 	for _, i := range insts {
 		if _, err := os.Stat(i.Bundle); err != nil {
 			c.violate("instance %s (sandbox %q) runs with its state dir gone", i.ID, owned[i.ID])
 		}
-		if i.Status != "running" {
-			c.violate("instance %s (sandbox %q) is %s and still kept", i.ID, owned[i.ID], i.Status)
-		}
 		used[d.instanceNetns(i)] = true
-		if owned[i.ID] == "" {
+		switch {
+		case i.Status == "created" && owned[i.ID] == "":
+			prestarted = append(prestarted, i.ID)
+		case i.Status != "running":
+			c.violate("instance %s (sandbox %q) is %s and still kept", i.ID, owned[i.ID], i.Status)
+		case owned[i.ID] == "":
 			extra = append(extra, i.ID)
 		}
 	}
 	if len(extra) > c.pool+1 {
 		c.violate("%d instances belong to no sandbox (pool size %d): %v", len(extra), c.pool, extra)
+	}
+	if len(prestarted) > crashPrestarted {
+		c.violate("%d pre-started instances, want at most %d: %v", len(prestarted), crashPrestarted, prestarted)
 	}
 	// Slots are made in the background (slot pool): look again before calling a mismatch.
 	var netProblem string

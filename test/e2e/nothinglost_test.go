@@ -152,8 +152,9 @@ func (d *daemon) findInstance(s sbx, insts []instance) (instance, string, error)
 	return instance{}, "", fmt.Errorf("no runsc instance of sandbox %s (address %s, netns %q) among %+v", s.SandboxID, strings.TrimSpace(r.stdout), ns, insts)
 }
 
-// unowned returns the runsc instances that no listed running sandbox owns (pool instances and
-// orphans), and an error per running sandbox whose instance cannot be found.
+// unowned returns the runsc instances that no listed running sandbox owns (restored pool
+// instances and orphans; pre-started ones, in runsc state "created", are left out), and an error
+// per running sandbox whose instance cannot be found.
 func (d *daemon) unowned(t *testing.T) ([]instance, []error) {
 	t.Helper()
 	insts := d.instances()
@@ -176,7 +177,7 @@ func (d *daemon) unowned(t *testing.T) ([]instance, []error) {
 	}
 	var out []instance
 	for _, i := range insts {
-		if !owned[i.ID] {
+		if !owned[i.ID] && i.Status != "created" { // pre-started instances are not counted
 			out = append(out, i)
 		}
 	}
@@ -437,13 +438,16 @@ func (d *daemon) holdNewRestore(bound time.Duration) int {
 // poolSize + 1 being restored) and their resources, plus at most slotPool spare slots.
 func checkOnlyPool(t *testing.T, d *daemon, h hostState, poolSize, slotPool int) {
 	t.Helper()
-	if len(h.instances) > poolSize+1 {
-		t.Errorf("%d runsc instances with no sandbox, want at most the pool (%d): %s", len(h.instances), poolSize, h)
-	}
+	restored, prestarted := 0, 0
 	used := map[string]bool{}
 	stateDirs := []string{}
 	for _, i := range h.instances {
-		if i.Status != "running" {
+		switch i.Status {
+		case "running":
+			restored++
+		case "created": // pre-started, waiting for a restore into it
+			prestarted++
+		default:
 			t.Errorf("instance %s is %s (nothing should keep a stopped instance)", i.ID, i.Status)
 		}
 		if _, err := os.Stat(i.Bundle); err != nil {
@@ -451,6 +455,12 @@ func checkOnlyPool(t *testing.T, d *daemon, h hostState, poolSize, slotPool int)
 		}
 		used[d.instanceNetns(i)] = true
 		stateDirs = append(stateDirs, filepath.Dir(i.Bundle))
+	}
+	if restored > poolSize+1 {
+		t.Errorf("%d runsc instances with no sandbox, want at most the pool (%d): %s", restored, poolSize, h)
+	}
+	if prestarted > crashPrestarted {
+		t.Errorf("%d pre-started instances, want at most %d: %s", prestarted, crashPrestarted, h)
 	}
 	spare := 0
 	for _, n := range h.netns {
@@ -619,12 +629,12 @@ func ifIndex(name string) int {
 }
 
 // TestCreateFromCheckpointPoolOff keeps the pool-off path covered now that the suite runs with
-// the default pool: with --pool-size 0 every create restores the template's checkpoint (no
+// the default pool: with --pool-size 0 and --prestart-max 0 every create restores the template's checkpoint (no
 // instance runs before the first create), and the sandbox works, pauses and resumes. Node c2.
 // Bound: ~30 s.
 func TestCreateFromCheckpointPoolOff(t *testing.T) {
 	d := newDaemonWith(t, daemonOpts{NodeID: "c2", CIDR: nodeCIDR(2), DataDir: filepath.Join(buildDir, "c2"),
-		Flags: []string{"--pool-size", "0", "--slot-pool-size", "0"}})
+		Flags: []string{"--pool-size", "0", "--prestart-max", "0", "--slot-pool-size", "0"}})
 	d.killAll(t)
 	time.Sleep(time.Second)
 	if insts := d.instances(); len(insts) != 0 {

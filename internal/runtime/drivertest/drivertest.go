@@ -66,6 +66,7 @@ func Run(t *testing.T, newDriver func(t *testing.T) runtime.Driver, rootfs func(
 		{"MemoryHog", s.testMemoryHog},
 		{"ExportImport", s.testExportImport},
 		{"LayeredRootFS", s.testLayeredRootFS},
+		{"Prestart", s.testPrestart},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, tc.fn)

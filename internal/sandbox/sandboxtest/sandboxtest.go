@@ -195,6 +195,9 @@ type Instance struct {
 	srv    *http.Server
 	done   chan struct{}
 	exit   runtime.Exit
+	// prestarted: made by Prestart for preImage and not restored into yet.
+	prestarted bool
+	preImage   string
 }
 
 // image is what Checkpoint writes.
@@ -271,6 +274,10 @@ func (d *Driver) Restore(ctx context.Context, spec runtime.Spec, imageDir string
 	if err := d.fail("Restore", spec.ID); err != nil {
 		return err
 	}
+	return d.restore(spec, imageDir)
+}
+
+func (d *Driver) restore(spec runtime.Spec, imageDir string) error {
 	b, err := os.ReadFile(filepath.Join(imageDir, "checkpoint.img"))
 	if err != nil {
 		return fmt.Errorf("fake: restore image %q: %v: %w", imageDir, err, errdefs.ErrNotFound)
