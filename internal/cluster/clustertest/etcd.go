@@ -21,6 +21,7 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 
 	"github.com/ember-sandbox/ember/internal/testutil"
 )
@@ -163,12 +164,25 @@ func (e *Etcd) Endpoints() []string {
 // Client returns a client of the whole cluster, closed when the test ends.
 func (e *Etcd) Client(t testing.TB) *clientv3.Client {
 	t.Helper()
-	c, err := clientv3.New(clientv3.Config{Endpoints: e.Endpoints(), DialTimeout: 5 * time.Second})
+	c, err := clientv3.New(clientv3.Config{Endpoints: e.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
 	return c
+}
+
+// Leader returns the index of the member that leads now (-1 if none answers).
+func (e *Etcd) Leader(c *clientv3.Client) int {
+	for i, ep := range e.Endpoints() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		st, err := c.Status(ctx, ep)
+		cancel()
+		if err == nil && st.Leader == st.Header.MemberId {
+			return i
+		}
+	}
+	return -1
 }
 
 // Kill stops member i at once (SIGKILL).
