@@ -45,6 +45,8 @@ type Config struct {
 	MaxBodyBytes int64
 	// ClientID is the constant clientID in responses. Default DefaultClientID.
 	ClientID string
+	// Cluster, when set, makes this node one edge of a cluster (cluster.go).
+	Cluster Cluster
 }
 
 func (c Config) withDefaults() Config {
@@ -76,6 +78,9 @@ type server struct {
 	hostRe *regexp.Regexp
 	proxy  *httputil.ReverseProxy
 	routes *router
+	// Cluster mode (nil: one node).
+	cl            Cluster
+	nodeTransport *http.Transport
 }
 
 // New returns the daemon's HTTP handler. Serve it on one port; enabling h2c on the server is
@@ -86,6 +91,11 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 		logger = slog.Default()
 	}
 	s := &server{cfg: cfg, svc: svc, keys: keys, log: logger}
+	if cfg.Cluster != nil {
+		s.cl = cfg.Cluster
+		s.svc = &clusterService{Service: svc, cl: cfg.Cluster}
+		s.nodeTransport = newNodeTransport()
+	}
 	domainHost := strings.ToLower(cfg.Domain)
 	if h, _, ok := strings.Cut(domainHost, ":"); ok {
 		domainHost = h
@@ -100,6 +110,9 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 // else control plane.
 func (s *server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	defer s.recoverPanic(w, r)
+	if s.cl != nil && s.serveCluster(w, r) {
+		return
+	}
 
 	if vals, ok := r.Header[HeaderSandboxID]; ok {
 		id := ""

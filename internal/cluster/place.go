@@ -50,6 +50,9 @@ func (cl *Cluster) Place(ctx context.Context, req PlaceRequest) (*Reservation, e
 	if edge == 0 {
 		return nil, fmt.Errorf("this node is cut off from the cluster: %w", errdefs.ErrUnavailable)
 	}
+	if len(req.Exclude) > 0 {
+		cl.placeRetries.Add(1) // a node refused this create
+	}
 	cands, haveTpl := cl.candidates(req)
 	if len(cands) == 0 {
 		if !haveTpl {
@@ -375,16 +378,22 @@ func (cl *Cluster) Drain(ctx context.Context, id string, on bool) error {
 	if _, err := cl.Node(id); err != nil {
 		return err
 	}
-	var err error
+	var rev int64
 	if on {
-		_, err = cl.c.Put(ctx, cl.key("drain", id), time.Now().UTC().Format(time.RFC3339))
+		r, err := cl.c.Put(ctx, cl.key("drain", id), time.Now().UTC().Format(time.RFC3339))
+		if err != nil {
+			return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+		}
+		rev = r.Header.Revision
 	} else {
-		_, err = cl.c.Delete(ctx, cl.key("drain", id))
+		r, err := cl.c.Delete(ctx, cl.key("drain", id))
+		if err != nil {
+			return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+		}
+		rev = r.Header.Revision
 	}
-	if err != nil {
-		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
-	}
-	return nil
+	// The answer (and this edge's next placement) sees the change.
+	return cl.WaitRevision(ctx, rev)
 }
 
 func newID() string {
