@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -33,6 +34,11 @@ const clusterTTL = 2 * time.Second
 
 func newClusterNode(t *testing.T, e *clustertest.Etcd, id string, mod func(*sandbox.Config)) *clusterNode {
 	t.Helper()
+	return newClusterNodeWith(t, e, id, mod, nil, nil)
+}
+
+func newClusterNodeWith(t *testing.T, e *clustertest.Etcd, id string, mod func(*sandbox.Config), cmod func(*cluster.Config), wrap func(http.Handler) http.Handler) *clusterNode {
+	t.Helper()
 	g := newGuest(t)
 	svc := newServiceWith(t, g.srv.Listener.Addr().String(), mod)
 	srv := httptest.NewUnstartedServer(nil)
@@ -43,14 +49,22 @@ func newClusterNode(t *testing.T, e *clustertest.Etcd, id string, mod func(*sand
 	t.Cleanup(func() { c.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	cl, err := cluster.New(ctx, cluster.Config{Client: c, NodeID: id, URL: "http://" + srv.Listener.Addr().String(), TTL: clusterTTL,
+	ccfg := cluster.Config{Client: c, NodeID: id, URL: "http://" + srv.Listener.Addr().String(), TTL: clusterTTL,
 		Capacity: cluster.Capacity{CPU: 8, MemoryMB: 64 << 10, Slots: 100, DiskFreeMB: 1 << 20},
-		Local:    cluster.ManagerLocal(svc.Manager), SyncInterval: 200 * time.Millisecond, Logger: testLogger(t)})
+		Local:    cluster.ManagerLocal(svc.Manager), SyncInterval: 200 * time.Millisecond, Logger: testLogger(t)}
+	if cmod != nil {
+		cmod(&ccfg)
+	}
+	cl, err := cluster.New(ctx, ccfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	keys := auth.NewKeys(cl.Keys())
-	srv.Config.Handler = New(Config{Domain: testDomain, Cluster: cl}, svc, keys, testLogger(t))
+	var h http.Handler = New(Config{Domain: testDomain, Cluster: cl}, svc, keys, testLogger(t))
+	if wrap != nil {
+		h = wrap(h)
+	}
+	srv.Config.Handler = h
 	srv.Start()
 	n := &clusterNode{id: id, svc: svc, cl: cl, srv: srv, env: &env{t: t, fake: svc, keys: keys, api: srv, guest: g}}
 	stopped := false
@@ -343,5 +357,58 @@ func TestClusterNodeLoss(t *testing.T) {
 	b, _ := json.Marshal(views)
 	if !strings.Contains(string(b), `"nodeID":"c","state":"lost"`) {
 		t.Fatalf("/nodes: %s", b)
+	}
+}
+
+// A stale route: the node it names answers "not here", and the edge reads etcd once and tries
+// again where the sandbox is now.
+func TestClusterNotHereRetries(t *testing.T) {
+	e := clustertest.Start(t, 3)
+	etcd := e.Client(t)
+	ctx := context.Background()
+	noSync := func(c *cluster.Config) { c.SyncInterval = time.Hour }
+	var b *clusterNode
+	var moved atomic.Int64
+	a := newClusterNodeWith(t, e, "a", nil, noSync, nil)
+	b = newClusterNodeWith(t, e, "b", nil, noSync, nil)
+	// c: when asked for the sandbox it does not hold, the route moves to b first (as if the
+	// edge's cache had fallen behind).
+	c := newClusterNodeWith(t, e, "c", nil, noSync, func(h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Header.Get(HeaderForwarded) != "" && moved.Load() == 0 {
+				id := r.Header.Get(headerFwdSandbox)
+				route, _ := json.Marshal(cluster.Route{Node: "b", Epoch: b.cl.Epoch(), Since: time.Now()})
+				if _, err := etcd.Put(ctx, "/ember/sandboxes/"+id, string(route)); err != nil {
+					t.Error(err)
+				}
+				moved.Add(1)
+			}
+			h.ServeHTTP(w, r)
+		})
+	})
+	key, _, _ := a.env.keys.Create(ctx, "k")
+	a.env.key = key
+	waitFor(t, 5*time.Second, "three nodes", func() bool { return len(a.cl.Live()) == 3 })
+	// A sandbox on b, routed (wrongly) to c.
+	sbx, err := b.svc.Manager.Create(ctx, sandbox.CreateRequest{TemplateID: "base", Timeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	route, _ := json.Marshal(cluster.Route{Node: "c", Epoch: c.cl.Epoch(), Since: time.Now()})
+	r, err := etcd.Put(ctx, "/ember/sandboxes/"+sbx.ID, string(route))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.cl.WaitRevision(ctx, r.Header.Revision); err != nil {
+		t.Fatal(err)
+	}
+	res := a.env.do(http.MethodPost, "/echo", "payload", "E2b-Sandbox-Id", sbx.ID)
+	var echo guestEcho
+	if res.status != http.StatusOK {
+		t.Fatalf("through a stale route: %d %s", res.status, res.body)
+	}
+	res.json(t, &echo)
+	if echo.Body != "payload" || moved.Load() != 1 || res.header.Get(HeaderNotHere) != "" {
+		t.Fatalf("echo %+v, moved %d, not-here %q", echo, moved.Load(), res.header.Get(HeaderNotHere))
 	}
 }
