@@ -51,13 +51,17 @@ func (cl *Cluster) watch(ctx context.Context, rev int64) {
 				break
 			}
 			cl.mu.Lock()
-			var died []string
+			var died []deadNode
 			for _, ev := range resp.Events {
 				if ev.Type == mvccpb.PUT {
 					cl.applyPut(ev.Kv)
 				} else if id, ok := strings.CutPrefix(string(ev.Kv.Key), cl.p+"nodes/"); ok {
 					delete(cl.nodes, id)
-					died = append(died, id)
+					d := deadNode{id: id}
+					if ev.PrevKv != nil {
+						d.epoch = ev.PrevKv.Lease
+					}
+					died = append(died, d)
 				} else {
 					cl.applyDelete(string(ev.Kv.Key))
 				}
@@ -68,8 +72,8 @@ func (cl *Cluster) watch(ctx context.Context, rev int64) {
 			rev = cl.rev
 			cl.revCond.Broadcast()
 			cl.mu.Unlock()
-			for _, id := range died {
-				cl.nodeDied(ctx, id, time.Now())
+			for _, d := range died {
+				cl.nodeDied(ctx, d, time.Now())
 			}
 		}
 		cancel()
@@ -91,7 +95,8 @@ func (cl *Cluster) applyPut(kv *mvccpb.KeyValue) {
 		}
 	case "alloc":
 		var a Alloc
-		if json.Unmarshal(kv.Value, &a) == nil {
+		// Never older than what placement noted from its own transactions.
+		if e, ok := cl.allocs[rest]; (!ok || e.modRev <= kv.ModRevision) && json.Unmarshal(kv.Value, &a) == nil {
 			cl.allocs[rest] = allocEntry{a: a, modRev: kv.ModRevision}
 		}
 	case "drain":

@@ -83,6 +83,7 @@ type Cluster struct {
 	wg     sync.WaitGroup
 
 	placeRetries atomic.Int64
+	fences       atomic.Int64
 }
 
 type allocEntry struct {
@@ -163,6 +164,9 @@ func (cl *Cluster) Epoch() int64 { return cl.epoch.Load() }
 
 // Fenced reports whether the node is cut off (it has killed its sandboxes and serves none).
 func (cl *Cluster) Fenced() bool { return cl.fenced.Load() }
+
+// Fences counts the times this node fenced itself.
+func (cl *Cluster) Fences() int64 { return cl.fences.Load() }
 
 // PlacementRetries counts placements that had to try again (a lost race or a refusal).
 func (cl *Cluster) PlacementRetries() int64 { return cl.placeRetries.Load() }
@@ -246,11 +250,9 @@ func (cl *Cluster) renew(ctx context.Context) {
 		}
 		lastOK := time.Now()
 		for ctx.Err() == nil {
-			step := cl.cfg.TTL / 3
+			// A slow answer still counts from when it was sent: wait for it up to the deadline.
 			deadline := lastOK.Add(cl.cfg.TTL)
-			if left := time.Until(deadline); left < step {
-				step = left
-			}
+			step := time.Until(deadline)
 			if step <= 0 {
 				cl.fence(ctx, "the node could not renew its lease for "+cl.cfg.TTL.String())
 				break
@@ -284,6 +286,7 @@ func (cl *Cluster) renew(ctx context.Context) {
 func (cl *Cluster) fence(ctx context.Context, reason string) {
 	old := cl.epoch.Swap(0)
 	cl.fenced.Store(true)
+	cl.fences.Add(1)
 	cl.log.Error("cluster: fenced: killing every sandbox of this node", "reason", reason, "epoch", fmt.Sprintf("%x", old))
 	if cl.cfg.LeaseFile != "" {
 		_ = os.Remove(cl.cfg.LeaseFile)

@@ -39,7 +39,7 @@ type Reservation struct {
 }
 
 // maxPlaceAttempts bounds the transactions one placement tries (lost races included).
-const maxPlaceAttempts = 32
+const maxPlaceAttempts = 64
 
 // Place reserves room for a sandbox of req.TemplateID on the live, undrained, compatible
 // node with the most room that has the template, atomically: the reservation transaction
@@ -62,9 +62,18 @@ func (cl *Cluster) Place(ctx context.Context, req PlaceRequest) (*Reservation, e
 	}
 	rid := newID()
 	for attempt := 0; attempt < maxPlaceAttempts && len(cands) > 0; attempt++ {
-		// Among the few roomiest, pick at random: edges placing at once spread instead of all
-		// racing for the same node.
-		i := mrand.IntN(min(3, len(cands)))
+		// The roomier of two picked at random: edges placing at once spread over the nodes
+		// instead of all racing for the single roomiest, and load still evens out.
+		i := mrand.IntN(len(cands))
+		if len(cands) > 1 {
+			j := mrand.IntN(len(cands) - 1)
+			if j >= i {
+				j++
+			}
+			if cands[j].score > cands[i].score {
+				i = j
+			}
+		}
 		c := cands[i]
 		size := c.size
 		next := c.alloc.add(size, 1)
@@ -90,9 +99,13 @@ func (cl *Cluster) Place(ctx context.Context, req PlaceRequest) (*Reservation, e
 			return nil, fmt.Errorf("etcd: reserve: %w", errdefs.ErrUnavailable)
 		}
 		if resp.Succeeded {
+			// This edge's next placement sees its own reservation without waiting for the watch.
+			cl.noteAlloc(c.n.ID, next, resp.Header.Revision)
 			return &Reservation{ID: rid, Node: c.n.ID, URL: c.n.URL, Local: c.n.ID == cl.cfg.NodeID, Size: size}, nil
 		}
 		cl.placeRetries.Add(1)
+		// A little jitter: edges that lost the same race do not meet again at once.
+		sleep(ctx, time.Duration(mrand.Int64N(int64(time.Millisecond)*int64(min(attempt+1, 10)))))
 		// Lost the race (or the node went, or was drained): that node as it is now.
 		ar, dr := resp.Responses[0].GetResponseRange(), resp.Responses[1].GetResponseRange()
 		if len(ar.Kvs) == 0 || len(dr.Kvs) > 0 || ar.Kvs[0].Lease != c.n.Epoch {
@@ -102,6 +115,7 @@ func (cl *Cluster) Place(ctx context.Context, req PlaceRequest) (*Reservation, e
 		var a Alloc
 		_ = json.Unmarshal(ar.Kvs[0].Value, &a)
 		cands[i].alloc, cands[i].modRev = a, ar.Kvs[0].ModRevision
+		cl.noteAlloc(c.n.ID, a, ar.Kvs[0].ModRevision)
 		if !cl.fits(c.n, a, size) {
 			cands = slices.Delete(cands, i, i+1)
 		}
@@ -118,6 +132,15 @@ type resvRecord struct {
 // ReservationTTL bounds how long a reservation holds room: a create takes far less, and the
 // owner drops older ones (an edge that lost its answer, or a write that failed ambiguously).
 const ReservationTTL = 2 * time.Minute
+
+// noteAlloc records an allocation read or written here, if newer than the cache's.
+func (cl *Cluster) noteAlloc(node string, a Alloc, modRev int64) {
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	if e, ok := cl.allocs[node]; ok && e.modRev < modRev {
+		cl.allocs[node] = allocEntry{a: a, modRev: modRev}
+	}
+}
 
 type candidate struct {
 	n      *NodeInfo
@@ -310,6 +333,13 @@ func (cl *Cluster) Lost(ctx context.Context, id string) (*Lost, error) {
 	var l Lost
 	_ = json.Unmarshal(r.Kvs[0].Value, &l)
 	return &l, nil
+}
+
+// Routed counts the sandboxes routed to node (in this node's cache).
+func (cl *Cluster) Routed(node string) int {
+	cl.mu.RLock()
+	defer cl.mu.RUnlock()
+	return len(cl.byNode[node])
 }
 
 // Live returns the live nodes' records.

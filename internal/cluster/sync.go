@@ -4,7 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"maps"
-	"slices"
+	"strconv"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -143,28 +143,50 @@ func (cl *Cluster) killLocal(ctx context.Context, id, why string) {
 	}
 }
 
-// nodeDied runs when a node's record goes (its lease expired or was revoked). The live node
-// with the lowest id marks its sandboxes lost at once; the others do it a TTL later if it is
-// still not done, so that no single node's loss stops the reaping.
-func (cl *Cluster) nodeDied(ctx context.Context, id string, at time.Time) {
-	if id == cl.cfg.NodeID {
+type deadNode struct {
+	id    string
+	epoch int64
+}
+
+// nodeDied runs when a node's record goes (its lease expired or was revoked). One live node
+// takes the reaping of that epoch (a create-if-absent key under its own lease) and marks the
+// dead node's sandboxes lost at once; the others look again a TTL later and take it over if
+// the reaper died too (its claim went with its lease) and routes remain.
+func (cl *Cluster) nodeDied(ctx context.Context, d deadNode, at time.Time) {
+	if d.id == cl.cfg.NodeID {
 		return
-	}
-	cl.mu.RLock()
-	live := slices.Sorted(maps.Keys(cl.nodes))
-	cl.mu.RUnlock()
-	delay := cl.cfg.TTL
-	if len(live) > 0 && live[0] == cl.cfg.NodeID {
-		delay = 0
 	}
 	cl.wg.Add(1)
 	go func() {
 		defer cl.wg.Done()
-		if !sleep(ctx, delay) {
-			return
+		for attempt := 0; attempt < 3; attempt++ {
+			if cl.claimReaping(ctx, d) {
+				cl.reap(ctx, d.id, at)
+				_, _ = cl.c.Delete(ctx, cl.key("reaping", d.id, strconv.FormatInt(d.epoch, 16)))
+				return
+			}
+			if !sleep(ctx, cl.cfg.TTL) || !cl.hasRoutes(d.id) {
+				return
+			}
 		}
-		cl.reap(ctx, id, at)
 	}()
+}
+
+func (cl *Cluster) claimReaping(ctx context.Context, d deadNode) bool {
+	epoch := cl.epoch.Load()
+	if epoch == 0 {
+		return false
+	}
+	k := cl.key("reaping", d.id, strconv.FormatInt(d.epoch, 16))
+	r, err := cl.c.Txn(ctx).If(clientv3.Compare(clientv3.Version(k), "=", 0)).
+		Then(clientv3.OpPut(k, cl.cfg.NodeID, clientv3.WithLease(clientv3.LeaseID(epoch)))).Commit()
+	return err == nil && r.Succeeded
+}
+
+func (cl *Cluster) hasRoutes(node string) bool {
+	cl.mu.RLock()
+	defer cl.mu.RUnlock()
+	return len(cl.byNode[node]) > 0
 }
 
 // reap marks every sandbox of a dead node (or of an ended epoch of it) lost and records the

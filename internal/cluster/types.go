@@ -15,6 +15,7 @@
 //	sandboxes/<sid>     Route (which node and epoch hold the sandbox), no lease
 //	lost/<sid>          Lost (the sandbox died with its node), under a one-day lease
 //	down/<id>           the time a node was found dead, under a one-day lease
+//	reaping/<id>/<ep>   the live node marking a dead epoch's sandboxes lost, under its lease
 //	apikeys/<id>        the cluster's API keys (auth.Key), no lease
 package cluster
 
