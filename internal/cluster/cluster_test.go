@@ -357,3 +357,30 @@ func TestKeysAreTheClusters(t *testing.T) {
 	}
 	eventually(t, 5*time.Second, "revoked on a", func() bool { return ka.Verify(ctx, plain) != nil })
 }
+
+// When the node that would reap is itself dead but not yet expired, another live node takes
+// the reaping at once: the dead node's sandboxes are lost within its TTL plus a margin, not a
+// second TTL later (regression: the lowest-id live node was the reaper, even when dead).
+func TestReapingWhenTheReaperIsDeadToo(t *testing.T) {
+	e := clustertest.Start(t, 3)
+	la, lb := newLocal("base"), newLocal("base")
+	a := join(t, e.Endpoints(), "a", 4, la)
+	b := join(t, e.Endpoints(), "b", 4, lb)
+	c := join(t, e.Endpoints(), "c", 4, newLocal("base"))
+	join(t, e.Endpoints(), "d", 4, newLocal("base"))
+	ctx := context.Background()
+	if err := b.Claim(ctx, lb.add("sb1"), ""); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "c sees all", func() bool { return len(c.Live()) == 4 })
+	// b stops, then a (the lowest id): b's lease runs out while a, dead, still looks live.
+	stopped := time.Now()
+	b.Close()
+	time.Sleep(ttl / 2)
+	a.Close()
+	eventually(t, ttl+1500*time.Millisecond-time.Since(stopped), "sb1 lost within TTL + 1.5 s of b's stop", func() bool {
+		l, _ := c.Locate(ctx, "sb1", true)
+		return l.Lost != nil
+	})
+	t.Logf("sb1 lost %v after b stopped (TTL %v)", time.Since(stopped).Round(time.Millisecond), ttl)
+}
