@@ -55,6 +55,8 @@ type Config struct {
 	Logger  *slog.Logger
 	// MinDiskFreeMB is the free disk below which a node takes no new sandboxes (default 256).
 	MinDiskFreeMB int64
+	// OwnClient: Close closes Client too.
+	OwnClient bool
 }
 
 // Cluster is this node's membership in the cluster and its caches of the others.
@@ -78,9 +80,10 @@ type Cluster struct {
 	rev     int64 // last revision applied to the caches
 	revCond *sync.Cond
 
-	kick   chan struct{}
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	kick      chan struct{}
+	closeOnce sync.Once
+	cancel    context.CancelFunc
+	wg        sync.WaitGroup
 
 	placeRetries atomic.Int64
 	fences       atomic.Int64
@@ -145,6 +148,9 @@ func (cl *Cluster) Close() {
 	cl.mu.Lock()
 	cl.revCond.Broadcast()
 	cl.mu.Unlock()
+	if cl.cfg.OwnClient {
+		cl.closeOnce.Do(func() { cl.c.Close() })
+	}
 }
 
 // Leave revokes the node's lease: the node is gone at once (its sandboxes are reported lost).

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -28,6 +29,10 @@ func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager) (*cluste
 	}
 	adv := cfg.AdvertiseURL
 	if adv == "" {
+		host, _, err := net.SplitHostPort(cfg.Listen)
+		if ip := net.ParseIP(host); err != nil || host == "" || (ip != nil && ip.IsUnspecified()) {
+			return nil, fmt.Errorf("advertise-url: --listen %s names no address other nodes can reach: set --advertise-url: %w", cfg.Listen, errdefs.ErrInvalid)
+		}
 		adv = "http://" + cfg.Listen
 	}
 	c, err := clientv3.New(clientv3.Config{Endpoints: cfg.EtcdEndpoints, DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
@@ -46,6 +51,7 @@ func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager) (*cluste
 		Local:     cluster.ManagerLocal(mgr),
 		LeaseFile: filepath.Join(cfg.DataDir, "cluster-lease"),
 		Logger:    cfg.Logger,
+		OwnClient: true,
 		OnFence: func(reason string) {
 			fmt.Fprintf(cfg.Out, "FENCED: %s: this node's sandboxes were killed; it rejoins under a new epoch when etcd answers\n", reason)
 		},
