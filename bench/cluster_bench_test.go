@@ -147,6 +147,7 @@ func BenchmarkClusterScale(b *testing.B) {
 		seq         atomic.Int64
 		refused     atomic.Int64
 		unavailable atomic.Int64
+		filling     atomic.Bool
 	)
 	// create places one sandbox through a random edge and starts it on its node.
 	create := func(r *rand.Rand) {
@@ -190,7 +191,7 @@ func BenchmarkClusterScale(b *testing.B) {
 			l = time.Since(t1)
 		}
 		mu.Lock()
-		if len(ids)%5000 == 4999 {
+		if filling.Load() && len(ids)%5000 == 4999 {
 			fmt.Printf("  %d sandboxes, %v\n", len(ids)+1, time.Since(start).Round(time.Second))
 		}
 		place = append(place, d)
@@ -218,7 +219,9 @@ func BenchmarkClusterScale(b *testing.B) {
 		wg.Wait()
 	}
 	start = time.Now()
+	filling.Store(true)
 	run(nSbx, create)
+	filling.Store(false)
 	fill := time.Since(start)
 	fmt.Printf("filled %d sandboxes in %v (%.0f creates/s, %d refused for room, %d refused by a fenced node)\n", len(ids), fill.Round(time.Millisecond), float64(len(ids))/fill.Seconds(), refused.Load(), unavailable.Load())
 	report(b, "placement (fill)", place)
@@ -313,10 +316,18 @@ func BenchmarkClusterScale(b *testing.B) {
 	}
 	// Marked lost = their routes replaced by lost records (one transaction), as an edge sees it.
 	deadline := start.Add(ttl + 60*time.Second)
+	var gone time.Duration
 	for routedTo() > 0 && time.Now().Before(deadline) {
+		if gone == 0 && len(obs.Live()) <= nNodes+1-nStop {
+			gone = time.Since(start) // every stopped node's record expired, as the edge sees it
+		}
 		time.Sleep(20 * time.Millisecond)
 	}
 	marked := time.Since(start)
+	if gone == 0 {
+		gone = marked
+	}
+	fmt.Printf("  the stopped nodes' leases expired (as an edge saw it) %v after the stop\n", gone.Round(time.Millisecond))
 	lostRecs := 0
 	for _, id := range victimIDs {
 		if l, err := obs.Lost(ctx, id); err == nil && l != nil {
