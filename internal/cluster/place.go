@@ -342,6 +342,13 @@ func (cl *Cluster) Routed(node string) int {
 	return len(cl.byNode[node])
 }
 
+// Routes counts the routes in this node's cache.
+func (cl *Cluster) Routes() int {
+	cl.mu.RLock()
+	defer cl.mu.RUnlock()
+	return len(cl.routes)
+}
+
 // Live returns the live nodes' records.
 func (cl *Cluster) Live() []NodeInfo {
 	cl.mu.RLock()
