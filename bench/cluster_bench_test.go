@@ -158,7 +158,9 @@ func BenchmarkClusterScale(b *testing.B) {
 		if err != nil {
 			switch {
 			case errors.Is(err, errdefs.ErrExhausted):
-				refused.Add(1)
+				if refused.Add(1) <= 3 {
+					fmt.Printf("  refused: %v (after %d sandboxes)\n", err, seq.Load())
+				}
 			case errors.Is(err, errdefs.ErrUnavailable):
 				unavailable.Add(1) // a fenced edge (or stopped node): the client tries another
 			default:

@@ -38,8 +38,8 @@ type Reservation struct {
 	Size  TemplateSize
 }
 
-// maxPlaceAttempts bounds the transactions one placement tries (lost races included).
-const maxPlaceAttempts = 64
+// maxPlaceTime bounds how long one placement retries lost races.
+const maxPlaceTime = 10 * time.Second
 
 // Place reserves room for a sandbox of req.TemplateID on the live, undrained, compatible
 // node with the most room that has the template, atomically: the reservation transaction
@@ -61,7 +61,13 @@ func (cl *Cluster) Place(ctx context.Context, req PlaceRequest) (*Reservation, e
 		return nil, fmt.Errorf("no node has room for a sandbox of template %q: %w", req.TemplateID, errdefs.ErrExhausted)
 	}
 	rid := newID()
-	for attempt := 0; attempt < maxPlaceAttempts && len(cands) > 0; attempt++ {
+	// Lost races are retried while some node has room, within a bound: running out of
+	// candidates means no room; running out of time means contention, not a full cluster.
+	until := time.Now().Add(maxPlaceTime)
+	for attempt := 0; len(cands) > 0; attempt++ {
+		if time.Now().After(until) {
+			return nil, fmt.Errorf("placement kept losing races for %v: %w", maxPlaceTime, errdefs.ErrUnavailable)
+		}
 		// The roomier of two picked at random: edges placing at once spread over the nodes
 		// instead of all racing for the single roomiest, and load still evens out.
 		i := mrand.IntN(len(cands))
@@ -93,7 +99,7 @@ func (cl *Cluster) Place(ctx context.Context, req PlaceRequest) (*Reservation, e
 		if err != nil {
 			// etcd does not retry writes: a member that just went away, or an election. The
 			// reservation may have been made all the same; the owner drops it when it is stale.
-			if ctx.Err() == nil && attempt < maxPlaceAttempts-1 && sleep(ctx, 100*time.Millisecond*time.Duration(attempt+1)) {
+			if ctx.Err() == nil && attempt < 5 && sleep(ctx, 100*time.Millisecond*time.Duration(attempt+1)) {
 				continue
 			}
 			return nil, fmt.Errorf("etcd: reserve: %w", errdefs.ErrUnavailable)
