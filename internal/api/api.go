@@ -49,6 +49,8 @@ type Config struct {
 	// control-plane call (Prometheus sends it as `authorization: {type: Bearer}`); the daemon's
 	// --metrics-listen serves it without a key on a listener of its own.
 	Metrics http.Handler
+	// Cluster, when set, makes this node one edge of a cluster (cluster.go).
+	Cluster Cluster
 }
 
 func (c Config) withDefaults() Config {
@@ -82,6 +84,9 @@ type server struct {
 	routes *router
 	// uploads are the COPY-file upload URLs handed out (templatebuild.go).
 	uploads uploads
+	// Cluster mode (nil: one node).
+	cl            Cluster
+	nodeTransport *http.Transport
 }
 
 // New returns the daemon's HTTP handler. Serve it on one port; enabling h2c on the server is
@@ -92,6 +97,11 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 		logger = slog.Default()
 	}
 	s := &server{cfg: cfg, svc: svc, keys: keys, log: logger}
+	if cfg.Cluster != nil {
+		s.cl = cfg.Cluster
+		s.svc = &clusterService{Service: svc, cl: cfg.Cluster}
+		s.nodeTransport = newNodeTransport()
+	}
 	domainHost := strings.ToLower(cfg.Domain)
 	if h, _, ok := strings.Cut(domainHost, ":"); ok {
 		domainHost = h
@@ -106,6 +116,9 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 // else control plane.
 func (s *server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	defer s.recoverPanic(w, r)
+	if s.cl != nil && s.serveCluster(w, r) {
+		return
+	}
 
 	if vals, ok := r.Header[HeaderSandboxID]; ok {
 		id := ""

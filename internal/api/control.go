@@ -51,6 +51,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodPost, "/api-keys", s.createAPIKey)
 	rt.handle(http.MethodGet, "/api-keys", s.listAPIKeys)
 	rt.handle(http.MethodDelete, "/api-keys/{id}", s.deleteAPIKey)
+	s.nodeRoutes(rt)
 	return rt
 }
 

@@ -41,6 +41,12 @@ type service struct {
 // connection goes.
 func newService(t testing.TB, guestAddr string) *service {
 	t.Helper()
+	return newServiceWith(t, guestAddr, nil)
+}
+
+// newServiceWith is newService with the Manager's configuration changed by mod.
+func newServiceWith(t testing.TB, guestAddr string, mod func(*sandbox.Config)) *service {
+	t.Helper()
 	dir := t.TempDir()
 	st, err := store.Open(filepath.Join(dir, "ember.db"))
 	if err != nil {
@@ -49,7 +55,7 @@ func newService(t testing.TB, guestAddr string) *service {
 	rig := sandboxtest.NewRig(256)
 	s := &service{t: t, rig: rig, down: map[string]bool{}, conns: map[string]map[net.Conn]string{}, dataDir: filepath.Join(dir, "data")}
 	var d net.Dialer
-	m, err := sandbox.New(context.Background(), sandbox.Config{
+	cfg := sandbox.Config{
 		DataDir: filepath.Join(dir, "data"), Driver: rig.Driver, Network: rig.Network, Store: st,
 		Builder: sandboxtest.Builder{}, Logger: slog.New(slog.DiscardHandler),
 		Dial: func(ctx context.Context, network, addr string) (net.Conn, error) {
@@ -72,7 +78,11 @@ func newService(t testing.TB, guestAddr string) *service {
 			return c, err
 		},
 		EnvdTimeout: 2 * time.Second, DrainTimeout: time.Second, CPUCount: 2, MemoryMB: 512, DiskMB: 1024,
-	})
+	}
+	if mod != nil {
+		mod(&cfg)
+	}
+	m, err := sandbox.New(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,6 +16,7 @@ import (
 	"strings"
 	"syscall"
 	"text/tabwriter"
+	"time"
 
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
@@ -46,7 +47,7 @@ func Main(args []string) int {
 	root.PersistentFlags().StringVar(&g.url, "url", envOr("EMBER_URL", "http://127.0.0.1:3000"), "daemon URL ($EMBER_URL)")
 	root.PersistentFlags().StringVar(&g.key, "api-key", "", "API key (default: $E2B_API_KEY, else <data-dir>/api-key of a local daemon)")
 	root.PersistentFlags().BoolVar(&g.asJSON, "json", false, "print JSON")
-	root.AddCommand(serveCmd(), sandboxCmd(g), templateCmd(g), keysCmd(g))
+	root.AddCommand(serveCmd(), sandboxCmd(g), templateCmd(g), keysCmd(g), nodeCmd(g))
 	root.SetArgs(args)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -101,6 +102,13 @@ func exeDir() string {
 		return "."
 	}
 	return filepath.Dir(p)
+}
+
+func splitList(v string) []string {
+	if v == "" {
+		return nil
+	}
+	return strings.Split(v, ",")
 }
 
 // findBinary looks for a helper binary next to ember, then in the repo cache, then PATH.
@@ -159,6 +167,9 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&templates, "templates", "base", "templates to build at start if missing (comma-separated, empty for none)")
 	f.StringVar(&cfg.CIDR, "cidr", os.Getenv("EMBER_CIDR"), "network for sandbox slots ($EMBER_CIDR; default 10.11.0.0/16)")
 	f.StringVar(&cfg.NodeID, "node-id", os.Getenv("EMBER_NODE_ID"), "node id; node-local names (netns, nftables table, cgroups) derive from it, so several nodes can share a host ($EMBER_NODE_ID)")
+	f.StringSliceVar(&cfg.EtcdEndpoints, "etcd-endpoints", splitList(os.Getenv("EMBER_ETCD_ENDPOINTS")), "cluster mode: etcd client URLs (comma-separated; $EMBER_ETCD_ENDPOINTS); needs --node-id. Empty = a single node")
+	f.StringVar(&cfg.AdvertiseURL, "advertise-url", os.Getenv("EMBER_ADVERTISE_URL"), "cluster mode: the URL other nodes reach this one at (default http://<listen>)")
+	f.DurationVar(&cfg.ClusterTTL, "cluster-ttl", 10*time.Second, "cluster mode: the node's lease; cut off from etcd this long, it fences itself (kills its sandboxes)")
 	f.StringVar(&cfg.Mirror, "mirror", "", "Debian mirror for template builds")
 	f.StringVar(&cfg.S3.Endpoint, "s3-endpoint", os.Getenv("EMBER_S3_ENDPOINT"), "S3-compatible endpoint for snapshots (host:port); empty = local directory")
 	f.StringVar(&cfg.S3.Bucket, "s3-bucket", envOr("EMBER_S3_BUCKET", "ember"), "S3 bucket")

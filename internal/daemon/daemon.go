@@ -25,6 +25,7 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/api"
 	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/metrics"
 	"github.com/ember-sandbox/ember/internal/network"
@@ -72,6 +73,12 @@ type Config struct {
 	// interface group, cgroup parent) is derived from it, so several nodes can share one host.
 	// Empty = the single-node defaults.
 	NodeID string
+	// EtcdEndpoints, when set, make this node one of a cluster (internal/cluster): membership
+	// under a lease of ClusterTTL (default 10 s), placement, routing and API keys in etcd.
+	// AdvertiseURL is the URL the other nodes reach this one at (default http://<Listen>).
+	EtcdEndpoints []string
+	AdvertiseURL  string
+	ClusterTTL    time.Duration
 	// Network CIDR for sandbox slots.
 	CIDR   string
 	Mirror string
@@ -92,6 +99,8 @@ type Node struct {
 	Store   *store.Store
 	Handler http.Handler
 	Metrics *metrics.Metrics
+	// Cluster is this node's membership (nil for a single node).
+	Cluster *cluster.Cluster
 	net     *network.Manager
 }
 
@@ -127,10 +136,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		}
 	}()
 	keys := auth.NewKeys(st)
-	if plain, created, err := keys.EnsureInitialKey(ctx, cfg.DataDir); err != nil {
-		return nil, fmt.Errorf("api key: %w", err)
-	} else if created {
-		fmt.Fprintf(cfg.Out, "Created API key (shown once; also in %s):\n  %s\n", filepath.Join(cfg.DataDir, "api-key"), plain)
+	if len(cfg.EtcdEndpoints) == 0 {
+		if err := ensureKey(ctx, cfg, keys); err != nil {
+			return nil, err
+		}
 	}
 	// --allow-suid: sudo works for the default user, as in E2B's base template (the ID elevation stays
 	// inside the sandbox's own kernel).
@@ -206,14 +215,44 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		}
 	}
 	met.SetSource(mgr)
-	h := api.New(api.Config{Domain: cfg.Domain, Metrics: met.Handler()}, mgr, keys, cfg.Logger)
+	acfg := api.Config{Domain: cfg.Domain, Metrics: met.Handler()}
+	var cl *cluster.Cluster
+	if len(cfg.EtcdEndpoints) > 0 {
+		if cl, err = openCluster(ctx, cfg, mgr); err != nil {
+			mgr.Close()
+			return nil, err
+		}
+		// The cluster's keys: one made on any node works on every node.
+		keys = auth.NewKeys(cl.Keys())
+		if err := ensureKey(ctx, cfg, keys); err != nil {
+			cl.Close()
+			mgr.Close()
+			return nil, err
+		}
+		acfg.Cluster = cl
+	}
+	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true
-	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, net: nm}, nil
+	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, Cluster: cl, net: nm}, nil
+}
+
+func ensureKey(ctx context.Context, cfg Config, keys *auth.Keys) error {
+	plain, created, err := keys.EnsureInitialKey(ctx, cfg.DataDir)
+	if err != nil {
+		return fmt.Errorf("api key: %w", err)
+	}
+	if created {
+		fmt.Fprintf(cfg.Out, "Created API key (shown once; also in %s):\n  %s\n", filepath.Join(cfg.DataDir, "api-key"), plain)
+	}
+	return nil
 }
 
 // Close stops background work. Running sandboxes keep running and are re-adopted by the next
 // start on the same data directory.
 func (n *Node) Close() {
+	if n.Cluster != nil {
+		n.Cluster.Close()
+	}
 	n.Manager.Close()
 	n.net.Close(context.Background())
 	n.Store.Close()

@@ -1,0 +1,304 @@
+// Package clustertest starts a real etcd cluster on loopback for tests: N members of the etcd
+// server that scripts/setup.sh builds into <repo>/.cache/bin/etcd, each with its data in a test
+// temporary directory, started within a bound and killed when the test ends. Members can be
+// killed, restarted and frozen, and a Proxy stands between a client and the cluster so that a
+// test can cut one node off while the others keep their connections.
+package clustertest
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/ember-sandbox/ember/internal/testutil"
+)
+
+// Ports the members listen on: this range is the cluster work's own on shared hosts, 6 ports
+// per 3-member cluster (a client and a peer port each). EMBER_ETCD_PORTS=LO-HI overrides it.
+const (
+	defaultPortLo = 18840
+	defaultPortHi = 18899
+)
+
+// Binary returns the etcd binary ($EMBER_ETCD, else <repo>/.cache/bin/etcd) and whether it
+// exists.
+func Binary() (string, bool) {
+	p := os.Getenv("EMBER_ETCD")
+	if p == "" {
+		p = filepath.Join(testutil.RepoRoot(), ".cache", "bin", "etcd")
+	}
+	fi, err := os.Stat(p)
+	return p, err == nil && !fi.IsDir()
+}
+
+// Etcd is a running test cluster.
+type Etcd struct {
+	t       testing.TB
+	bin     string
+	members []*member
+	initial string
+}
+
+type member struct {
+	name, dir    string
+	client, peer int
+	mu           sync.Mutex
+	cmd          *exec.Cmd
+	exited       chan struct{}
+	logs         *syncBuffer
+}
+
+// Start runs an n-member cluster and waits until it serves writes (30 s bound). Without the
+// binary the test skips (fails in CI).
+func Start(t testing.TB, n int) *Etcd {
+	t.Helper()
+	bin, ok := Binary()
+	testutil.Need(t, ok, "etcd "+bin+" not installed: run scripts/setup.sh")
+	var last error
+	for attempt := 0; attempt < 4; attempt++ {
+		e, err := start(t, bin, n)
+		if err == nil {
+			return e
+		}
+		last = err
+	}
+	t.Fatalf("etcd did not start: %v", last)
+	return nil
+}
+
+func start(t testing.TB, bin string, n int) (*Etcd, error) {
+	ports, err := freePorts(2 * n)
+	if err != nil {
+		return nil, err
+	}
+	e := &Etcd{t: t, bin: bin}
+	var initial []string
+	for i := 0; i < n; i++ {
+		m := &member{name: fmt.Sprintf("m%d", i), dir: t.TempDir(), client: ports[2*i], peer: ports[2*i+1]}
+		e.members = append(e.members, m)
+		initial = append(initial, fmt.Sprintf("%s=http://127.0.0.1:%d", m.name, m.peer))
+	}
+	e.initial = strings.Join(initial, ",")
+	t.Cleanup(e.stopAll)
+	for _, m := range e.members {
+		if err := e.run(m, "new"); err != nil {
+			e.stopAll()
+			return nil, err
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c := e.Client(t)
+	for {
+		wctx, wcancel := context.WithTimeout(ctx, time.Second)
+		_, err := c.Put(wctx, "/clustertest/ready", "1")
+		wcancel()
+		if err == nil {
+			return e, nil
+		}
+		if ctx.Err() != nil {
+			out := ""
+			for _, m := range e.members {
+				out += "--- " + m.name + "\n" + m.logs.String()
+			}
+			e.stopAll()
+			return nil, fmt.Errorf("no write within 30 s (%v); logs:\n%s", err, out)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func (e *Etcd) run(m *member, state string) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	client := fmt.Sprintf("http://127.0.0.1:%d", m.client)
+	peer := fmt.Sprintf("http://127.0.0.1:%d", m.peer)
+	m.logs = &syncBuffer{}
+	cmd := exec.Command(e.bin,
+		"--name", m.name, "--data-dir", filepath.Join(m.dir, "data"),
+		"--listen-client-urls", client, "--advertise-client-urls", client,
+		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+		"--initial-cluster", e.initial, "--initial-cluster-state", state,
+		"--initial-cluster-token", "clustertest",
+		// Fast elections: loopback round trips are well under a millisecond.
+		"--heartbeat-interval", "50", "--election-timeout", "500",
+		"--log-level", "warn", "--quota-backend-bytes", strconv.Itoa(2<<30))
+	cmd.Stdout, cmd.Stderr = m.logs, m.logs
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	m.cmd = cmd
+	m.exited = make(chan struct{})
+	go func(ch chan struct{}) { cmd.Wait(); close(ch) }(m.exited)
+	if !waitListening(fmt.Sprintf("127.0.0.1:%d", m.client), m.exited, 15*time.Second) {
+		cmd.Process.Kill()
+		<-m.exited
+		return fmt.Errorf("member %s did not listen on %d: %s", m.name, m.client, m.logs.String())
+	}
+	return nil
+}
+
+// Endpoints are the members' client URLs.
+func (e *Etcd) Endpoints() []string {
+	var out []string
+	for _, m := range e.members {
+		out = append(out, fmt.Sprintf("http://127.0.0.1:%d", m.client))
+	}
+	return out
+}
+
+// Client returns a client of the whole cluster, closed when the test ends.
+func (e *Etcd) Client(t testing.TB) *clientv3.Client {
+	t.Helper()
+	c, err := clientv3.New(clientv3.Config{Endpoints: e.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// Leader returns the index of the member that leads now (-1 if none answers).
+func (e *Etcd) Leader(c *clientv3.Client) int {
+	for i, ep := range e.Endpoints() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		st, err := c.Status(ctx, ep)
+		cancel()
+		if err == nil && st.Leader == st.Header.MemberId {
+			return i
+		}
+	}
+	return -1
+}
+
+// Kill stops member i at once (SIGKILL).
+func (e *Etcd) Kill(i int) {
+	m := e.members[i]
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.cmd != nil {
+		m.cmd.Process.Kill()
+		<-m.exited
+		m.cmd = nil
+	}
+}
+
+// Restart starts a killed member again on its data.
+func (e *Etcd) Restart(i int) {
+	e.t.Helper()
+	if err := e.run(e.members[i], "existing"); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// Freeze stops (SIGSTOP) every member: the cluster answers nothing until Thaw.
+func (e *Etcd) Freeze() { e.signal(syscall.SIGSTOP) }
+
+// Thaw resumes frozen members.
+func (e *Etcd) Thaw() { e.signal(syscall.SIGCONT) }
+
+func (e *Etcd) signal(sig syscall.Signal) {
+	for _, m := range e.members {
+		m.mu.Lock()
+		if m.cmd != nil {
+			m.cmd.Process.Signal(sig)
+		}
+		m.mu.Unlock()
+	}
+}
+
+func (e *Etcd) stopAll() {
+	for _, m := range e.members {
+		m.mu.Lock()
+		if m.cmd != nil {
+			m.cmd.Process.Signal(syscall.SIGCONT)
+			m.cmd.Process.Kill()
+			<-m.exited
+			m.cmd = nil
+		}
+		m.mu.Unlock()
+	}
+}
+
+// freePorts picks n ports of the range that nothing listens on now.
+func freePorts(n int) ([]int, error) {
+	lo, hi := defaultPortLo, defaultPortHi
+	if v := os.Getenv("EMBER_ETCD_PORTS"); v != "" {
+		a, b, _ := strings.Cut(v, "-")
+		lo, _ = strconv.Atoi(a)
+		hi, _ = strconv.Atoi(b)
+	}
+	var out []int
+	var held []net.Listener
+	defer func() {
+		for _, l := range held {
+			l.Close()
+		}
+	}()
+	start := lo + rand.IntN(hi-lo+1)
+	for i := 0; i <= hi-lo && len(out) < n; i++ {
+		p := lo + (start-lo+i)%(hi-lo+1)
+		l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p))
+		if err != nil {
+			continue
+		}
+		held = append(held, l)
+		out = append(out, p)
+	}
+	if len(out) < n {
+		return nil, fmt.Errorf("fewer than %d free ports in %d-%d", n, lo, hi)
+	}
+	return out, nil
+}
+
+func waitListening(addr string, exited <-chan struct{}, timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		select {
+		case <-exited:
+			return false
+		default:
+		}
+		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
+		if err == nil {
+			c.Close()
+			return true
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return false
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.b.Len() > 1<<20 {
+		return len(p), nil
+	}
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}

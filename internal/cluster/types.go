@@ -1,0 +1,112 @@
+// Package cluster makes ember nodes one cluster on etcd: membership and liveness under leases
+// (a node that cannot renew for a whole TTL fences itself), watch-fed caches of the nodes and
+// of the sandbox → node routes, placement with atomic reservations (transactions that compare
+// revisions, so that two edges never overcommit one node), the cluster's API keys, and node
+// loss (a dead node's sandboxes are marked lost, its capacity released). It knows nothing of
+// HTTP or of the runtime: the daemon gives it a Local view of the node's sandboxes, and the API
+// consults it through small methods (Locate, Place, Claim, Release, Nodes).
+//
+// Keys under the prefix (default "/ember/"):
+//
+//	nodes/<id>          NodeInfo, under the node's lease (its epoch)
+//	alloc/<id>          Alloc (what is reserved or running there), under the node's lease
+//	drain/<id>          present while the node is drained (no lease)
+//	resv/<id>/<rid>     a reservation made by an edge, under the edge's lease
+//	sandboxes/<sid>     Route (which node and epoch hold the sandbox), no lease
+//	lost/<sid>          Lost (the sandbox died with its node), under a one-day lease
+//	down/<id>           the time a node was found dead, under a one-day lease
+//	reaping/<id>/<ep>   the live node marking a dead epoch's sandboxes lost, under its lease
+//	apikeys/<id>        the cluster's API keys (auth.Key), no lease
+package cluster
+
+import "time"
+
+// Capacity is what a node offers.
+type Capacity struct {
+	CPU        int   `json:"cpu"`        // cores
+	MemoryMB   int64 `json:"memoryMB"`   // memory for sandboxes
+	Slots      int   `json:"slots"`      // sandboxes at once
+	DiskFreeMB int64 `json:"diskFreeMB"` // free disk of the data directory
+}
+
+// TemplateSize is what one sandbox of a template takes.
+type TemplateSize struct {
+	CPU      int `json:"cpu"`
+	MemoryMB int `json:"memoryMB"`
+}
+
+// NodeInfo is a node's record, published under its lease.
+type NodeInfo struct {
+	ID        string                  `json:"nodeID"`
+	URL       string                  `json:"url"`
+	Capacity  Capacity                `json:"capacity"`
+	Runsc     string                  `json:"runscVersion"`
+	CPUClass  string                  `json:"cpuClass"`
+	Templates map[string]TemplateSize `json:"templates,omitempty"`
+	Started   time.Time               `json:"startedAt"`
+	// Epoch is the lease the record is under (not stored: from etcd).
+	Epoch int64 `json:"-"`
+}
+
+// Alloc is what is reserved or running on a node.
+type Alloc struct {
+	Slots    int   `json:"slots"`
+	CPU      int   `json:"cpu"`
+	MemoryMB int64 `json:"memoryMB"`
+}
+
+func (a Alloc) add(s TemplateSize, sign int) Alloc {
+	a.Slots += sign
+	a.CPU += sign * s.CPU
+	a.MemoryMB += int64(sign * s.MemoryMB)
+	return a
+}
+
+// Route says which node (and which of its epochs) holds a sandbox.
+type Route struct {
+	Node       string    `json:"node"`
+	Epoch      int64     `json:"epoch"`
+	TemplateID string    `json:"templateID,omitempty"`
+	CPU        int       `json:"cpu,omitempty"`
+	MemoryMB   int       `json:"memoryMB,omitempty"`
+	Since      time.Time `json:"since"`
+	modRev     int64
+}
+
+// Lost records a sandbox that died with its node.
+type Lost struct {
+	Node   string    `json:"node"`
+	At     time.Time `json:"at"`
+	Reason string    `json:"reason"`
+}
+
+// Node states in NodeView.
+const (
+	StateActive   = "active"
+	StateDraining = "draining"
+	StateFenced   = "fenced" // this node, cut off from etcd: it serves nothing until it is back
+	StateLost     = "lost"   // its lease expired: its sandboxes are lost
+)
+
+// NodeView is a node as GET /nodes shows it.
+type NodeView struct {
+	ID        string    `json:"nodeID"`
+	State     string    `json:"state"`
+	URL       string    `json:"url,omitempty"`
+	Capacity  Capacity  `json:"capacity"`
+	Allocated Alloc     `json:"allocated"`
+	Runsc     string    `json:"runscVersion,omitempty"`
+	CPUClass  string    `json:"cpuClass,omitempty"`
+	Templates []string  `json:"templates,omitempty"`
+	Sandboxes []string  `json:"sandboxes"`
+	Since     time.Time `json:"since,omitzero"` // started, or found dead
+}
+
+// LocalSandbox is one sandbox this node holds (running or paused).
+type LocalSandbox struct {
+	ID         string
+	TemplateID string
+	Running    bool
+	CPU        int
+	MemoryMB   int
+}

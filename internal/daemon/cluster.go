@@ -1,0 +1,100 @@
+package daemon
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	goruntime "runtime"
+	"strconv"
+	"strings"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+
+	"github.com/ember-sandbox/ember/internal/cluster"
+	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+// openCluster joins the cluster at cfg.EtcdEndpoints.
+func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager) (*cluster.Cluster, error) {
+	if cfg.NodeID == "" {
+		return nil, fmt.Errorf("etcd-endpoints: cluster mode needs --node-id: %w", errdefs.ErrInvalid)
+	}
+	adv := cfg.AdvertiseURL
+	if adv == "" {
+		host, _, err := net.SplitHostPort(cfg.Listen)
+		if ip := net.ParseIP(host); err != nil || host == "" || (ip != nil && ip.IsUnspecified()) {
+			return nil, fmt.Errorf("advertise-url: --listen %s names no address other nodes can reach: set --advertise-url: %w", cfg.Listen, errdefs.ErrInvalid)
+		}
+		adv = "http://" + cfg.Listen
+	}
+	c, err := clientv3.New(clientv3.Config{Endpoints: cfg.EtcdEndpoints, DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
+		DialKeepAliveTime: 5 * time.Second, DialKeepAliveTimeout: 3 * time.Second})
+	if err != nil {
+		return nil, fmt.Errorf("etcd: %w", err)
+	}
+	slots := cfg.MaxSandboxes
+	if slots <= 0 {
+		slots = 500
+	}
+	cl, err := cluster.New(ctx, cluster.Config{
+		Client: c, NodeID: cfg.NodeID, URL: strings.TrimSuffix(adv, "/"), TTL: cfg.ClusterTTL,
+		Capacity: cluster.Capacity{CPU: goruntime.NumCPU(), MemoryMB: memTotalMB(), Slots: slots, DiskFreeMB: diskFreeMB(cfg.DataDir)},
+		Runsc:    runscVersion(cfg.Runsc), CPUClass: cluster.CPUClass(),
+		Local:     cluster.ManagerLocal(mgr),
+		LeaseFile: filepath.Join(cfg.DataDir, "cluster-lease"),
+		Logger:    cfg.Logger,
+		OwnClient: true,
+		OnFence: func(reason string) {
+			fmt.Fprintf(cfg.Out, "FENCED: %s: this node's sandboxes were killed; it rejoins under a new epoch when etcd answers\n", reason)
+		},
+	})
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	fmt.Fprintf(cfg.Out, "cluster: node %s joined (%s, advertised %s)\n", cfg.NodeID, strings.Join(cfg.EtcdEndpoints, ","), adv)
+	return cl, nil
+}
+
+func memTotalMB() int64 {
+	f, err := os.Open("/proc/meminfo")
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "MemTotal:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+			return kb / 1024
+		}
+	}
+	return 0
+}
+
+func diskFreeMB(dir string) int64 {
+	var st unix.Statfs_t
+	if unix.Statfs(dir, &st) != nil {
+		return 0
+	}
+	return int64(st.Bavail) * st.Bsize / (1 << 20)
+}
+
+func runscVersion(bin string) string {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, bin, "--version").Output()
+	if err != nil {
+		return ""
+	}
+	line, _, _ := strings.Cut(string(out), "\n")
+	return strings.TrimSpace(strings.TrimPrefix(line, "runsc version"))
+}
