@@ -423,7 +423,6 @@ type sim struct {
 	exhausted, refused, claimFailed          atomic.Int64
 	resumeFull, cacheMiss, cacheStale, other atomic.Int64
 	onStoppedAfterExpiry                     atomic.Int64
-	txns                                     atomic.Int64
 	expired                                  sync.Map // node id → time its lease expired (seen by the sim's watch)
 
 	logs *simLogs
@@ -632,7 +631,6 @@ func (t *tapTxn) Commit() (*clientv3.TxnResponse, error) {
 	t0 := time.Now()
 	resp, err := t.Txn.Commit()
 	at := time.Now()
-	t.k.s.txns.Add(1)
 	t.k.s.txnLat.add(at.Sub(t0))
 	if err == nil && resp.Succeeded && t.routes {
 		t.k.s.routeWritten(t.k.node, resp.Header.Revision, at)
@@ -1102,7 +1100,12 @@ func runSim(b *testing.B, cfg simConfig) {
 	if notLost > 0 {
 		viol = append(viol, fmt.Sprintf("%d of the %d sandboxes of the stopped nodes are not marked lost (naming their node)", notLost, len(held)))
 	}
-	over, drift, maxPeak := 0, 0, 0
+	over, drift, maxPeak, killedByCluster := 0, 0, 0, 0
+	for _, n := range s.nodes {
+		n.rt.mu.Lock()
+		killedByCluster += n.rt.killedByClust
+		n.rt.mu.Unlock()
+	}
 	for _, n := range s.live {
 		n.rt.mu.Lock()
 		maxPeak = max(maxPeak, n.rt.peak)
@@ -1185,6 +1188,7 @@ func runSim(b *testing.B, cfg simConfig) {
 		cpuFill-cpu0, etcdFill-etcd0, (joined+fillDur).Seconds(), cpu1-cpu0, etcd1-etcd0, time.Since(wall).Seconds()))
 	row("cluster warnings", logs.String())
 	row("max sandboxes running on one node", fmt.Sprintf("%d of %d slots", maxPeak, cfg.slots))
+	row("sandboxes killed by their node's cluster code", fmt.Sprintf("%d (fencing, or no longer routed there)", killedByCluster))
 	if len(viol) == 0 {
 		row("checks", "ok: no route to a stopped node, all its sandboxes lost, no node over capacity, routes = sandboxes")
 	}
