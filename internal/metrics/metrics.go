@@ -91,10 +91,10 @@ func (m *Metrics) Handler() http.Handler {
 
 var (
 	descSandboxes = prometheus.NewDesc("ember_sandboxes", "Sandboxes on this node by state (pool instances not counted).", []string{"state"}, nil)
-	descPoolReady = prometheus.NewDesc("ember_pool_ready", "Restored, unassigned sandboxes ready in a template's warm pool.", []string{"template"}, nil)
-	descPoolTgt   = prometheus.NewDesc("ember_pool_target", "The size a template's warm pool is kept at now.", []string{"template"}, nil)
-	descPoolHits  = prometheus.NewDesc("ember_pool_hits_total", "Creates served by a template's warm pool.", []string{"template"}, nil)
-	descPoolMiss  = prometheus.NewDesc("ember_pool_misses_total", "Creates that found a template's warm pool empty.", []string{"template"}, nil)
+	descPoolReady = prometheus.NewDesc("ember_pool_ready", "Instances ready in a template's pool of that kind (restored sandboxes, pre-started instances, instances pre-started for resumes).", []string{"template", "kind"}, nil)
+	descPoolTgt   = prometheus.NewDesc("ember_pool_target", "The size a template's warm pool is kept at now.", []string{"template", "kind"}, nil)
+	descPoolHits  = prometheus.NewDesc("ember_pool_hits_total", "Creates served by a template's warm pool.", []string{"template", "kind"}, nil)
+	descPoolMiss  = prometheus.NewDesc("ember_pool_misses_total", "Creates that found a template's warm pool empty.", []string{"template", "kind"}, nil)
 	descSnapshots = prometheus.NewDesc("ember_snapshots", "Named snapshots by the state of their image (uploading, stored, failed, local).", []string{"state"}, nil)
 )
 
@@ -126,10 +126,10 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 	}
 	for _, p := range src.Pools(ctx) {
-		ch <- prometheus.MustNewConstMetric(descPoolReady, prometheus.GaugeValue, float64(p.Ready), p.TemplateID)
-		ch <- prometheus.MustNewConstMetric(descPoolTgt, prometheus.GaugeValue, float64(p.Target), p.TemplateID)
-		ch <- prometheus.MustNewConstMetric(descPoolHits, prometheus.CounterValue, float64(p.Hits), p.TemplateID)
-		ch <- prometheus.MustNewConstMetric(descPoolMiss, prometheus.CounterValue, float64(p.Misses), p.TemplateID)
+		ch <- prometheus.MustNewConstMetric(descPoolReady, prometheus.GaugeValue, float64(p.Ready), p.TemplateID, p.Kind)
+		ch <- prometheus.MustNewConstMetric(descPoolTgt, prometheus.GaugeValue, float64(p.Target), p.TemplateID, p.Kind)
+		ch <- prometheus.MustNewConstMetric(descPoolHits, prometheus.CounterValue, float64(p.Hits), p.TemplateID, p.Kind)
+		ch <- prometheus.MustNewConstMetric(descPoolMiss, prometheus.CounterValue, float64(p.Misses), p.TemplateID, p.Kind)
 	}
 	if tpls, err := src.ListTemplates(ctx); err == nil {
 		n := map[string]int{sandbox.SnapshotUploading: 0, sandbox.SnapshotStoredState: 0, sandbox.SnapshotFailed: 0, sandbox.SnapshotLocal: 0}

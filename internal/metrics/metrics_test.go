@@ -23,7 +23,10 @@ func (source) List(ctx context.Context, f sandbox.ListFilter) ([]*sandbox.Sandbo
 }
 
 func (source) Pools(ctx context.Context) []sandbox.PoolState {
-	return []sandbox.PoolState{{TemplateID: "base", Ready: 2, Target: 3, Hits: 5, Misses: 1}}
+	// One template has a pool of each kind: the same template label, a different kind (a scrape
+	// once failed with "collected before with the same name and label values").
+	return []sandbox.PoolState{{TemplateID: "base", Kind: "restored", Ready: 2, Target: 3, Hits: 5, Misses: 1},
+		{TemplateID: "base", Kind: "prestarted", Ready: 1, Target: 1}}
 }
 
 func (source) ListTemplates(ctx context.Context) ([]*sandbox.Template, error) {
@@ -89,9 +92,10 @@ func TestExposition(t *testing.T) {
 		{"ember_stage_failures_total", "stage", "pause", 0},
 		{"ember_sandboxes", "state", "running", 2},
 		{"ember_sandboxes", "state", "paused", 1},
-		{"ember_pool_ready", "template", "base", 2},
-		{"ember_pool_target", "template", "base", 3},
-		{"ember_pool_hits_total", "template", "base", 5},
+		{"ember_pool_ready", "kind", "restored", 2},
+		{"ember_pool_target", "kind", "restored", 3},
+		{"ember_pool_hits_total", "kind", "restored", 5},
+		{"ember_pool_ready", "kind", "prestarted", 1},
 		{"ember_snapshots", "state", "uploading", 1},
 		{"ember_snapshots", "state", "stored", 1},
 	} {

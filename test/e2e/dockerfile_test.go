@@ -19,7 +19,7 @@ WORKDIR $APP_HOME
 COPY app/ /srv/app/
 COPY --chown=user:user data.txt /srv/app/data.txt
 USER user
-RUN whoami > /tmp/run-as.txt
+RUN whoami > /home/user/run-as.txt
 CMD ["/bin/sh", "-c", "echo started > /tmp/started.txt; exec sleep infinity"]
 `
 
@@ -76,12 +76,12 @@ func TestDockerfileTemplate(t *testing.T) {
 
 	s := d.create(t, map[string]any{"templateID": name})
 	for _, c := range []struct{ cmd, want string }{
-		{"whoami; pwd", "user\n/srv/app\n"},                                  // USER, WORKDIR
-		{"echo $APP_GREETING $APP_HOME $GREETING", "hi-world /srv/app hi\n"}, // ENV, ARG (an env var, as in the SDK)
-		{"cat /srv/app/built.txt /tmp/run-as.txt", "built-by-run\nuser\n"},   // RUN as root, then as user
+		{"whoami; pwd", "user\n/srv/app\n"},                                      // USER, WORKDIR
+		{"echo $APP_GREETING $APP_HOME $GREETING", "hi-world /srv/app hi\n"},     // ENV, ARG (an env var, as in the SDK)
+		{"cat /srv/app/built.txt /home/user/run-as.txt", "built-by-run\nuser\n"}, // RUN as root, then as user
 		{"cat /srv/app/main.py /srv/app/lib/u.py", "print('hello from the context')\nX = 1\n"},
 		{"stat -c '%U %a' /srv/app/data.txt; cat /srv/app/data.txt", "user 644\ndata for user\n"},              // COPY --chown
-		{"ls -A /srv/app | sort | tr '\\n' ' '", "built.txt data.txt lib main.py \n"},                          // .dockerignore
+		{"ls -A /srv/app | sort | tr '\\n' ' '", "built.txt data.txt lib main.py "},                            // .dockerignore
 		{"cat /tmp/started.txt; cat /proc/[0-9]*/comm | grep -qx sleep && echo running", "started\nrunning\n"}, // CMD
 	} {
 		if r := d.run(t, s, c.cmd); r.stdout != c.want || r.exitCode != 0 {

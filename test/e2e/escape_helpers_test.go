@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -347,4 +348,18 @@ func startHostUDP(t *testing.T) *hostListener {
 		}
 	}()
 	return h
+}
+
+// templateStack is a template's layer directories on the host, top first as overlayfs stacks
+// them: its own top layers (templates/<name>/rootfs-*), then the node's image layers (over-
+// inclusive: every layer of the node, which is what "nothing on the host changed" needs).
+func templateStack(d *daemon, name string) []string {
+	tops, _ := filepath.Glob(filepath.Join(d.dataDir, "templates", name, "rootfs-*"))
+	layers, _ := filepath.Glob(filepath.Join(d.dataDir, "layers", "sha256-*", "root"))
+	return append(tops, layers...)
+}
+
+func fileExists(p string) bool {
+	_, err := os.Lstat(p)
+	return err == nil
 }

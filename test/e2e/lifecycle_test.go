@@ -192,6 +192,18 @@ func TestCorruptSnapshotIsRefused(t *testing.T) {
 		t.Fatalf("snapshot: %d", code)
 	}
 	t.Cleanup(func() { d.api(t, "DELETE", "/templates/"+snap.SnapshotID, nil, nil) })
+	// The snapshot answers once captured; its upload to the store follows. This node then
+	// keeps its own capture as the local copy: remove it, so that the create below loads the
+	// snapshot from the store, as another node would.
+	for deadline := time.Now().Add(2 * time.Minute); d.snapshotState(t, snap.SnapshotID) != "stored"; {
+		if time.Now().After(deadline) {
+			t.Fatalf("snapshot %s not stored after 2 min\n%s", snap.SnapshotID, d.logs())
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if err := os.RemoveAll(filepath.Join(d.dataDir, "images", snap.SnapshotID)); err != nil {
+		t.Fatal(err)
+	}
 	// Flip one byte of the largest chunk this snapshot's manifest references.
 	var manifest struct {
 		Files []struct {
