@@ -1,0 +1,145 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"sync"
+	"testing"
+
+	"gvisor.dev/gvisor/pkg/seccomp"
+	"gvisor.dev/gvisor/pkg/seccomp/precompiledseccomp"
+	"gvisor.dev/gvisor/pkg/sentry/platform"
+	bootfilter "gvisor.dev/gvisor/runsc/boot/filter/config"
+	goferfilter "gvisor.dev/gvisor/runsc/fsgofer/filter/config"
+)
+
+// goferPrograms are gVisor's gofer programs, compiled once for the tests.
+var goferPrograms = sync.OnceValues(goferfilter.PrecompiledPrograms)
+
+// The precompiled sentry program runsc loads must be the program it would otherwise compile at
+// start for the same options and run-time values; a difference would let through, or kill the
+// sandbox on, a syscall the filters decide otherwise.
+func TestSentryProgramsEqualRunTimeCompilation(t *testing.T) {
+	if testing.Short() {
+		t.Skip("compiles gVisor's several hundred sentry programs (~30 s)")
+	}
+	progs, err := sentryPrograms([]string{"systrap"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	byName := map[string]int{}
+	for i, p := range progs {
+		byName[p.Name] = i
+	}
+	ctor, err := platform.Lookup("systrap")
+	if err != nil {
+		t.Fatal(err)
+	}
+	infos := ctor.PrecompiledSeccompInfo()
+	// What ember runs (netstack, directfs), and host networking, each with directfs on and off.
+	for _, hostnet := range []bool{false, true} {
+		for _, directfs := range []bool{true, false} {
+			opt := bootfilter.Options{Platform: infos[0], HostNetwork: hostnet, HostFilesystem: directfs, ControllerFD: 7}
+			i, ok := byName[opt.ConfigKey()]
+			if !ok {
+				t.Fatalf("no program for %s", opt.ConfigKey())
+			}
+			got, err := progs[i].RenderInstructions(opt.Vars())
+			if err != nil {
+				t.Fatal(err)
+			}
+			rules, deny := bootfilter.Rules(opt)
+			p := seccomp.Program{
+				RuleSets: []seccomp.RuleSet{{Rules: deny}, {Rules: rules, Action: seccomp.Allow}},
+				Options:  bootfilter.SeccompOptions(opt),
+			}
+			want, _, err := p.Build()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got, want) {
+				t.Errorf("hostnet=%v directfs=%v: precompiled program (%d instructions) differs from the compiled one (%d)", hostnet, directfs, len(got), len(want))
+			}
+		}
+	}
+}
+
+func TestGoferProgramsEqualRunTimeCompilation(t *testing.T) {
+	progs, err := goferPrograms()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, directfs := range []bool{true, false} {
+		opt := goferfilter.Options{DirectFS: directfs}
+		var found bool
+		for _, p := range progs {
+			if p.Name != opt.ConfigKey() {
+				continue
+			}
+			found = true
+			got, err := p.RenderInstructions(opt.Vars())
+			if err != nil {
+				t.Fatal(err)
+			}
+			rules, deny := goferfilter.Rules(opt)
+			prog := seccomp.Program{
+				RuleSets: []seccomp.RuleSet{{Rules: deny}, {Rules: rules, Action: seccomp.Allow}},
+				Options:  seccomp.ProgramOptions{}, // as runsc/fsgofer/filter.Install
+			}
+			want, _, err := prog.Build()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got, want) {
+				t.Errorf("directfs=%v: precompiled gofer program differs from the compiled one", directfs)
+			}
+		}
+		if !found {
+			t.Fatalf("no gofer program for %s", opt.ConfigKey())
+		}
+	}
+}
+
+func TestRefusesAnotherGvisorVersion(t *testing.T) {
+	_, err := run(t.TempDir(), "v0.0.0-20200101000000-000000000000", t.TempDir(), []string{"systrap"})
+	if err == nil || !strings.Contains(err.Error(), "RUNSC_VERSION") {
+		t.Fatalf("got %v, want a version mismatch", err)
+	}
+}
+
+func TestRefusesUnexpectedStub(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "filter_precompiled.go")
+	if err := os.WriteFile(p, []byte("package other\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := checkStub(p); err == nil {
+		t.Fatal("a file without the stub's registration function was accepted")
+	}
+}
+
+func TestSourceIsDeterministic(t *testing.T) {
+	progs, err := goferPrograms()
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := source(progs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rev := append([]precompiledseccomp.Program(nil), progs...)
+	for i, j := 0, len(rev)-1; i < j; i, j = i+1, j-1 {
+		rev[i], rev[j] = rev[j], rev[i]
+	}
+	b, err := source(rev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(a) != string(b) {
+		t.Fatal("generated source depends on the programs' order")
+	}
+	if !strings.Contains(string(a), "const PrecompilationDisabledAtBuildTime = false") {
+		t.Fatal("generated source does not enable precompiled programs")
+	}
+}
