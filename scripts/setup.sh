@@ -28,8 +28,10 @@ mkdir -p .cache/bin
 # The generator is linked against the same gvisor version (go.mod; it checks) and built with
 # runsc's GOARCH and CGO_ENABLED=0. The go command refuses overlays of module-cache files, so the
 # build runs in a copy of the module's source with the generated files overlaid on its stubs.
-# Rebuilt when the version, the generator, the modules it links or the Go toolchain change.
-runsc_stamp="$RUNSC_VERSION seccompgen=$({ cat tools/seccompgen/*.go; go list -deps -f '{{with .Module}}{{.Path}}@{{.Version}}{{end}}' ./tools/seccompgen | sort -u; } | sha256sum | cut -c1-16) $(go env GOVERSION)"
+# Rebuilt when the version, the build flags, the generator, the modules it links or the Go
+# toolchain change.
+runsc_flags=(-trimpath -ldflags "-s -w -X gvisor.dev/gvisor/runsc/version.version=${RUNSC_VERSION##*-}")
+runsc_stamp="$RUNSC_VERSION ${runsc_flags[*]} seccompgen=$({ cat tools/seccompgen/*.go; go list -deps -f '{{with .Module}}{{.Path}}@{{.Version}}{{end}}' ./tools/seccompgen | sort -u; } | sha256sum | cut -c1-16) $(go env GOVERSION)"
 if [ "$(cat .cache/bin/runsc.version 2>/dev/null)" != "$runsc_stamp" ] || [ ! -x .cache/bin/runsc ]; then
 	echo "setup: building runsc $RUNSC_VERSION with precompiled seccomp filters (about 3-5 minutes)"
 	src=$(go mod download -json "${RUNSC_MODULE%/runsc}@$RUNSC_VERSION" | grep '"Dir":' | cut -d'"' -f4)
@@ -40,8 +42,8 @@ if [ "$(cat .cache/bin/runsc.version 2>/dev/null)" != "$runsc_stamp" ] || [ ! -x
 	chmod -R u+w .cache/src/gvisor
 	CGO_ENABLED=0 go build -o .cache/bin/seccompgen ./tools/seccompgen
 	.cache/bin/seccompgen -gvisor-dir .cache/src/gvisor -gvisor-version "$RUNSC_VERSION" -out .cache/seccomp
-	(cd .cache/src/gvisor && CGO_ENABLED=0 go build -overlay "$OLDPWD/.cache/seccomp/overlay.json" \
-		-ldflags "-s -w -X gvisor.dev/gvisor/runsc/version.version=${RUNSC_VERSION##*-}" -o "$OLDPWD/.cache/bin/runsc" ./runsc)
+	(cd .cache/src/gvisor && CGO_ENABLED=0 go build -overlay "$OLDPWD/.cache/seccomp/overlay.json" "${runsc_flags[@]}" \
+		-o "$OLDPWD/.cache/bin/runsc" ./runsc)
 	echo "$runsc_stamp" > .cache/bin/runsc.version
 fi
 # Check that runsc really runs a sandbox here (systrap platform, no KVM needed) and loads its

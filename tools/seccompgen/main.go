@@ -23,6 +23,7 @@ import (
 	"fmt"
 	"go/format"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime/debug"
 	"sort"
@@ -46,6 +47,9 @@ var targets = []struct{ stub, out string }{
 }
 
 func main() {
+	if os.Getenv(dumpEnv) != "" {
+		os.Exit(dumpSentry())
+	}
 	gvisorDir := flag.String("gvisor-dir", "", "source of the gvisor.dev/gvisor module runsc is built from (outside the module cache)")
 	version := flag.String("gvisor-version", "", "version of that module (must be the one this binary links)")
 	outDir := flag.String("out", "", "directory for the generated files and overlay.json")
@@ -73,7 +77,7 @@ func run(gvisorDir, version, outDir string, platforms []string) ([2]int, error) 
 	if err := checkVersion(version); err != nil {
 		return n, err
 	}
-	sentry, err := sentryPrograms(platforms)
+	sentry, err := pidFreeSentryPrograms(platforms)
 	if err != nil {
 		return n, err
 	}
@@ -242,4 +246,116 @@ func registerPrograms() {
 	}
 	b.WriteString("\tprecompiledPrograms = programs\n}\n")
 	return format.Source(b.Bytes())
+}
+
+// The sentry's rules are not all written in terms of variables: systrap allows
+// rt_tgsigqueueinfo only to the sentry's own pid, taken from os.Getpid() while the rules are
+// built (pkg/sentry/platform/systrap/filters.go). A program precompiled as gVisor does it would
+// hold the generator's pid there, and a sentry using that syscall would be killed by its own
+// filter. So the sentry programs are built twice, here and in a child process (another pid),
+// and the words that differ, each this process's pid in one and the child's in the other, are
+// declared as the low 32 bits of gVisor's self_pid variable, which runsc renders with the
+// sentry's pid (its high 32 bits are 0 for every pid).
+
+const (
+	dumpEnv       = "EMBER_SECCOMPGEN_DUMP_SENTRY" // set: print the sentry programs as JSON and exit
+	selfPIDLowVar = "self_pid_low32bits"           // runsc/boot/filter/config's self_pid, low half
+)
+
+// dump is what the child process prints.
+type dump struct {
+	PID       int
+	Platforms []string
+	Programs  []precompiledseccomp.Program
+}
+
+// dumpSentry is the child's side: the platforms come in the environment variable.
+func dumpSentry() int {
+	platforms := strings.Split(os.Getenv(dumpEnv), ",")
+	progs, err := sentryPrograms(platforms)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "seccompgen (child):", err)
+		return 1
+	}
+	if err := json.NewEncoder(os.Stdout).Encode(dump{PID: os.Getpid(), Platforms: platforms, Programs: progs}); err != nil {
+		fmt.Fprintln(os.Stderr, "seccompgen (child):", err)
+		return 1
+	}
+	return 0
+}
+
+// childSentryPrograms runs this binary again to build the sentry programs under another pid.
+func childSentryPrograms(platforms []string) (dump, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return dump{}, err
+	}
+	cmd := exec.Command(self)
+	cmd.Env = append(os.Environ(), dumpEnv+"="+strings.Join(platforms, ","))
+	cmd.Stderr = os.Stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return dump{}, fmt.Errorf("sentry programs in a child process: %w", err)
+	}
+	var d dump
+	if err := json.Unmarshal(out, &d); err != nil {
+		return dump{}, fmt.Errorf("sentry programs in a child process: %w", err)
+	}
+	return d, nil
+}
+
+// pidFreeSentryPrograms returns sentryPrograms with the pid written into them turned into the
+// self_pid variable.
+func pidFreeSentryPrograms(platforms []string) ([]precompiledseccomp.Program, error) {
+	own, err := sentryPrograms(platforms)
+	if err != nil {
+		return nil, err
+	}
+	child, err := childSentryPrograms(platforms)
+	if err != nil {
+		return nil, err
+	}
+	return pidFree(own, os.Getpid(), child.Programs, child.PID)
+}
+
+// pidFree returns a copy of progs (built by process pid) in which every word that differs from
+// other (the same programs built by otherPID) is an offset of self_pid's low 32 bits. Any other
+// difference is an error: then the programs depend on the process in a way not understood here.
+func pidFree(progs []precompiledseccomp.Program, pid int, other []precompiledseccomp.Program, otherPID int) ([]precompiledseccomp.Program, error) {
+	if pid == otherPID {
+		return nil, fmt.Errorf("both builds ran as pid %d", pid)
+	}
+	byName := map[string]precompiledseccomp.Program{}
+	for _, p := range other {
+		byName[p.Name] = p
+	}
+	out := make([]precompiledseccomp.Program, 0, len(progs))
+	for _, p := range progs {
+		o, ok := byName[p.Name]
+		if !ok {
+			return nil, fmt.Errorf("%s: built in one process only", p.Name)
+		}
+		if len(o.Bytecode32) != len(p.Bytecode32) {
+			return nil, fmt.Errorf("%s: %d words under pid %d, %d under pid %d", p.Name, len(p.Bytecode32), pid, len(o.Bytecode32), otherPID)
+		}
+		if _, ok := p.VarOffsets[selfPIDLowVar]; !ok {
+			return nil, fmt.Errorf("%s: no variable %s", p.Name, selfPIDLowVar)
+		}
+		q := precompiledseccomp.Program{Name: p.Name, Bytecode32: append([]uint32(nil), p.Bytecode32...), VarOffsets: map[string][]int{}}
+		for k, v := range p.VarOffsets {
+			q.VarOffsets[k] = append([]int(nil), v...)
+		}
+		for i, w := range p.Bytecode32 {
+			if w == o.Bytecode32[i] {
+				continue
+			}
+			if w != uint32(pid) || o.Bytecode32[i] != uint32(otherPID) {
+				return nil, fmt.Errorf("%s: word %d is %#x under pid %d and %#x under pid %d", p.Name, i, w, pid, o.Bytecode32[i], otherPID)
+			}
+			q.VarOffsets[selfPIDLowVar] = append(q.VarOffsets[selfPIDLowVar], i)
+		}
+		sort.Ints(q.VarOffsets[selfPIDLowVar])
+		out = append(out, q)
+	}
+	return out, nil
 }
