@@ -352,6 +352,7 @@ func pidFree(progs []precompiledseccomp.Program, pid int, other []precompiledsec
 			if w != uint32(pid) || o.Bytecode32[i] != uint32(otherPID) {
 				return nil, fmt.Errorf("%s: word %d is %#x under pid %d and %#x under pid %d", p.Name, i, w, pid, o.Bytecode32[i], otherPID)
 			}
+			q.Bytecode32[i] = 0 // rendered at run time; 0 keeps the output independent of the pid
 			q.VarOffsets[selfPIDLowVar] = append(q.VarOffsets[selfPIDLowVar], i)
 		}
 		sort.Ints(q.VarOffsets[selfPIDLowVar])

@@ -96,6 +96,9 @@ func TestPidFreeRefusesOtherDifferences(t *testing.T) {
 	if off := got[0].VarOffsets[selfPIDLowVar]; !reflect.DeepEqual(off, []int{0, 1}) {
 		t.Fatalf("self_pid offsets %v, want [0 1]", off)
 	}
+	if got[0].Bytecode32[1] != 0 {
+		t.Fatalf("the pid stayed in the output: %#x", got[0].Bytecode32[1])
+	}
 	if _, err := pidFree(mk(0x13371337, 100, 7), 100, mk(0x13371337, 200, 8), 200); err == nil {
 		t.Fatal("a difference other than the pid was accepted")
 	}
