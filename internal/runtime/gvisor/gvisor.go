@@ -51,6 +51,15 @@ type Config struct {
 	// ExtraFlags are appended to runsc's global flags (e.g. "--net-raw").
 	ExtraFlags []string
 
+	// Restore flags, measured (issue 11 lever 4; bench BenchmarkBaselines, 2 shared cores): a sandbox's
+	// memory image is small (2 MiB of pages for `base`: files live in host layers), so loading
+	// its pages is not what a restore waits for. Neither --background nor --direct changed the
+	// CPU a restore costs (16 restores of one image at once, median of 3 rounds: 1.46 s of CPU,
+	// 1.47 s with --direct, 1.57 s with --background) nor, beyond the host's noise, their wall
+	// time; excluding zero pages left the image as large and made checkpoints slower. So the
+	// defaults stay: uncompressed images, the page cache shared by concurrent restores of one
+	// image (no --direct), pages loaded before restore returns, zero pages kept.
+
 	// Compression of checkpoint images: "none" (default; fastest restore, allows background
 	// restore) or "flate-best-speed" (smaller images).
 	Compression string
