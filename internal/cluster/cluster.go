@@ -128,14 +128,16 @@ func New(ctx context.Context, cfg Config) (*Cluster, error) {
 	if err := cl.register(ctx); err != nil {
 		return nil, fmt.Errorf("etcd: register node: %w", err)
 	}
-	// The first reconcile before serving: sandboxes the cluster marked lost or moved while this
-	// node was away are killed, not resurrected.
-	cl.sync(ctx)
 	bg, cancel := context.WithCancel(context.Background())
 	cl.cancel = cancel
 	cl.wg.Add(3)
+	// The watch first: the first reconcile claims routes and waits for the caches to see
+	// them (a node that held unrouted sandboxes once waited here until ctx ended).
 	go func() { defer cl.wg.Done(); cl.watch(bg, rev) }()
 	go func() { defer cl.wg.Done(); cl.renew(bg) }()
+	// The first reconcile before serving: sandboxes the cluster marked lost or moved while this
+	// node was away are killed, not resurrected.
+	cl.sync(ctx)
 	go func() { defer cl.wg.Done(); cl.syncLoop(bg) }()
 	return cl, nil
 }

@@ -384,3 +384,24 @@ func TestReapingWhenTheReaperIsDeadToo(t *testing.T) {
 	})
 	t.Logf("sb1 lost %v after b stopped (TTL %v)", time.Since(stopped).Round(time.Millisecond), ttl)
 }
+
+// A node that already holds sandboxes the cluster has no route for (its routes were never
+// written, e.g. a crash right after a create) joins at once and routes them: New's first
+// reconcile used to claim them before the watch ran and wait for its context to end.
+func TestJoinWithUnroutedSandboxes(t *testing.T) {
+	e := clustertest.Start(t, 3)
+	la := newLocal("base")
+	la.add("held1")
+	la.add("held2")
+	start := time.Now()
+	a := join(t, e.Endpoints(), "a", 4, la)
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("joining with 2 unrouted sandboxes took %s", d)
+	}
+	ctx := context.Background()
+	for _, id := range []string{"held1", "held2"} {
+		if l, err := a.Locate(ctx, id, true); err != nil || l.Node != "a" {
+			t.Fatalf("%s: located %+v, %v; want node a", id, l, err)
+		}
+	}
+}
