@@ -50,6 +50,9 @@ type Config struct {
 	LeaseFile string
 	// OnFence runs after the node fenced itself and killed its sandboxes (may be nil).
 	OnFence func(reason string)
+	// OnPlacementRetry runs each time a create is placed again (a lost reservation race or a
+	// node that refused it); may be nil. The daemon counts it in /metrics.
+	OnPlacementRetry func()
 	// LostTTL is how long lost sandboxes and dead nodes are remembered (default 24 h).
 	LostTTL time.Duration
 	Logger  *slog.Logger
@@ -178,6 +181,14 @@ func (cl *Cluster) Fences() int64 { return cl.fences.Load() }
 
 // PlacementRetries counts placements that had to try again (a lost race or a refusal).
 func (cl *Cluster) PlacementRetries() int64 { return cl.placeRetries.Load() }
+
+// placementRetried counts one placement retry.
+func (cl *Cluster) placementRetried() {
+	cl.placeRetries.Add(1)
+	if f := cl.cfg.OnPlacementRetry; f != nil {
+		f()
+	}
+}
 
 func (cl *Cluster) key(parts ...string) string { return cl.p + strings.Join(parts, "/") }
 

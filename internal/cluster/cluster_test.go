@@ -256,8 +256,10 @@ func TestPlacementNeverOvercommits(t *testing.T) {
 		members = append(members, join(t, e.Endpoints(), fmt.Sprintf("n%d", i), slots, newLocal("base")))
 	}
 	var edgeNodes []*cluster.Cluster
+	var hooked atomic.Int64 // OnPlacementRetry calls (the daemon's /metrics counter)
 	for i := 0; i < edges; i++ {
-		edgeNodes = append(edgeNodes, join(t, e.Endpoints(), fmt.Sprintf("e%d", i), 0, newLocal()))
+		edgeNodes = append(edgeNodes, join(t, e.Endpoints(), fmt.Sprintf("e%d", i), 0, newLocal(),
+			func(c *cluster.Config) { c.OnPlacementRetry = func() { hooked.Add(1) } }))
 	}
 	for _, en := range edgeNodes {
 		eventually(t, 5*time.Second, "edge sees all nodes", func() bool { return len(en.Live()) == nodes+edges })
@@ -297,6 +299,9 @@ func TestPlacementNeverOvercommits(t *testing.T) {
 	}
 	for _, en := range edgeNodes {
 		retries += en.PlacementRetries()
+	}
+	if hooked.Load() != retries {
+		t.Errorf("OnPlacementRetry ran %d times for %d placement retries", hooked.Load(), retries)
 	}
 	if total != nodes*slots || int(exhausted.Load()) != edges*perEdge-nodes*slots {
 		t.Fatalf("reserved %d (want %d), refused %d", total, nodes*slots, exhausted.Load())

@@ -51,7 +51,7 @@ func (cl *Cluster) Place(ctx context.Context, req PlaceRequest) (*Reservation, e
 		return nil, fmt.Errorf("this node is cut off from the cluster: %w", errdefs.ErrUnavailable)
 	}
 	if len(req.Exclude) > 0 {
-		cl.placeRetries.Add(1) // a node refused this create
+		cl.placementRetried() // a node refused this create
 	}
 	cands, haveTpl := cl.candidates(req)
 	if len(cands) == 0 {
@@ -109,7 +109,7 @@ func (cl *Cluster) Place(ctx context.Context, req PlaceRequest) (*Reservation, e
 			cl.noteAlloc(c.n.ID, next, resp.Header.Revision)
 			return &Reservation{ID: rid, Node: c.n.ID, URL: c.n.URL, Local: c.n.ID == cl.cfg.NodeID, Size: size}, nil
 		}
-		cl.placeRetries.Add(1)
+		cl.placementRetried()
 		// A little jitter: edges that lost the same race do not meet again at once.
 		sleep(ctx, time.Duration(mrand.Int64N(int64(time.Millisecond)*int64(min(attempt+1, 10)))))
 		// Lost the race (or the node went, or was drained): that node as it is now.

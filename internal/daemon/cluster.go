@@ -23,7 +23,7 @@ import (
 )
 
 // openCluster joins the cluster at cfg.EtcdEndpoints.
-func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager) (*cluster.Cluster, error) {
+func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager, onRetry func()) (*cluster.Cluster, error) {
 	if cfg.NodeID == "" {
 		return nil, fmt.Errorf("etcd-endpoints: cluster mode needs --node-id: %w", errdefs.ErrInvalid)
 	}
@@ -48,10 +48,11 @@ func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager) (*cluste
 		Client: c, NodeID: cfg.NodeID, URL: strings.TrimSuffix(adv, "/"), TTL: cfg.ClusterTTL,
 		Capacity: cluster.Capacity{CPU: goruntime.NumCPU(), MemoryMB: memTotalMB(), Slots: slots, DiskFreeMB: diskFreeMB(cfg.DataDir)},
 		Runsc:    runscVersion(cfg.Runsc), CPUClass: cluster.CPUClass(),
-		Local:     cluster.ManagerLocal(mgr),
-		LeaseFile: filepath.Join(cfg.DataDir, "cluster-lease"),
-		Logger:    cfg.Logger,
-		OwnClient: true,
+		Local:            cluster.ManagerLocal(mgr),
+		LeaseFile:        filepath.Join(cfg.DataDir, "cluster-lease"),
+		Logger:           cfg.Logger,
+		OwnClient:        true,
+		OnPlacementRetry: onRetry,
 		OnFence: func(reason string) {
 			fmt.Fprintf(cfg.Out, "FENCED: %s: this node's sandboxes were killed; it rejoins under a new epoch when etcd answers\n", reason)
 		},

@@ -218,7 +218,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	acfg := api.Config{Domain: cfg.Domain, Metrics: met.Handler()}
 	var cl *cluster.Cluster
 	if len(cfg.EtcdEndpoints) > 0 {
-		if cl, err = openCluster(ctx, cfg, mgr); err != nil {
+		if cl, err = openCluster(ctx, cfg, mgr, met.PlacementRetry); err != nil {
 			mgr.Close()
 			return nil, err
 		}
