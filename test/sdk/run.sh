@@ -16,6 +16,16 @@
 #                        127.0.0.1 in-process (test/resolver.cjs). Nothing else changes.
 #   EMBER_SDK_TLS_PORT   the HTTPS port in Mode B (default: a free one, named in the domain;
 #                        443 = the portless form https://<port>-<id>.ember.test)
+#   EMBER_CACHE_DIR      holds debootstrap/debootstrap-bookworm-*.tar (default: <repo>/.cache), the
+#                        base layer of the image that the local registry serves (below)
+#   EMBER_REQUIRE_ALL    1 = a test whose prerequisite is missing (the local registry) fails
+#                        instead of skipping
+#
+# Before the daemon, when it runs the default file list or a *template-image* test, the script
+# starts a local OCI registry on loopback (test/sdk/registry, built
+# with go) holding test/app:v1; the tests get its address as E2B_TEST_REGISTRY=host:port and the
+# daemon reaches it over plain HTTP (EMBER_INSECURE_REGISTRIES). If it cannot start, the tests get
+# E2B_TEST_REGISTRY_ERROR instead, and the image tests skip (or fail under EMBER_REQUIRE_ALL=1).
 # Arguments, if any, are passed to `node --test` instead of the default file list, e.g.
 #   test/sdk/run.sh test/3-files.test.mjs        (paths relative to test/sdk)
 #   test/sdk/run.sh --test-name-pattern=pty test/2-commands.test.mjs
@@ -66,6 +76,13 @@ fi
 
 DAEMON_PID=""
 TEST_PID=""
+REGISTRY_PID=""
+stop_registry() {
+  [[ -n "$REGISTRY_PID" ]] || return 0
+  kill "$REGISTRY_PID" 2>/dev/null
+  wait "$REGISTRY_PID" 2>/dev/null
+  REGISTRY_PID=""
+}
 stop_daemon() {
   [[ -n "$DAEMON_PID" ]] || return 0
   if kill -0 "$DAEMON_PID" 2>/dev/null; then
@@ -90,6 +107,8 @@ finish() {
     wait "$TEST_PID" 2>/dev/null
   fi
   stop_daemon
+  stop_registry
+  rm -rf "$WORK/registry" "$WORK/registry-blobs"
   # runsc keeps a namespace bind mount in its root dir; it would pin the data dir.
   umount "$EMBER_DATA_DIR/runsc/null-netns" 2>/dev/null || true
   if [[ "$STATUS" -ne 0 ]]; then
@@ -102,13 +121,58 @@ finish() {
     log "daemon log: $DAEMON_LOG"
   else
     [[ -n "$CREATED_DATA_DIR" ]] && rm -rf "$CREATED_DATA_DIR"
-    rm -f "$DAEMON_LOG"
+    rm -f "$DAEMON_LOG" "$WORK/registry.out" "$WORK/registry.err"
     rmdir "$WORK" 2>/dev/null
   fi
   exit "$STATUS"
 }
 trap finish EXIT
 trap 'log "interrupted"; STATUS=130; exit 130' INT TERM
+
+# The local registry (see the header), its blobs under $WORK/registry-blobs.
+# Sets REGISTRY_ADDR, or REGISTRY_ERR when it cannot start.
+REGISTRY_ADDR=""
+REGISTRY_ERR=""
+start_registry() {
+  local gobin deadline
+  gobin="$(command -v go || echo /usr/local/go/bin/go)"
+  [[ -x "$gobin" ]] || { REGISTRY_ERR="go is not installed (it builds test/sdk/registry)"; return 1; }
+  if ! (cd "$REPO_ROOT" && "$gobin" build -o "$WORK/registry" ./test/sdk/registry) 2>"$WORK/registry.err"; then
+    REGISTRY_ERR="building test/sdk/registry failed: $(tail -n 5 "$WORK/registry.err")"
+    return 1
+  fi
+  EMBER_CACHE_DIR="${EMBER_CACHE_DIR:-$REPO_ROOT/.cache}" "$WORK/registry" -blobs "$WORK/registry-blobs" >"$WORK/registry.out" 2>"$WORK/registry.err" &
+  REGISTRY_PID=$!
+  deadline=$((SECONDS + 120))
+  until grep -q '^READY ' "$WORK/registry.out" 2>/dev/null; do
+    if ! kill -0 "$REGISTRY_PID" 2>/dev/null; then
+      wait "$REGISTRY_PID" 2>/dev/null
+      REGISTRY_PID=""
+      REGISTRY_ERR="the local registry exited: $(tail -n 5 "$WORK/registry.err")"
+      return 1
+    fi
+    if (( SECONDS >= deadline )); then
+      stop_registry
+      REGISTRY_ERR="the local registry was not ready after 120 s"
+      return 1
+    fi
+    sleep 0.2
+  done
+  REGISTRY_ADDR="$(sed -n 's/^READY //p' "$WORK/registry.out" | head -n 1)"
+}
+unset E2B_TEST_REGISTRY E2B_TEST_REGISTRY_ERROR
+WANT_REGISTRY=$(( $# == 0 ))
+for arg in "$@"; do [[ "$arg" == *template-image* ]] && WANT_REGISTRY=1; done
+if [[ "$WANT_REGISTRY" != 1 ]]; then
+  :
+elif start_registry; then
+  export E2B_TEST_REGISTRY="$REGISTRY_ADDR"
+  export EMBER_INSECURE_REGISTRIES="${EMBER_INSECURE_REGISTRIES:+$EMBER_INSECURE_REGISTRIES,}$REGISTRY_ADDR"
+  log "local registry $REGISTRY_PID at $REGISTRY_ADDR (test/app:v1)"
+else
+  export E2B_TEST_REGISTRY_ERROR="$REGISTRY_ERR"
+  log "no local registry: $REGISTRY_ERR"
+fi
 
 log "starting $EMBER_BIN serve --listen 127.0.0.1:$PORT --data-dir $EMBER_DATA_DIR ${TLS_FLAGS[*]}"
 "$EMBER_BIN" serve --listen "127.0.0.1:$PORT" --data-dir "$EMBER_DATA_DIR" "${TLS_FLAGS[@]}" ${EMBER_SERVE_FLAGS:-} >"$DAEMON_LOG" 2>&1 &
