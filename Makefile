@@ -26,7 +26,7 @@ run: setup
 test: setup lint
 	EMBER_REQUIRE_ALL=1 EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -p 1 -count=1 -timeout 40m ./...
 	$(MAKE) fuzz
-	$(MAKE) sdk
+	EMBER_REQUIRE_ALL=1 $(MAKE) sdk
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
