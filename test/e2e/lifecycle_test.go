@@ -61,21 +61,32 @@ func TestPauseResumeKeepsProcessesAndFiles(t *testing.T) {
 	s := d.create(t, nil)
 	d.run(t, s, "echo survives > /home/user/keep.txt")
 	pid := d.background(t, s, "exec sleep 600")
+	inst, _ := d.instanceOf(t, s)
 	if code := d.api(t, "POST", "/sandboxes/"+s.SandboxID+"/pause", map[string]any{}, nil); code != 204 {
 		t.Fatalf("pause: %d", code)
 	}
 	if code := d.api(t, "POST", "/sandboxes/"+s.SandboxID+"/pause", map[string]any{}, nil); code != 409 {
 		t.Fatalf("second pause: %d, want 409", code)
 	}
-	// Pausing releases the sandbox's processes (and with them its memory) and mounts.
+	// Pausing releases the sandbox's instance: its processes (and with them its memory) and
+	// mounts. (The daemon may pre-start a new, empty instance for the resume, within its pool
+	// memory budget: a runsc sandbox in state "created", running nothing of the sandbox's.)
+	gen := inst.ID[strings.LastIndex(inst.ID, "-")+1:]
 	released := false
 	for i := 0; i < 50 && !released; i++ {
 		r := snapshotResources(t)
-		released = !strings.Contains(r.procs, s.SandboxID) && !strings.Contains(r.mounts, s.SandboxID)
+		released = !strings.Contains(r.procs, inst.ID) && !strings.Contains(r.mounts, "/"+s.SandboxID+"/run-"+gen+"/")
 		time.Sleep(100 * time.Millisecond)
 	}
 	if !released {
-		t.Fatal("a paused sandbox still has processes or mounts on the host")
+		t.Fatalf("a paused sandbox's instance %s still has processes or mounts on the host", inst.ID)
+	}
+	for _, i := range d.instances() {
+		if strings.HasPrefix(i.ID, s.SandboxID) {
+			if st, err := d.instanceState(i.ID); err == nil && st.Status != "created" {
+				t.Errorf("the paused sandbox has an instance %s in state %q (only a pre-started one, \"created\", may exist)", i.ID, st.Status)
+			}
+		}
 	}
 	var info sbx
 	d.api(t, "GET", "/sandboxes/"+s.SandboxID, nil, &info)
