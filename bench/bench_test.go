@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -228,9 +229,22 @@ func runcStart(b *testing.B, n *node) dist {
 	if out, err := spec.CombinedOutput(); err != nil {
 		b.Fatalf("runc spec: %v %s", err, out)
 	}
+	// The template's rootfs is a stack of layers (its own top over the image's): runc gets the
+	// stack mounted read-only, as one tree.
+	root := tpl.RootFS
+	if len(tpl.Lowers) > 0 {
+		root = filepath.Join(bundle, "rootfs")
+		if err := os.Mkdir(root, 0o755); err != nil {
+			b.Fatal(err)
+		}
+		if err := overlayfs.Mount(root, append([]string{tpl.RootFS}, tpl.Lowers...), "", ""); err != nil {
+			b.Fatalf("mount the template's stack for runc: %v", err)
+		}
+		defer overlayfs.Unmount(root)
+	}
 	cfgPath := filepath.Join(bundle, "config.json")
 	cfg, _ := os.ReadFile(cfgPath)
-	s := strings.Replace(string(cfg), `"path": "rootfs"`, fmt.Sprintf(`"path": %q`, tpl.RootFS), 1)
+	s := strings.Replace(string(cfg), `"path": "rootfs"`, fmt.Sprintf(`"path": %q`, root), 1)
 	s = strings.Replace(s, `"terminal": true`, `"terminal": false`, 1)
 	s = strings.Replace(s, `"sh"`, `"/bin/true"`, 1)
 	os.WriteFile(cfgPath, []byte(s), 0o644)
