@@ -156,10 +156,10 @@ func MountedLayers() ([]string, error) {
 		for _, opt := range strings.Split(f[2], ",") {
 			switch {
 			case strings.HasPrefix(opt, "lowerdir+="):
-				dirs = append(dirs, unescape(strings.TrimPrefix(opt, "lowerdir+=")))
+				dirs = append(dirs, UnescapeMount(strings.TrimPrefix(opt, "lowerdir+=")))
 			case strings.HasPrefix(opt, "lowerdir="):
 				for _, d := range strings.Split(strings.TrimPrefix(opt, "lowerdir="), ":") {
-					dirs = append(dirs, unescape(d))
+					dirs = append(dirs, UnescapeMount(d))
 				}
 			}
 		}
@@ -167,8 +167,9 @@ func MountedLayers() ([]string, error) {
 	return dirs, nil
 }
 
-// unescape undoes mountinfo's octal escapes (\040 for a space, ...).
-func unescape(s string) string {
+// UnescapeMount undoes the octal escapes of a path in /proc/mounts or mountinfo (\040 for a
+// space, \134 for a backslash, ...).
+func UnescapeMount(s string) string {
 	if !strings.Contains(s, `\`) {
 		return s
 	}

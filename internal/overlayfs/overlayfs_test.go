@@ -79,3 +79,20 @@ func TestLegacyMount(t *testing.T) {
 		t.Fatalf("a stack too long for mount(2): %v", err)
 	}
 }
+
+func TestUnescapeMount(t *testing.T) {
+	for in, want := range map[string]string{
+		`/plain`:             `/plain`,
+		`/a\040b`:            `/a b`,
+		`/tab\011x\134y`:     "/tab\tx\\y",
+		`/end\040`:           `/end `,
+		`/short\04`:          `/short\04`,
+		`/not\08x`:           `/not\08x`,
+		`\`:                  `\`,
+		`/two\040\040spaces`: `/two  spaces`,
+	} {
+		if got := UnescapeMount(in); got != want {
+			t.Errorf("UnescapeMount(%q) = %q, want %q", in, got, want)
+		}
+	}
+}

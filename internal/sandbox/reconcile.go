@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -303,40 +304,11 @@ func mountsUnder(dir string) []string {
 	var points []string
 	for _, line := range strings.Split(string(data), "\n") {
 		f := strings.Fields(line)
-		if len(f) > 1 && strings.HasPrefix(unescapeMount(f[1]), dir+"/") {
-			points = append(points, unescapeMount(f[1]))
+		if len(f) > 1 && strings.HasPrefix(overlayfs.UnescapeMount(f[1]), dir+"/") {
+			points = append(points, overlayfs.UnescapeMount(f[1]))
 		}
 	}
 	return points
-}
-
-// unescapeMount undoes /proc/mounts' octal escapes (\040 for a space, ...).
-func unescapeMount(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			var v byte
-			ok := true
-			for j := 1; j <= 3; j++ {
-				c := s[i+j]
-				if c < '0' || c > '7' {
-					ok = false
-					break
-				}
-				v = v*8 + (c - '0')
-			}
-			if ok {
-				b.WriteByte(v)
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // removeTree unmounts whatever is mounted under dir (a crashed instance's rootfs) or on it (the
@@ -358,7 +330,7 @@ func removeTree(dir string) {
 func mountedOn(dir string) bool {
 	data, _ := os.ReadFile("/proc/self/mounts")
 	for _, line := range strings.Split(string(data), "\n") {
-		if f := strings.Fields(line); len(f) > 1 && unescapeMount(f[1]) == dir {
+		if f := strings.Fields(line); len(f) > 1 && overlayfs.UnescapeMount(f[1]) == dir {
 			return true
 		}
 	}

@@ -58,7 +58,7 @@ type member struct {
 	mu           sync.Mutex
 	cmd          *exec.Cmd
 	exited       chan struct{}
-	logs         *syncBuffer
+	logs         *testutil.LogBuffer
 }
 
 // Start runs an n-member cluster and waits until it serves writes (30 s bound). Without the
@@ -126,7 +126,7 @@ func (e *Etcd) run(m *member, state string) error {
 	defer m.mu.Unlock()
 	client := fmt.Sprintf("http://127.0.0.1:%d", m.client)
 	peer := fmt.Sprintf("http://127.0.0.1:%d", m.peer)
-	m.logs = &syncBuffer{}
+	m.logs = &testutil.LogBuffer{}
 	cmd := exec.Command(e.bin,
 		"--name", m.name, "--data-dir", filepath.Join(m.dir, "data"),
 		"--listen-client-urls", client, "--advertise-client-urls", client,
@@ -144,7 +144,7 @@ func (e *Etcd) run(m *member, state string) error {
 	m.cmd = cmd
 	m.exited = make(chan struct{})
 	go func(ch chan struct{}) { cmd.Wait(); close(ch) }(m.exited)
-	if !waitListening(fmt.Sprintf("127.0.0.1:%d", m.client), m.exited, 15*time.Second) {
+	if !testutil.WaitListening(fmt.Sprintf("127.0.0.1:%d", m.client), m.exited, 15*time.Second) {
 		cmd.Process.Kill()
 		<-m.exited
 		return fmt.Errorf("member %s did not listen on %d: %s", m.name, m.client, m.logs.String())
@@ -263,42 +263,4 @@ func freePorts(n int) ([]int, error) {
 		return nil, fmt.Errorf("fewer than %d free ports in %d-%d", n, lo, hi)
 	}
 	return out, nil
-}
-
-func waitListening(addr string, exited <-chan struct{}, timeout time.Duration) bool {
-	deadline := time.Now().Add(timeout)
-	for time.Now().Before(deadline) {
-		select {
-		case <-exited:
-			return false
-		default:
-		}
-		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
-		if err == nil {
-			c.Close()
-			return true
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return false
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.b.Len() > 1<<20 {
-		return len(p), nil
-	}
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

@@ -18,8 +18,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -79,7 +77,7 @@ func start(t testing.TB, useTLS bool) s3.Config {
 	var (
 		cmd  *exec.Cmd
 		addr string
-		logs = &syncBuffer{}
+		logs = &testutil.LogBuffer{}
 	)
 	// A free port can be taken between probing and binding; retry a few times.
 	for attempt := 0; ; attempt++ {
@@ -97,7 +95,7 @@ func start(t testing.TB, useTLS bool) s3.Config {
 			cmd.Process.Kill()
 			<-exited
 		})
-		if waitListening(addr, exited, 15*time.Second) {
+		if testutil.WaitListening(addr, exited, 15*time.Second) {
 			break
 		}
 		if attempt == 3 {
@@ -179,43 +177,4 @@ func freeAddr(t testing.TB) string {
 	}
 	defer l.Close()
 	return "127.0.0.1:" + strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
-}
-
-// waitListening polls addr until it accepts a connection, the process exits, or the timeout.
-func waitListening(addr string, exited <-chan struct{}, timeout time.Duration) bool {
-	deadline := time.Now().Add(timeout)
-	for time.Now().Before(deadline) {
-		select {
-		case <-exited:
-			return false
-		default:
-		}
-		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
-		if err == nil {
-			c.Close()
-			return true
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return false
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.b.Len() > 1<<20 {
-		return len(p), nil
-	}
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
