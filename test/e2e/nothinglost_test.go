@@ -588,7 +588,9 @@ func TestDeadSandboxIsNoticed(t *testing.T) {
 		released = inode(filepath.Join("/run/netns", ns)) != nsIno && ifIndex(veth) != vethIdx
 	}
 	if !released {
-		t.Errorf("5 s after its instance died, the sandbox still holds its netns %s and veth %s", ns, veth)
+		t.Errorf("5 s after its instance died (%s since the kill), the sandbox still holds its netns %s (same inode: %v) or veth %s (same index: %v); the daemon's lines for it:\n%s\n%s",
+			time.Since(killed).Round(time.Millisecond), ns, inode(filepath.Join("/run/netns", ns)) == nsIno, veth, ifIndex(veth) == vethIdx,
+			d.logLines(s.SandboxID, 30), d.logLines(inst.ID, 30))
 	}
 	var still []instance
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
