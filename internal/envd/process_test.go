@@ -2,7 +2,9 @@ package envd_test
 
 import (
 	"context"
+	"fmt"
 	"os"
+	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
@@ -370,5 +372,36 @@ func TestStreamInput(t *testing.T) {
 	r := collectRest[*pb.StartResponse](stream)
 	if r.stdout != "abcdef" || r.end.GetExitCode() != 0 {
 		t.Fatalf("%+v", r)
+	}
+}
+
+// Commands run as the users the account files name now: a user added after envd first looked
+// users up can run commands at once (with the groups it was given), and one deleted or changed
+// is seen too (envd caches its lookups while the files are unchanged).
+func TestUserChangesAreSeenAtOnce(t *testing.T) {
+	h := newHarness(t, envd.Config{})
+	name := fmt.Sprintf("envdu%d", os.Getpid())
+	t.Cleanup(func() { _ = exec.Command("userdel", "-r", "-f", name).Run() })
+	id := func() result { return h.run(t, name, bash("id -un; id -Gn"), ptr(false)) }
+	if r := id(); codeOf(r.err) != connect.CodeUnauthenticated {
+		t.Fatalf("unknown user %s: %+v; want unauthenticated", name, r)
+	}
+	if out, err := exec.Command("useradd", "-m", "-s", "/bin/bash", name).CombinedOutput(); err != nil {
+		t.Fatalf("useradd: %v: %s", err, out)
+	}
+	if r := id(); r.err != nil || !strings.HasPrefix(r.stdout, name+"\n") {
+		t.Fatalf("new user %s: %+v", name, r)
+	}
+	if out, err := exec.Command("usermod", "-aG", "users", name).CombinedOutput(); err != nil {
+		t.Fatalf("usermod: %v: %s", err, out)
+	}
+	if r := id(); r.err != nil || !strings.Contains(r.stdout, " users") {
+		t.Fatalf("user %s added to group users: %+v", name, r)
+	}
+	if out, err := exec.Command("userdel", "-r", "-f", name).CombinedOutput(); err != nil {
+		t.Fatalf("userdel: %v: %s", err, out)
+	}
+	if r := id(); codeOf(r.err) != connect.CodeUnauthenticated {
+		t.Fatalf("deleted user %s: %+v; want unauthenticated", name, r)
 	}
 }

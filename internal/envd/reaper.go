@@ -19,6 +19,13 @@ import (
 // old zombie is an orphan that was reparented to envd.
 const zombieAge = time.Second
 
+// scanDelay is how long after a SIGCHLD the reaper scans /proc for zombies. Every command's
+// exit sends one, at the moment envd sends the command's end event and the client may start
+// its next command: a scan then would compete with both for the sandbox's CPUs (and a start
+// waits for the scan's lock). An orphan is reaped after zombieAge anyway, so the delay costs
+// nothing, and a burst of exits is scanned once.
+const scanDelay = 100 * time.Millisecond
+
 // reaper collects orphaned zombies when envd is the sandbox's init (or a child subreaper). It
 // never waits for a pid that envd's process manager tracks, so commands keep their exit status.
 type reaper struct {
@@ -53,17 +60,28 @@ func startReaper(log *slog.Logger, _ *processManager) *reaper {
 
 func (r *reaper) loop() {
 	defer r.wg.Done()
-	var timerC <-chan time.Time
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
+	var next time.Time // when the armed timer fires; zero: not armed
+	arm := func(d time.Duration) {
+		if at := time.Now().Add(d); next.IsZero() || at.Before(next) {
+			timer.Reset(d)
+			next = at
+		}
+	}
 	for {
 		select {
 		case <-r.done:
 			return
 		case <-r.sigc:
-		case <-timerC:
-			timerC = nil
+			arm(scanDelay)
+			continue
+		case <-timer.C:
+			next = time.Time{}
 		}
-		if r.scan(time.Now()) && timerC == nil {
-			timerC = time.After(zombieAge)
+		if r.scan(time.Now()) {
+			arm(zombieAge) // young zombies: look again once they are old enough
 		}
 	}
 }

@@ -1,9 +1,14 @@
 package envd
 
 import (
+	"os"
 	"os/user"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"sync"
+	"syscall"
+	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
@@ -17,8 +22,68 @@ type account struct {
 	Home   string
 }
 
-// lookupAccount reads the user from /etc/passwd and /etc/group (os/user; pure Go without cgo).
+// lookupAccount returns the user named name, from /etc/passwd and /etc/group. Answers are
+// cached while both files stay as they were: every command and file request names its user,
+// and under gVisor parsing both files costs several times the two stats that check them.
 func lookupAccount(name string) (*account, error) {
+	stamp := accountFilesStamp()
+	accounts.mu.Lock()
+	if accounts.stamp != stamp || stamp == (filesStamp{}) {
+		accounts.stamp, accounts.byName = stamp, map[string]*account{}
+	}
+	a := accounts.byName[name]
+	accounts.mu.Unlock()
+	if a == nil {
+		var err error
+		if a, err = readAccount(name); err != nil {
+			return nil, err
+		}
+		accounts.mu.Lock()
+		if accounts.stamp == stamp {
+			accounts.byName[name] = a
+		}
+		accounts.mu.Unlock()
+	}
+	c := *a
+	c.Groups = slices.Clone(a.Groups)
+	return &c, nil
+}
+
+// accounts is lookupAccount's cache, valid for the account files' stamp.
+var accounts struct {
+	mu     sync.Mutex
+	stamp  filesStamp
+	byName map[string]*account
+}
+
+// fileStamp identifies one version of a file: tools that edit /etc/passwd write a new file
+// and rename it over the old one (a new inode), and any write changes its mtime.
+type fileStamp struct {
+	ino, size int64
+	mtime     time.Time
+}
+
+type filesStamp [2]fileStamp
+
+// accountFilesStamp stamps /etc/passwd and /etc/group; the zero value when either cannot be
+// read (nothing is cached then).
+func accountFilesStamp() filesStamp {
+	var st filesStamp
+	for i, path := range []string{"/etc/passwd", "/etc/group"} {
+		fi, err := os.Stat(path)
+		if err != nil {
+			return filesStamp{}
+		}
+		st[i] = fileStamp{size: fi.Size(), mtime: fi.ModTime()}
+		if sys, ok := fi.Sys().(*syscall.Stat_t); ok {
+			st[i].ino = int64(sys.Ino)
+		}
+	}
+	return st
+}
+
+// readAccount reads the user from /etc/passwd and /etc/group (os/user; pure Go without cgo).
+func readAccount(name string) (*account, error) {
 	u, err := user.Lookup(name)
 	if err != nil {
 		return nil, errorf(errdefs.ErrInvalid, "user %q does not exist", name)

@@ -121,7 +121,10 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		if pe := m.pool.take(tpl, sb.CPUCount, sb.MemoryMB, sb.DiskSizeMB); pe != nil {
 			// The pool instance already lives under the id it was made for: the sandbox takes it.
 			sb.ID = pe.owner
-			if err := m.initEnvd(ctx, envdBase(pe.place.GuestIP), sb, tpl.InitToken, tpl); err == nil {
+			// Through its guest transport, opened with the pool's warm-up: /init and then the
+			// sandbox's first request reuse the warm-up's connection.
+			m.guestT.open(pe.place.GuestIP, pe.place.InstanceID, false)
+			if err := m.initEnvd(ctx, m.guest, envdBase(pe.place.GuestIP), sb, tpl.InitToken, tpl); err == nil {
 				sb.Runtime = pe.place
 				how = "pool"
 			} else {
@@ -138,7 +141,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		if pe := m.prestarts.take(tpl, sb.CPUCount, sb.MemoryMB, sb.DiskSizeMB); pe != nil {
 			// Like a pool instance it lives under the id it was made for.
 			sb.ID = pe.owner
-			spec := launchSpec{owner: sb.ID, tpl: tpl, image: pe.image, into: &pe.place, init: sb, initToken: tpl.InitToken,
+			spec := launchSpec{owner: sb.ID, tpl: tpl, image: pe.image, into: &pe.place, init: sb, initToken: tpl.InitToken, guest: true,
 				cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()}
 			err = nil
 			if !sb.Egress().IsDefault() {
@@ -160,7 +163,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		}
 	}
 	if how == "" {
-		spec := launchSpec{owner: sb.ID, tpl: tpl, init: sb, initToken: tpl.InitToken,
+		spec := launchSpec{owner: sb.ID, tpl: tpl, init: sb, initToken: tpl.InitToken, guest: true,
 			cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()}
 		how = "restore"
 		if req.Cold || tpl.Image == "" {
@@ -205,7 +208,7 @@ func (m *Manager) register(ctx context.Context, sb *Sandbox) (*entry, error) {
 	m.mu.Lock()
 	m.live[sb.ID] = e
 	m.mu.Unlock()
-	m.guestT.open(sb.Runtime.GuestIP)
+	m.guestT.open(sb.Runtime.GuestIP, sb.Runtime.InstanceID, true)
 	m.watch(e, sb.Runtime.InstanceID)
 	return e, nil
 }

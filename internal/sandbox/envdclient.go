@@ -29,11 +29,13 @@ const warmupTimeout = 10 * time.Second
 // ones: gVisor's systrap platform keeps the host stub processes of exited address spaces for
 // reuse, but a restored sandbox starts with none, so its first bash and the program bash execs
 // each wait for a new stub; envd's process paths and the login files are touched for the first
-// time too. The user's first command then finds all of it ready. A failure only costs that.
+// time too. The user's first command then finds all of it ready. It goes through the
+// instance's guest transport, whose connection /init and that first command then reuse. A
+// failure only costs that.
 func (m *Manager) warmGuest(ctx context.Context, guestIP, token string) error {
 	ctx, cancel := context.WithTimeout(ctx, warmupTimeout)
 	defer cancel()
-	_, err := envdclient.Run(ctx, processconnect.NewProcessClient(m.client, envdBase(guestIP)),
+	_, err := envdclient.Run(ctx, processconnect.NewProcessClient(m.guest, envdBase(guestIP)),
 		envdclient.Command{Line: "/bin/true", Token: token, Wait: true}, envdclient.Output{})
 	return err
 }

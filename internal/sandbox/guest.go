@@ -26,9 +26,9 @@ type guestTransports struct {
 	mu     sync.Mutex
 	byAddr map[string]*guestTransport
 	dial   dialFunc
-	// warmPort, when set, is envd's port: open makes the new transport's first connection at
-	// once (a GET /health), so that the sandbox's first request, typically the SDK's first
-	// command right after create, finds a connection ready instead of dialing one.
+	// warmPort, when set, is envd's port: open(warm) makes the new transport's first connection
+	// at once (a GET /health), so that the sandbox's first request finds a connection ready
+	// instead of dialing one (for sandboxes whose launch did not go through the transport).
 	warmPort int
 }
 
@@ -45,13 +45,14 @@ const (
 // guestTransport is one sandbox's transport and the connections it has open.
 type guestTransport struct {
 	*http.Transport
+	inst   string // the runtime instance it reaches
 	mu     sync.Mutex
 	conns  map[*trackedConn]struct{}
 	closed bool
 }
 
 // newGuestTransports makes the transports; dial reaches a guest address (nil: a net.Dialer).
-// With warmPort, each transport opens its first connection to that port as soon as it exists.
+// With warmPort, open(warm) opens a new transport's first connection to that port at once.
 func newGuestTransports(dial dialFunc, warmPort int) *guestTransports {
 	if dial == nil {
 		dial = (&net.Dialer{Timeout: 3 * time.Second, KeepAlive: 30 * time.Second}).DialContext
@@ -59,23 +60,32 @@ func newGuestTransports(dial dialFunc, warmPort int) *guestTransports {
 	return &guestTransports{byAddr: map[string]*guestTransport{}, dial: dial, warmPort: warmPort}
 }
 
-// open registers the transport of a sandbox that now runs at guest IP addr.
-func (g *guestTransports) open(addr string) {
-	gt := &guestTransport{conns: map[*trackedConn]struct{}{}}
+// open registers the transport of runtime instance inst, which now runs at guest IP addr. A
+// transport already open for the same instance is kept with its connections: a launch opens
+// it before envd's /health and /init, so that the connection they used is idle and ready when
+// the create answers, and the sandbox's first request (the SDK's first command) dials nothing.
+// A transport of any other instance at addr is replaced and all its connections closed. With
+// warm, a new transport opens its first connection at once (when nothing else did).
+func (g *guestTransports) open(addr, inst string, warm bool) {
+	g.mu.Lock()
+	old := g.byAddr[addr]
+	if old != nil && old.inst == inst {
+		g.mu.Unlock()
+		return
+	}
+	gt := &guestTransport{inst: inst, conns: map[*trackedConn]struct{}{}}
 	gt.Transport = &http.Transport{
 		DialContext:         gt.dial(g.dial),
 		DisableCompression:  true,
 		MaxIdleConnsPerHost: guestIdleConns,
 		IdleConnTimeout:     guestIdleTimeout,
 	}
-	g.mu.Lock()
-	old := g.byAddr[addr]
 	g.byAddr[addr] = gt
 	g.mu.Unlock()
 	if old != nil {
 		old.closeAll()
 	}
-	if g.warmPort != 0 {
+	if warm && g.warmPort != 0 {
 		go gt.warm(net.JoinHostPort(addr, strconv.Itoa(g.warmPort)))
 	}
 }

@@ -64,7 +64,7 @@ func TestGuestReusesConnections(t *testing.T) {
 	srv, cc := okServer(t)
 	u, _ := url.Parse(srv.URL)
 	g := newGuestTransports(nil, 0)
-	g.open(u.Hostname())
+	g.open(u.Hostname(), "inst-1", false)
 	for i := 0; i < 5; i++ {
 		get(t, g, srv.URL)
 	}
@@ -81,14 +81,14 @@ func TestGuestStopClosesIdleConnections(t *testing.T) {
 		stop func(g *guestTransports, addr string)
 	}{
 		{"close (kill, pause)", func(g *guestTransports, addr string) { g.close(addr) }},
-		{"address reused by a new sandbox", func(g *guestTransports, addr string) { g.open(addr) }},
+		{"address reused by a new sandbox", func(g *guestTransports, addr string) { g.open(addr, "inst-2", true) }},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			srv, cc := okServer(t)
 			u, _ := url.Parse(srv.URL)
 			g := newGuestTransports(nil, 0)
-			g.open(u.Hostname())
+			g.open(u.Hostname(), "inst-1", false)
 			get(t, g, srv.URL)
 			get(t, g, srv.URL)
 			gt := g.byAddr[u.Hostname()]
@@ -117,6 +117,37 @@ func TestGuestStopClosesIdleConnections(t *testing.T) {
 	}
 }
 
+// Opening the transport of the instance that already has one (a launch opened it for envd's
+// /health and /init, then the sandbox is registered) keeps it and its connection: the
+// sandbox's first request reuses the one /init left idle, and no warm-up is sent.
+func TestGuestOpenOfTheSameInstanceKeepsItsConnection(t *testing.T) {
+	var mu sync.Mutex
+	var paths []string
+	cc := &connCounter{}
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		paths = append(paths, r.URL.Path)
+		mu.Unlock()
+		_, _ = io.WriteString(w, "ok")
+	}))
+	srv.Config.ConnState = cc.state
+	srv.Start()
+	t.Cleanup(srv.Close)
+	u, _ := url.Parse(srv.URL)
+	port, _ := strconv.Atoi(u.Port())
+	g := newGuestTransports(nil, port)
+	g.open(u.Hostname(), "inst-1", false)
+	get(t, g, srv.URL+"/init")
+	g.open(u.Hostname(), "inst-1", true)
+	get(t, g, srv.URL+"/process.Process/Start")
+	time.Sleep(50 * time.Millisecond) // room for a warm-up request, if one were sent
+	mu.Lock()
+	defer mu.Unlock()
+	if opened, closed := cc.get(); opened != 1 || closed != 0 || len(paths) != 2 {
+		t.Fatalf("requests %q over %d connections (%d closed); want /init and the command over 1, none closed", paths, opened, closed)
+	}
+}
+
 // A new transport opens its first connection at once (envd's /health), and the sandbox's first
 // request uses it: no dial on the way of the SDK's first command after create.
 func TestGuestOpenWarmsAConnection(t *testing.T) {
@@ -135,7 +166,7 @@ func TestGuestOpenWarmsAConnection(t *testing.T) {
 	u, _ := url.Parse(srv.URL)
 	port, _ := strconv.Atoi(u.Port())
 	g := newGuestTransports(nil, port)
-	g.open(u.Hostname())
+	g.open(u.Hostname(), "inst-1", true)
 	deadline := time.Now().Add(2 * time.Second)
 	for {
 		mu.Lock()

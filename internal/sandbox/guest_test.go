@@ -29,12 +29,12 @@ func TestGuestCloseEndsActiveStreams(t *testing.T) {
 		stop func(g *guestTransports)
 	}{
 		{"close (kill, pause)", func(g *guestTransports) { g.close(u.Hostname()) }},
-		{"address reused by a new sandbox", func(g *guestTransports) { g.open(u.Hostname()) }},
+		{"address reused by a new sandbox", func(g *guestTransports) { g.open(u.Hostname(), "inst-2", true) }},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			g := newGuestTransports(nil, 0)
-			g.open(u.Hostname())
+			g.open(u.Hostname(), "inst-1", false)
 			req, _ := http.NewRequest(http.MethodGet, srv.URL+"/stream", nil)
 			res, err := g.RoundTrip(req)
 			if err != nil {

@@ -46,6 +46,10 @@ type launchSpec struct {
 	// an image whose envd already holds a token.
 	init      *Sandbox
 	initToken string
+	// guest: the instance serves a sandbox (or a pool instance) from now on. Its guest
+	// transport is opened before envd's /health and /init, which go through it, so the
+	// connection they leave idle carries the sandbox's first request.
+	guest bool
 	// Resources and network.
 	cpu, memMB, diskMB int
 	egress             Egress
@@ -163,12 +167,17 @@ func (m *Manager) launched(ctx context.Context, spec launchSpec, p Placement, t0
 	}
 	t2 := time.Now()
 	base := envdBase(p.GuestIP)
-	if err := m.waitEnvd(ctx, base); err != nil {
+	client := m.client
+	if spec.guest {
+		m.guestT.open(p.GuestIP, inst, false) // closed by teardown, like every guest transport
+		client = m.guest
+	}
+	if err := m.waitEnvd(ctx, client, base); err != nil {
 		return err
 	}
 	t3 := time.Now()
 	if spec.init != nil {
-		if err := m.initEnvd(ctx, base, spec.init, spec.initToken, spec.tpl); err != nil {
+		if err := m.initEnvd(ctx, client, base, spec.init, spec.initToken, spec.tpl); err != nil {
 			return err
 		}
 	}
@@ -267,8 +276,8 @@ func (m *Manager) watch(e *entry, instance string) {
 
 // ---- envd, from the host ----
 
-// waitEnvd polls envd's /health until it answers.
-func (m *Manager) waitEnvd(ctx context.Context, base string) error {
+// waitEnvd polls envd's /health through client until it answers.
+func (m *Manager) waitEnvd(ctx context.Context, client *http.Client, base string) error {
 	ctx, cancel := context.WithTimeout(ctx, m.cfg.EnvdTimeout)
 	defer cancel()
 	delay := 2 * time.Millisecond
@@ -278,7 +287,7 @@ func (m *Manager) waitEnvd(ctx context.Context, base string) error {
 		// kernel's 1 s retransmit.
 		actx, acancel := context.WithTimeout(ctx, 250*time.Millisecond)
 		req, _ := http.NewRequestWithContext(actx, http.MethodGet, base+"/health", nil)
-		resp, err := m.client.Do(req)
+		resp, err := client.Do(req)
 		acancel()
 		if err == nil {
 			io.Copy(io.Discard, resp.Body)
@@ -312,9 +321,10 @@ type initRequest struct {
 // initTimeout bounds envd's /init (a wedged guest must not hold a create forever).
 const initTimeout = 10 * time.Second
 
-// initEnvd gives the sandbox its identity: env vars and access token. oldToken authenticates
-// against an envd that already holds one (template, pool instance, snapshot or fork).
-func (m *Manager) initEnvd(ctx context.Context, base string, sb *Sandbox, oldToken string, tpl *Template) error {
+// initEnvd gives the sandbox its identity through client: env vars and access token. oldToken
+// authenticates against an envd that already holds one (template, pool instance, snapshot or
+// fork).
+func (m *Manager) initEnvd(ctx context.Context, client *http.Client, base string, sb *Sandbox, oldToken string, tpl *Template) error {
 	ctx, cancel := context.WithTimeout(ctx, initTimeout)
 	defer cancel()
 	user, workdir := "user", "/home/user"
@@ -349,7 +359,7 @@ func (m *Manager) initEnvd(ctx context.Context, base string, sb *Sandbox, oldTok
 	if oldToken != "" {
 		req.Header.Set("X-Access-Token", oldToken)
 	}
-	resp, err := m.client.Do(req)
+	resp, err := client.Do(req)
 	if err != nil {
 		return fmt.Errorf("envd init: %w", err)
 	}

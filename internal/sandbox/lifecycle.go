@@ -254,7 +254,7 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 	}
 	m.observe(StageResume, start, nil)
 	os.RemoveAll(image)
-	m.guestT.open(p.GuestIP)
+	m.guestT.open(p.GuestIP, p.InstanceID, true)
 	m.watch(e, p.InstanceID)
 	m.logger(sb.ID).Info("sandbox resumed", "instance", p.InstanceID, "boot", boot, "prestarted", prestarted, "ms", time.Since(start).Milliseconds())
 	return nil

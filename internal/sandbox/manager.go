@@ -157,6 +157,9 @@ type Manager struct {
 	log    *slog.Logger
 	client *http.Client
 	guestT *guestTransports
+	// guest sends requests through the sandboxes' own transports (guestT): the connections it
+	// leaves idle serve the sandbox's next requests.
+	guest *http.Client
 
 	mu   sync.Mutex
 	live map[string]*entry // sandboxes by id: running, paused, and recently ended (tombstones)
@@ -303,6 +306,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		preOf:     map[string]string{},
 		uploads:   map[string]*upload{},
 	}
+	m.guest = &http.Client{Transport: m.guestT}
 	tb, err := openBuilds(filepath.Join(cfg.DataDir, "builds"), m.log.Warn)
 	if err != nil {
 		return nil, fmt.Errorf("build records: %w", err)

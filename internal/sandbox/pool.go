@@ -439,13 +439,17 @@ func (p *pool) restore(ctx context.Context, tpl *Template, owner string) (*poole
 	m := p.m
 	pe := &pooled{owner: owner, buildID: tpl.BuildID, image: tpl.Image,
 		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), mem: orDefault(tpl.MemoryMB, m.cfg.MemoryMB), disk: orDefault(tpl.DiskMB, m.cfg.DiskMB)}
-	place, err := m.launch(ctx, launchSpec{owner: pe.owner, tpl: tpl, image: tpl.Image, prestart: p.kind == kindPrestarted,
+	prestart := p.kind == kindPrestarted
+	place, err := m.launch(ctx, launchSpec{owner: pe.owner, tpl: tpl, image: tpl.Image, prestart: prestart, guest: !prestart,
 		cpu: pe.cpu, memMB: pe.mem, diskMB: pe.disk, egress: Egress{AllowInternet: true}})
 	if err != nil {
 		m.removeSandboxDir(pe.owner)
 		return nil, err
 	}
 	pe.place = place
+	if prestart {
+		return pe, nil // nothing runs in it yet
+	}
 	if err := m.warmGuest(ctx, place.GuestIP, tpl.InitToken); err != nil {
 		m.logger(pe.owner).Debug("pool instance warm-up", "err", err)
 	}

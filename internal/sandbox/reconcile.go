@@ -58,7 +58,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 				keepRun[sb.Runtime.StateDir] = true
 				e := &entry{sb: sb}
 				m.live[sb.ID] = e
-				m.guestT.open(sb.Runtime.GuestIP)
+				m.guestT.open(sb.Runtime.GuestIP, sb.Runtime.InstanceID, true)
 				watch = append(watch, e)
 				log.Info("reconcile: adopted running sandbox", "instance", sb.Runtime.InstanceID)
 				continue

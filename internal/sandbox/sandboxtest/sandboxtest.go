@@ -351,10 +351,13 @@ func (in *Instance) serve(w http.ResponseWriter, r *http.Request) {
 		in.token = req.AccessToken
 		w.WriteHeader(http.StatusNoContent)
 	case r.URL.Path == "/process.Process/Start" && r.Method == http.MethodPost:
-		// Recorded only; the stream is not answered (the caller sees an error).
+		// Recorded only; the stream ends at once with an error, as envd's streams end theirs
+		// (Connect's end-of-stream message, so the connection stays usable).
 		b, _ := io.ReadAll(r.Body)
 		in.starts = append(in.starts, fmt.Sprintf("%q token=%s", b, r.Header.Get("X-Access-Token")))
-		http.Error(w, "fake envd runs no processes", http.StatusNotImplemented)
+		end := []byte(`{"error":{"code":"unimplemented","message":"fake envd runs no processes"}}`)
+		w.Header().Set("Content-Type", r.Header.Get("Content-Type"))
+		_, _ = w.Write(append([]byte{2, 0, 0, 0, byte(len(end))}, end...))
 	case r.URL.Path == "/fake/files" || r.URL.Path == "/fake/mem":
 		if !authed {
 			http.Error(w, "invalid or missing access token", http.StatusUnauthorized)
