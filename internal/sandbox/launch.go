@@ -203,7 +203,10 @@ func (m *Manager) teardown(ctx context.Context, owner string, p Placement) {
 	if p.StateDir != "" {
 		// Only after the instance is gone: its layer and mounts live here.
 		if err := m.cfg.Driver.Release(ctx, p.StateDir); err != nil {
-			log.Warn("release instance dir", "dir", p.StateDir, "err", err)
+			// It may still hold a layer owed to a pause image: keep it for reconcile, which
+			// releases it again at the next start, rather than remove the sandbox's files.
+			log.Warn("release instance dir; kept for the next start", "dir", p.StateDir, "err", err)
+			return
 		}
 		if err := os.RemoveAll(p.StateDir); err != nil {
 			log.Warn("remove instance dir", "dir", p.StateDir, "err", err)

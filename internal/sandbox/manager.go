@@ -206,6 +206,9 @@ type entry struct {
 	// pre is, for a paused sandbox, an instance pre-started with its pause image's layer
 	// (moved in; a discard gives it back) for its resume to restore into (prestart.go).
 	pre *Placement
+	// released, after a pause, is closed once the paused instance is torn down and its layer is
+	// in the pause image (nil when nothing is pending); see settleLocked.
+	released chan struct{}
 }
 
 var idRe = regexp.MustCompile(`^[a-z0-9]{1,64}$`)
