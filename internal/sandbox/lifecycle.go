@@ -125,12 +125,12 @@ func (m *Manager) PauseWith(ctx context.Context, id string, opts PauseOptions) e
 	case StateKilled:
 		return goneErr(e.sb)
 	}
-	return m.pauseLocked(ctx, e, opts.KeepMemory, !opts.NoPrestart)
+	return m.pauseLocked(ctx, e, opts.KeepMemory, !opts.NoPrestart, opts.LayerFirst)
 }
 
 // pauseLocked pauses e; with prestart (and memory kept) an instance is pre-started for its
 // resume afterwards, budget permitting.
-func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestart bool) error {
+func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestart, layerFirst bool) error {
 	sb := e.sb
 	start := time.Now()
 	tl := runtime.NewTimeline()
@@ -141,7 +141,7 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestar
 	tl.Mark("mkdir")
 	// A memory pause answers once the memory image is written: the instance's layer reaches the
 	// image in the teardown after the answer (DeferLayer), which a resume or kill waits for.
-	opts := runtime.CheckpointOptions{FilesOnly: !keepMemory, DeferLayer: keepMemory}
+	opts := runtime.CheckpointOptions{FilesOnly: !keepMemory, DeferLayer: keepMemory && !layerFirst}
 	if err := m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, opts); err != nil {
 		os.RemoveAll(image)
 		m.observe(StagePause, start, err)
@@ -249,16 +249,34 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()}
 	boot := sb.PausedFilesOnly || reboot
 	var p Placement
-	prestarted := false
+	prestarted, recorded := false, false
+	endAt := time.Now().UTC().Add(timeout)
 	if pre := m.takePreLocked(e); pre != nil && !boot {
 		// Restore into the instance pre-started with the image's layer; if that fails, the
-		// teardown gives the layer back and a plain resume follows.
+		// teardown gives the layer back and a plain resume follows. Its instance is known
+		// before the restore, so the record saying so is written meanwhile (pipeline.go).
 		into := spec
 		into.into = pre
-		if p, err = m.launch(ctx, into); err != nil {
+		rec := m.putAsync(ctx, resumedRecord(sb, *pre, endAt))
+		p, err = m.launch(ctx, into)
+		recErr := <-rec
+		switch {
+		case err != nil:
 			m.logger(sb.ID).Warn("resume into a pre-started instance failed; restoring anew", "err", err)
+			if recErr == nil {
+				// Back to paused on its image (the teardown gave the layer back to it).
+				if perr := m.cfg.Store.PutSandbox(ctx, sb); perr != nil {
+					m.logger(sb.ID).Warn("record the failed resume", "err", perr)
+				}
+			}
+		case recErr != nil:
+			m.teardown(context.WithoutCancel(ctx), sb.ID, p)
+			m.cfg.Store.PutSandbox(ctx, sb)
+			m.observe(StageResume, start, recErr)
+			return recErr
+		default:
+			prestarted, recorded = true, true
 		}
-		prestarted = err == nil
 	} else if pre != nil {
 		m.teardown(context.WithoutCancel(ctx), sb.ID, *pre) // the boot takes the layer from the image
 	}
@@ -273,11 +291,15 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 		}
 	}
 	tl.Mark("launch")
-	sb.Runtime = p
-	sb.State = StateRunning
-	sb.PausedFilesOnly = false
-	sb.EndAt = time.Now().UTC().Add(timeout)
-	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
+	if recorded {
+		sb.Runtime, sb.State, sb.PausedFilesOnly, sb.EndAt = p, StateRunning, false, endAt
+	} else {
+		sb.Runtime = p
+		sb.State = StateRunning
+		sb.PausedFilesOnly = false
+		sb.EndAt = time.Now().UTC().Add(timeout)
+	}
+	if err := m.putUnless(ctx, recorded, sb); err != nil {
 		m.teardown(context.WithoutCancel(ctx), sb.ID, p)
 		sb.State, sb.PausedFilesOnly, sb.Runtime = StatePaused, boot, Placement{Image: image, SlotIndex: noSlot}
 		m.observe(StageResume, start, err)

@@ -63,3 +63,12 @@ func writeDurable(path, content string) error {
 	}
 	return err
 }
+
+// imageMiB is the size of imageDir's memory image file, in MiB (for the debug log).
+func imageMiB(imageDir string) float64 {
+	fi, err := os.Stat(filepath.Join(imageDir, "checkpoint.img"))
+	if err != nil {
+		return 0
+	}
+	return float64(fi.Size()) / (1 << 20)
+}

@@ -594,7 +594,9 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 		return d.checkpointFiles(ctx, id, imageDir, opts)
 	}
 	tl := runtime.NewTimeline()
-	defer tl.Log(d.log, "checkpoint timeline", "instance", id, "leave_running", opts.LeaveRunning)
+	defer func() {
+		tl.Log(d.log, "checkpoint timeline", "instance", id, "leave_running", opts.LeaveRunning, "image_mib", imageMiB(imageDir))
+	}()
 	// Without LeaveRunning the sandbox process is killed afterwards: hold it by pidfd first so
 	// the kill cannot hit a recycled pid.
 	pidfd := -1
