@@ -163,8 +163,12 @@ func (m *Manager) launched(ctx context.Context, spec launchSpec, p Placement, t0
 	}
 	t2 := time.Now()
 	base := envdBase(p.GuestIP)
-	if err := m.waitEnvd(ctx, base); err != nil {
-		return err
+	if spec.init == nil {
+		// Nothing to send: wait for envd's health (with an identity to give, /init is sent
+		// once envd is up and its answer says so: envdinit.go).
+		if err := m.waitEnvd(ctx, base); err != nil {
+			return err
+		}
 	}
 	t3 := time.Now()
 	if spec.init != nil {
@@ -347,12 +351,14 @@ func (m *Manager) initEnvd(ctx context.Context, base string, sb *Sandbox, oldTok
 		Hostname:       "sandbox",
 		Timestamp:      time.Now().UTC(),
 	})
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, base+"/init", bytes.NewReader(body))
-	req.Header.Set("Content-Type", "application/json")
-	if oldToken != "" {
-		req.Header.Set("X-Access-Token", oldToken)
-	}
-	resp, err := m.client.Do(req)
+	resp, err := m.sendWhenUp(ctx, func(ctx context.Context) *http.Request {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, base+"/init", bytes.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		if oldToken != "" {
+			req.Header.Set("X-Access-Token", oldToken)
+		}
+		return req
+	})
 	if err != nil {
 		return fmt.Errorf("envd init: %w", err)
 	}

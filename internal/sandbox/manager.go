@@ -156,7 +156,9 @@ type Manager struct {
 	cfg    Config
 	log    *slog.Logger
 	client *http.Client
-	guestT *guestTransports
+	// initClient sends envd's /init (envdinit.go).
+	initClient *http.Client
+	guestT     *guestTransports
 
 	mu   sync.Mutex
 	live map[string]*entry // sandboxes by id: running, paused, and recently ended (tombstones)
@@ -296,15 +298,17 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		log: cfg.Logger,
 		// envd health and /init calls: no keep-alive, so a connection to a slot's address never
 		// outlives the sandbox that had it (slots and their addresses are reused).
-		client:    &http.Client{Transport: &http.Transport{DialContext: cfg.Dial, DisableKeepAlives: true}},
-		guestT:    newGuestTransports(cfg.Dial, EnvdPort),
-		live:      map[string]*entry{},
-		stop:      make(chan struct{}),
-		faults:    &faults{fail: cfg.Fail},
-		builds:    make(chan struct{}, cfg.MaxBuilds),
-		instances: map[string]bool{},
-		preOf:     map[string]string{},
-		uploads:   map[string]*upload{},
+		client: &http.Client{Transport: &http.Transport{DialContext: cfg.Dial, DisableKeepAlives: true}},
+		// /init: connection failures marked, so they can be retried (envdinit.go).
+		initClient: &http.Client{Transport: &http.Transport{DialContext: markDials(cfg.Dial), DisableKeepAlives: true}},
+		guestT:     newGuestTransports(cfg.Dial, EnvdPort),
+		live:       map[string]*entry{},
+		stop:       make(chan struct{}),
+		faults:     &faults{fail: cfg.Fail},
+		builds:     make(chan struct{}, cfg.MaxBuilds),
+		instances:  map[string]bool{},
+		preOf:      map[string]string{},
+		uploads:    map[string]*upload{},
 	}
 	tb, err := openBuilds(filepath.Join(cfg.DataDir, "builds"), m.log.Warn)
 	if err != nil {
