@@ -148,21 +148,18 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestar
 		return fmt.Errorf("checkpoint: %w", err)
 	}
 	tl.Mark("checkpoint")
-	// The image is complete: the marker on disk and the record are written at once (two
-	// syncs in parallel). A crash finds a paused sandbox either way: a record still saying
-	// running with a complete image is a pause (reconcile), and a paused record keeps its image.
+	// The image is complete: say so on disk before the record does, so that a crash in
+	// between finds a paused sandbox (reconcile), not a lost one.
+	if err := markComplete(image, !keepMemory); err != nil {
+		m.logger(sb.ID).Warn("mark pause image complete", "err", err)
+	}
 	old := sb.Runtime
 	sb.State = StatePaused
 	sb.PausedFilesOnly = !keepMemory
 	sb.Runtime = Placement{Image: image, SlotIndex: noSlot}
-	marked := make(chan error, 1)
-	go func() { marked <- markComplete(image, !keepMemory) }()
 	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
 		// The instance is stopped and its image complete; keep the sandbox paused in memory.
 		m.logger(sb.ID).Error("record pause", "err", err)
-	}
-	if err := <-marked; err != nil {
-		m.logger(sb.ID).Warn("mark pause image complete", "err", err)
 	}
 	tl.Mark("record")
 	m.guestT.close(old.GuestIP)

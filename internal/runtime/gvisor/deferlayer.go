@@ -22,11 +22,15 @@ import (
 // oweLayer completes a deferred checkpoint of the instance held by pidfd: the image names the
 // rootfs stack, the state dir says its layer belongs to imageDir (written durably before the
 // caller may say the pause is done), and the sandbox process is killed without waiting.
+//
+// The record is written, not synced: what it guards against is a crash of the daemon (kill -9),
+// which keeps the page cache. Against a power loss a sync of it alone would guarantee nothing:
+// neither runsc's memory image nor the layer's files are synced either.
 func (d *Driver) oweLayer(pidfd int, stateDir, imageDir string) error {
 	if err := recordStack(stateDir, imageDir); err != nil {
 		return err
 	}
-	if err := writeDurable(filepath.Join(stateDir, layerFromName), imageDir); err != nil {
+	if err := os.WriteFile(filepath.Join(stateDir, layerFromName), []byte(imageDir), 0o600); err != nil {
 		return fmt.Errorf("gvisor: checkpoint: owe the layer to %s: %w", imageDir, err)
 	}
 	// Without the kill the sandbox would linger about a second.
@@ -46,22 +50,6 @@ func layerOwed(stateDir string) bool {
 	}
 	image := string(b)
 	return dirExists(image) && !imageHasLayer(image) && dirExists(filepath.Join(stateDir, layerDirName))
-}
-
-// writeDurable writes content to path and syncs it.
-func writeDurable(path, content string) error {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return err
-	}
-	_, err = f.WriteString(content)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	return err
 }
 
 // imageMiB is the size of imageDir's memory image file, in MiB (for the debug log).
