@@ -304,8 +304,13 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 	}
 	tl.Mark("record")
 	m.observe(StageResume, start, nil)
-	os.RemoveAll(image)
-	tl.Mark("remove_image")
+	// The image is spent (its layer is the instance's now); removing it need not hold the
+	// answer: a crash first leaves a stale image, which reconcile removes.
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		os.RemoveAll(image)
+	}()
 	m.guestT.open(p.GuestIP)
 	m.watch(e, p.InstanceID)
 	tl.Mark("watch")
