@@ -6,8 +6,6 @@ package bench
 import (
 	"context"
 	"fmt"
-	"io"
-	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -94,7 +92,7 @@ func startNode(runsc string, poolSize int) (*node, error) {
 		// Names and addresses of its own, so a benchmark never meets a daemon on this host.
 		NodeID: envOr("EMBER_BENCH_NODE", "bench"), CIDR: envOr("EMBER_BENCH_CIDR", "10.240.0.0/16"),
 		Templates: []string{"base"},
-		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Logger:    benchLogger(),
 		Out:       os.Stderr,
 	})
 	if err != nil {

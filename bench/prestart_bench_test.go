@@ -101,10 +101,21 @@ func BenchmarkPrestart(b *testing.B) {
 		}
 		return false
 	}
-	var pause, resume, preResume dist
+	// The floors, interleaved: raw runsc checkpoint, and raw restore of that image into a
+	// pre-created container and into a new one.
+	tpl, err := n.Store.GetTemplate(ctx, "base")
+	if err != nil {
+		b.Fatal(err)
+	}
+	raw := newRawRunsc(b, n)
+	var pause, resume, preResume, rawCkpt, rawInto, rawNew dist
 	missed := 0
 	for i := 0; i < 2*iterations; i++ {
 		pre := i%2 == 1
+		if pre {
+			c, in, nw := raw.rawPauseResume(b, i, tpl.Image)
+			rawCkpt, rawInto, rawNew = append(rawCkpt, c), append(rawInto, in), append(rawNew, nw)
+		}
 		settle()
 		t0 := time.Now()
 		if err := n.Manager.PauseWith(ctx, sb.ID, sandbox.PauseOptions{KeepMemory: true, NoPrestart: !pre}); err != nil {
@@ -131,6 +142,12 @@ func BenchmarkPrestart(b *testing.B) {
 	if missed > 0 {
 		fmt.Printf("(%d resumes found no pre-started instance)\n", missed)
 	}
+	report(b, "raw runsc checkpoint (instance exits)", rawCkpt)
+	report(b, "raw runsc restore into a created container", rawInto)
+	report(b, "raw runsc restore into a new container", rawNew)
+	fmt.Printf("pause %.2fx raw checkpoint; resume, pre-started %.2fx raw restore into a created container\n",
+		ratio(pause, rawCkpt), ratio(preResume, rawInto))
+	raw.breakdownInto(b, tpl.Image)
 
 	var perChild dist
 	for i := 0; i < 3; i++ {

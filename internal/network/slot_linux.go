@@ -45,7 +45,7 @@ func (l linkOps) exists(name string) bool {
 }
 
 func (l linkOps) names() ([]string, error) {
-	links, err := l.h.LinkList()
+	links, err := retryDump(l.h.LinkList)
 	if err != nil {
 		return nil, fmt.Errorf("list links: %w", err)
 	}

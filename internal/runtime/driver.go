@@ -124,6 +124,12 @@ type CheckpointOptions struct {
 	// and its layer moved into imageDir; no memory image is written (a filesystem-only pause;
 	// resume with Start and Spec.LayerFrom). Not combined with LeaveRunning.
 	FilesOnly bool
+	// DeferLayer (without LeaveRunning or FilesOnly) returns as soon as the memory image is
+	// written: the instance is killed but not waited for, and its writable layer stays where it
+	// is, owed to imageDir, until Delete (or, after a crash, Release of its state dir) has waited
+	// for the instance's processes and moved the layer into imageDir. Until then imageDir holds
+	// no layer and must not be restored; a crash in between loses nothing (issue 11 lever 3).
+	DeferLayer bool
 }
 
 // Driver runs sandboxes. Every method is safe for concurrent use on different ids.

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
 func (m *Manager) resolveTemplate(ctx context.Context, id string) (*Template, error) {
@@ -115,6 +116,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		sb.Alias = tpl.Aliases[0]
 	}
 	started := time.Now()
+	tl := runtime.NewTimeline()
 	how := ""
 	pooling := !req.Cold && tpl.Image != "" && !req.NoPool && req.IsDefaultEgress()
 	if pooling && !req.NoRestoredPool {
@@ -178,6 +180,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 			return nil, err
 		}
 	}
+	tl.Mark("launch")
 	sb.StartedAt = time.Now().UTC()
 	sb.EndAt = sb.StartedAt.Add(timeout)
 	e, err := m.register(ctx, sb)
@@ -185,6 +188,8 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	if err != nil {
 		return nil, err
 	}
+	tl.Mark("register")
+	tl.Log(m.logger(sb.ID), "create timeline", "how", how)
 	m.logger(sb.ID).Info("sandbox created", "template_id", tpl.ID, "how", how, "instance", sb.Runtime.InstanceID, "ms", time.Since(started).Milliseconds())
 	e.mu.Lock()
 	defer e.mu.Unlock()

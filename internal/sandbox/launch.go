@@ -167,13 +167,17 @@ func (m *Manager) launched(ctx context.Context, spec launchSpec, p Placement, t0
 	}
 	t2 := time.Now()
 	base := envdBase(p.GuestIP)
-	client := m.client
+	client := m.initClient
 	if spec.guest {
 		m.guestT.open(p.GuestIP, inst, false) // closed by teardown, like every guest transport
 		client = m.guest
 	}
-	if err := m.waitEnvd(ctx, client, base); err != nil {
-		return err
+	if spec.init == nil {
+		// Nothing to send: wait for envd's health (with an identity to give, /init is sent
+		// once envd is up and its answer says so: envdinit.go).
+		if err := m.waitEnvd(ctx, client, base); err != nil {
+			return err
+		}
 	}
 	t3 := time.Now()
 	if spec.init != nil {
@@ -212,7 +216,10 @@ func (m *Manager) teardown(ctx context.Context, owner string, p Placement) {
 	if p.StateDir != "" {
 		// Only after the instance is gone: its layer and mounts live here.
 		if err := m.cfg.Driver.Release(ctx, p.StateDir); err != nil {
-			log.Warn("release instance dir", "dir", p.StateDir, "err", err)
+			// It may still hold a layer owed to a pause image: keep it for reconcile, which
+			// releases it again at the next start, rather than remove the sandbox's files.
+			log.Warn("release instance dir; kept for the next start", "dir", p.StateDir, "err", err)
+			return
 		}
 		if err := os.RemoveAll(p.StateDir); err != nil {
 			log.Warn("remove instance dir", "dir", p.StateDir, "err", err)
@@ -354,12 +361,14 @@ func (m *Manager) initEnvd(ctx context.Context, client *http.Client, base string
 		Hostname:       "sandbox",
 		Timestamp:      time.Now().UTC(),
 	})
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, base+"/init", bytes.NewReader(body))
-	req.Header.Set("Content-Type", "application/json")
-	if oldToken != "" {
-		req.Header.Set("X-Access-Token", oldToken)
-	}
-	resp, err := client.Do(req)
+	resp, err := m.sendWhenUp(ctx, client, func(ctx context.Context) *http.Request {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, base+"/init", bytes.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		if oldToken != "" {
+			req.Header.Set("X-Access-Token", oldToken)
+		}
+		return req
+	})
 	if err != nil {
 		return fmt.Errorf("envd init: %w", err)
 	}

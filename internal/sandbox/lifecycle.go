@@ -52,6 +52,7 @@ func (m *Manager) Kill(ctx context.Context, id string) error {
 func (m *Manager) endLocked(ctx context.Context, e *entry, reason string) {
 	sb := e.sb
 	ctx = context.WithoutCancel(ctx)
+	e.settleLocked()
 	m.teardown(ctx, sb.ID, sb.Runtime)
 	m.dropPreLocked(ctx, e)
 	m.removeSandboxDir(sb.ID)
@@ -89,6 +90,16 @@ func (m *Manager) SetTimeout(ctx context.Context, id string, d time.Duration) er
 
 // ---- pause, resume ----
 
+// settleLocked waits until the teardown that followed e's last pause is done: the paused
+// instance is gone and its layer is in the pause image (its resume restores it, a kill removes
+// it). The teardown does not take e.mu, so e.mu may be held.
+func (e *entry) settleLocked() {
+	if e.released != nil {
+		<-e.released
+		e.released = nil
+	}
+}
+
 // Pause checkpoints a running sandbox and releases its processes, memory and network slot.
 func (m *Manager) Pause(ctx context.Context, id string) error {
 	return m.PauseWith(ctx, id, PauseOptions{KeepMemory: true})
@@ -114,23 +125,29 @@ func (m *Manager) PauseWith(ctx context.Context, id string, opts PauseOptions) e
 	case StateKilled:
 		return goneErr(e.sb)
 	}
-	return m.pauseLocked(ctx, e, opts.KeepMemory, !opts.NoPrestart)
+	return m.pauseLocked(ctx, e, opts.KeepMemory, !opts.NoPrestart, opts.LayerFirst)
 }
 
 // pauseLocked pauses e; with prestart (and memory kept) an instance is pre-started for its
 // resume afterwards, budget permitting.
-func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestart bool) error {
+func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestart, layerFirst bool) error {
 	sb := e.sb
 	start := time.Now()
+	tl := runtime.NewTimeline()
 	image := filepath.Join(m.sandboxDir(sb.ID), "image-"+randomHex(3))
 	if err := os.MkdirAll(image, 0o700); err != nil {
 		return err
 	}
-	if err := m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, runtime.CheckpointOptions{FilesOnly: !keepMemory}); err != nil {
+	tl.Mark("mkdir")
+	// A memory pause answers once the memory image is written: the instance's layer reaches the
+	// image in the teardown after the answer (DeferLayer), which a resume or kill waits for.
+	opts := runtime.CheckpointOptions{FilesOnly: !keepMemory, DeferLayer: keepMemory && !layerFirst}
+	if err := m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, opts); err != nil {
 		os.RemoveAll(image)
 		m.observe(StagePause, start, err)
 		return fmt.Errorf("checkpoint: %w", err)
 	}
+	tl.Mark("checkpoint")
 	// The image is complete: say so on disk before the record does, so that a crash in
 	// between finds a paused sandbox (reconcile), not a lost one.
 	if err := markComplete(image, !keepMemory); err != nil {
@@ -144,16 +161,22 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestar
 		// The instance is stopped and its image complete; keep the sandbox paused in memory.
 		m.logger(sb.ID).Error("record pause", "err", err)
 	}
+	tl.Mark("record")
 	m.guestT.close(old.GuestIP)
+	tl.Mark("transport")
+	tl.Log(m.logger(sb.ID), "pause timeline", "memory", keepMemory)
 	m.observe(StagePause, start, nil)
 	m.logger(sb.ID).Info("sandbox paused", "memory", keepMemory, "ms", time.Since(start).Milliseconds())
 	// The checkpoint stopped every process of the instance and the record says paused: what is
 	// left (runsc's state, the network slot, the run directory) is released after answering.
 	// A crash before it finishes leaves orphans that reconcile removes at the next start.
+	released := make(chan struct{})
+	e.released = released
 	m.wg.Add(1)
 	go func() {
 		defer m.wg.Done()
 		m.teardown(context.Background(), sb.ID, old)
+		close(released)
 		if keepMemory && prestart {
 			m.prestartForResume(e, image)
 		}
@@ -210,25 +233,47 @@ func (m *Manager) ConnectWith(ctx context.Context, id string, opts ConnectOption
 func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Duration, reboot bool) error {
 	sb := e.sb
 	start := time.Now()
+	tl := runtime.NewTimeline()
+	e.settleLocked()
+	tl.Mark("settle")
 	tpl, err := m.templateOf(ctx, sb)
 	if err != nil {
 		return err
 	}
+	tl.Mark("template")
 	image := sb.Runtime.Image
 	spec := launchSpec{owner: sb.ID, tpl: tpl, image: image, consume: true,
 		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()}
 	boot := sb.PausedFilesOnly || reboot
 	var p Placement
-	prestarted := false
+	prestarted, recorded := false, false
+	endAt := time.Now().UTC().Add(timeout)
 	if pre := m.takePreLocked(e); pre != nil && !boot {
 		// Restore into the instance pre-started with the image's layer; if that fails, the
-		// teardown gives the layer back and a plain resume follows.
+		// teardown gives the layer back and a plain resume follows. Its instance is known
+		// before the restore, so the record saying so is written meanwhile (pipeline.go).
 		into := spec
 		into.into = pre
-		if p, err = m.launch(ctx, into); err != nil {
+		rec := m.putAsync(ctx, resumedRecord(sb, *pre, endAt))
+		p, err = m.launch(ctx, into)
+		recErr := <-rec
+		switch {
+		case err != nil:
 			m.logger(sb.ID).Warn("resume into a pre-started instance failed; restoring anew", "err", err)
+			if recErr == nil {
+				// Back to paused on its image (the teardown gave the layer back to it).
+				if perr := m.cfg.Store.PutSandbox(ctx, sb); perr != nil {
+					m.logger(sb.ID).Warn("record the failed resume", "err", perr)
+				}
+			}
+		case recErr != nil:
+			m.teardown(context.WithoutCancel(ctx), sb.ID, p)
+			m.cfg.Store.PutSandbox(ctx, sb)
+			m.observe(StageResume, start, recErr)
+			return recErr
+		default:
+			prestarted, recorded = true, true
 		}
-		prestarted = err == nil
 	} else if pre != nil {
 		m.teardown(context.WithoutCancel(ctx), sb.ID, *pre) // the boot takes the layer from the image
 	}
@@ -242,20 +287,34 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 			return fmt.Errorf("resume: %w", err)
 		}
 	}
-	sb.Runtime = p
-	sb.State = StateRunning
-	sb.PausedFilesOnly = false
-	sb.EndAt = time.Now().UTC().Add(timeout)
-	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
+	tl.Mark("launch")
+	if recorded {
+		sb.Runtime, sb.State, sb.PausedFilesOnly, sb.EndAt = p, StateRunning, false, endAt
+	} else {
+		sb.Runtime = p
+		sb.State = StateRunning
+		sb.PausedFilesOnly = false
+		sb.EndAt = time.Now().UTC().Add(timeout)
+	}
+	if err := m.putUnless(ctx, recorded, sb); err != nil {
 		m.teardown(context.WithoutCancel(ctx), sb.ID, p)
 		sb.State, sb.PausedFilesOnly, sb.Runtime = StatePaused, boot, Placement{Image: image, SlotIndex: noSlot}
 		m.observe(StageResume, start, err)
 		return err
 	}
+	tl.Mark("record")
 	m.observe(StageResume, start, nil)
-	os.RemoveAll(image)
+	// The image is spent (its layer is the instance's now); removing it need not hold the
+	// answer: a crash first leaves a stale image, which reconcile removes.
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		os.RemoveAll(image)
+	}()
 	m.guestT.open(p.GuestIP, p.InstanceID, true)
 	m.watch(e, p.InstanceID)
+	tl.Mark("watch")
+	tl.Log(m.logger(sb.ID), "resume timeline", "prestarted", prestarted, "boot", boot)
 	m.logger(sb.ID).Info("sandbox resumed", "instance", p.InstanceID, "boot", boot, "prestarted", prestarted, "ms", time.Since(start).Milliseconds())
 	return nil
 }

@@ -156,7 +156,9 @@ type Manager struct {
 	cfg    Config
 	log    *slog.Logger
 	client *http.Client
-	guestT *guestTransports
+	// initClient sends envd's /init (envdinit.go) for launches outside the guest transports.
+	initClient *http.Client
+	guestT     *guestTransports
 	// guest sends requests through the sandboxes' own transports (guestT): the connections it
 	// leaves idle serve the sandbox's next requests.
 	guest *http.Client
@@ -209,6 +211,9 @@ type entry struct {
 	// pre is, for a paused sandbox, an instance pre-started with its pause image's layer
 	// (moved in; a discard gives it back) for its resume to restore into (prestart.go).
 	pre *Placement
+	// released, after a pause, is closed once the paused instance is torn down and its layer is
+	// in the pause image (nil when nothing is pending); see settleLocked.
+	released chan struct{}
 }
 
 var idRe = regexp.MustCompile(`^[a-z0-9]{1,64}$`)
@@ -296,15 +301,17 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		log: cfg.Logger,
 		// envd health and /init calls: no keep-alive, so a connection to a slot's address never
 		// outlives the sandbox that had it (slots and their addresses are reused).
-		client:    &http.Client{Transport: &http.Transport{DialContext: cfg.Dial, DisableKeepAlives: true}},
-		guestT:    newGuestTransports(cfg.Dial, EnvdPort),
-		live:      map[string]*entry{},
-		stop:      make(chan struct{}),
-		faults:    &faults{fail: cfg.Fail},
-		builds:    make(chan struct{}, cfg.MaxBuilds),
-		instances: map[string]bool{},
-		preOf:     map[string]string{},
-		uploads:   map[string]*upload{},
+		client: &http.Client{Transport: &http.Transport{DialContext: cfg.Dial, DisableKeepAlives: true}},
+		// /init: connection failures marked, so they can be retried (envdinit.go).
+		initClient: &http.Client{Transport: &http.Transport{DialContext: markDials(cfg.Dial), DisableKeepAlives: true}},
+		guestT:     newGuestTransports(launchDials(cfg.Dial), EnvdPort),
+		live:       map[string]*entry{},
+		stop:       make(chan struct{}),
+		faults:     &faults{fail: cfg.Fail},
+		builds:     make(chan struct{}, cfg.MaxBuilds),
+		instances:  map[string]bool{},
+		preOf:      map[string]string{},
+		uploads:    map[string]*upload{},
 	}
 	m.guest = &http.Client{Transport: m.guestT}
 	tb, err := openBuilds(filepath.Join(cfg.DataDir, "builds"), m.log.Warn)

@@ -39,7 +39,7 @@ func (m *Manager) reap(e *entry, now time.Time) {
 	case sb.State == StateRunning && now.After(sb.EndAt):
 		if sb.AutoPause {
 			// Only a sandbox that traffic wakes gets an instance pre-started for its resume.
-			if err := m.pauseLocked(ctx, e, !sb.PauseDropsMemory, sb.AutoResume); err == nil {
+			if err := m.pauseLocked(ctx, e, !sb.PauseDropsMemory, sb.AutoResume, false); err == nil {
 				return
 			} else {
 				m.logger(sb.ID).Error("auto-pause failed; killing", "err", err)

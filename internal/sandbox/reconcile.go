@@ -228,23 +228,15 @@ func (m *Manager) adoptable(ctx context.Context, sb *Sandbox, known map[string]b
 // completeName marks a pause image that Checkpoint finished ("files" for a filesystem-only one).
 const completeName = ".ember-complete"
 
+// markComplete marks image complete. It is written, not synced: it guards against a crash of
+// the daemon, which keeps the page cache; against a power loss a sync of the marker alone would
+// guarantee nothing, as runsc's memory image is not synced either.
 func markComplete(image string, filesOnly bool) error {
 	content := "memory"
 	if filesOnly {
 		content = "files"
 	}
-	f, err := os.OpenFile(filepath.Join(image, completeName), os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return err
-	}
-	_, err = f.WriteString(content)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	return err
+	return os.WriteFile(filepath.Join(image, completeName), []byte(content), 0o600)
 }
 
 // completePauseImage finds the newest complete pause image in a sandbox directory.

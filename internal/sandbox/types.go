@@ -125,6 +125,9 @@ type PauseOptions struct {
 	KeepMemory bool
 	// NoPrestart: no instance is pre-started for the resume (benchmarks).
 	NoPrestart bool
+	// LayerFirst: the answer waits until the instance's layer is in the pause image, as pauses
+	// did before they answered on the memory image alone (benchmarks, for the A/B).
+	LayerFirst bool
 }
 
 // ConnectOptions tune Connect.

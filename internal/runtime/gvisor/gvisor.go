@@ -492,6 +492,11 @@ func (d *Driver) Delete(ctx context.Context, id string) error {
 		case <-time.After(2 * time.Second):
 		}
 	}
+	if layerOwed(stateDir) {
+		// A deferred checkpoint's layer moves into its image below: nothing of the instance
+		// may still use it (its gofer's mount namespace holds the layer's filesystem).
+		d.waitGone(ctx, id, 10*time.Second)
+	}
 	d.forgetExit(id)
 	d.setLogDir(id, "")
 	if err := releaseLayer(stateDir); err != nil {
@@ -588,6 +593,10 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 	if opts.FilesOnly {
 		return d.checkpointFiles(ctx, id, imageDir, opts)
 	}
+	tl := runtime.NewTimeline()
+	defer func() {
+		tl.Log(d.log, "checkpoint timeline", "instance", id, "leave_running", opts.LeaveRunning, "image_mib", imageMiB(imageDir))
+	}()
 	// Without LeaveRunning the sandbox process is killed afterwards: hold it by pidfd first so
 	// the kill cannot hit a recycled pid.
 	pidfd := -1
@@ -601,6 +610,7 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 		}
 		defer unix.Close(pidfd)
 	}
+	tl.Mark("pid")
 
 	stateDir := ""
 	if d.hostLayers() {
@@ -626,29 +636,39 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 		// Set before runsc runs: the sandbox may exit on its own as soon as its image is written.
 		d.setStopping(id, "stopped by the driver (Checkpoint)")
 	}
-	t0 := time.Now()
+	tl.Mark("prepare")
 	_, cerr := d.run(ctx, d.logDir(id), append(args, id)...)
+	tl.Mark("runsc_checkpoint")
 	if cerr != nil {
 		if !opts.LeaveRunning {
 			d.setStopping(id, "")
 		}
 		return d.explain(ctx, id, cerr)
 	}
-	d.log.Debug("checkpointed", "instance", id, "leave_running", opts.LeaveRunning, "ms", time.Since(t0).Milliseconds())
 	privateFiles(imageDir)
 	if opts.LeaveRunning {
 		if stateDir != "" {
+			defer tl.Mark("layer_clone")
 			return d.checkpointLayer(stateDir, imageDir, true)
 		}
 		return nil
+	}
+	if opts.DeferLayer && stateDir != "" {
+		// The memory image is complete: the layer is owed to it from here on (Delete or
+		// Release moves it there once nothing uses it), and the caller need not wait.
+		defer tl.Mark("owe_layer")
+		return d.oweLayer(pidfd, stateDir, imageDir)
 	}
 	// The image is complete; without the kill the sandbox would linger about a second.
 	_ = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
 	if err := waitPidfd(ctx, pidfd, 10*time.Second); err != nil {
 		return err
 	}
+	tl.Mark("sandbox_exit")
 	if stateDir != "" {
 		d.waitGone(ctx, id, 10*time.Second)
+		tl.Mark("gofer_exit")
+		defer tl.Mark("layer_move")
 		return d.checkpointLayer(stateDir, imageDir, false)
 	}
 	return nil

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
@@ -64,6 +63,8 @@ func (d *Driver) RestoreInto(ctx context.Context, id, imageDir string) error {
 	if err := validateID(id); err != nil {
 		return err
 	}
+	tl := runtime.NewTimeline()
+	defer tl.Log(d.log, "restore into timeline", "instance", id)
 	stateDir := d.instanceDir(ctx, id)
 	if stateDir == "" {
 		return fmt.Errorf("gvisor: restore into %s: no such instance: %w", id, errdefs.ErrNotFound)
@@ -83,8 +84,10 @@ func (d *Driver) RestoreInto(ctx context.Context, id, imageDir string) error {
 		args = append(args, "--background")
 	}
 	logs := filepath.Join(stateDir, "logs")
-	t0 := time.Now()
-	if err := d.launchOnce(ctx, id, logs, append(args, id)); err != nil {
+	tl.Mark("prepare")
+	err = d.launchOnce(ctx, id, logs, append(args, id))
+	tl.Mark("runsc_restore")
+	if err != nil {
 		if errors.Is(err, errdefs.ErrConflict) {
 			return fmt.Errorf("gvisor: restore into %s: %w", id, err)
 		}
@@ -93,6 +96,5 @@ func (d *Driver) RestoreInto(ctx context.Context, id, imageDir string) error {
 	// Used: a second RestoreInto is refused before runsc runs.
 	os.Remove(filepath.Join(stateDir, prestartName))
 	d.forgetExit(id)
-	d.log.Debug("restored into a pre-started instance", "instance", id, "ms", time.Since(t0).Milliseconds())
 	return nil
 }
