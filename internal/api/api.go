@@ -51,6 +51,8 @@ type Config struct {
 	Metrics http.Handler
 	// Cluster, when set, makes this node one edge of a cluster (cluster.go).
 	Cluster Cluster
+	// Templates, with Cluster, shares templates between the nodes (cluster_move.go).
+	Templates TemplateSharer
 }
 
 func (c Config) withDefaults() Config {
@@ -100,6 +102,9 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 	if cfg.Cluster != nil {
 		s.cl = cfg.Cluster
 		s.svc = &clusterService{Service: svc, cl: cfg.Cluster}
+		if cfg.Templates != nil {
+			s.svc = &sharedService{Service: s.svc, t: cfg.Templates} // cluster_move.go
+		}
 		s.nodeTransport = newNodeTransport()
 	}
 	domainHost := strings.ToLower(cfg.Domain)

@@ -162,7 +162,10 @@ func (cl *Cluster) candidates(req PlaceRequest) (out []candidate, haveTpl bool) 
 	for id, n := range cl.nodes {
 		size, ok := n.Templates[req.TemplateID]
 		if !ok {
-			continue
+			// A template of the cluster's: the node loads it from the image store.
+			if size, ok = cl.sharedSize(req.TemplateID); !ok {
+				continue
+			}
 		}
 		haveTpl = true
 		if cl.drains[id] || slices.Contains(req.Exclude, id) ||

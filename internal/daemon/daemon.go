@@ -148,7 +148,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	drv, err := gvisor.New(gvisor.Config{Runsc: cfg.Runsc, Root: filepath.Join(cfg.DataDir, "runsc"), CgroupParent: names.CgroupParent,
-		ExtraFlags: []string{"--allow-suid"}, Logger: cfg.Logger})
+		ExtraFlags: []string{"--allow-suid"}, Logger: cfg.Logger, LayerIdentity: sandbox.LayerIdentity(cfg.DataDir)})
 	if err != nil {
 		return nil, err
 	}
@@ -198,7 +198,11 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
+	shareTemplates := len(cfg.EtcdEndpoints) > 0 && cfg.S3.Endpoint != ""
 	for _, name := range cfg.Templates {
+		if shareTemplates {
+			break // after joining: the cluster's build, if it has one (startTemplates)
+		}
 		what := "first start only"
 		if t, err := st.GetTemplate(ctx, name); err == nil {
 			if !t.Stale() {
@@ -230,6 +234,15 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			return nil, err
 		}
 		acfg.Cluster = cl
+		if shareTemplates {
+			tpls := cluster.NewTemplates(cl, mgr)
+			if err := startTemplates(ctx, cfg, mgr, tpls); err != nil {
+				cl.Close()
+				mgr.Close()
+				return nil, err
+			}
+			acfg.Templates = tpls
+		}
 	}
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true

@@ -161,6 +161,8 @@ type Manager struct {
 	mu   sync.Mutex
 	live map[string]*entry // sandboxes by id: running, paused, and recently ended (tombstones)
 
+	tplHook atomic.Pointer[func(context.Context, *Template)] // SetTemplateHook (portable.go)
+
 	pool      *pool // restored sandboxes waiting for an assignment
 	prestarts *pool // pre-started instances waiting for a restore into them
 	// resumePre counts the instances pre-started for the resume of a paused sandbox

@@ -1,0 +1,276 @@
+package sandbox
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/runtime"
+)
+
+// Portable templates: a template built on one node, moved to another through the image store.
+//
+// A template is its stack of read-only layers (its own top layer, then its image's layers) and
+// its checkpoint image, which restores only onto that exact stack. Host paths differ between
+// nodes, so layers are named by their identity instead (LayerIdentity): the layer's path
+// beneath the data directory of the node that made it. Those names are content names:
+// image layers live at layers/sha256-<diff id>/root, step layers at layers/<step key>/...,
+// a template's top layer at templates/<name>/rootfs-<build id>. A node that does not have a
+// layer loads it from the store into <data-dir>/remote/<identity, base64url>/, verified, and
+// the driver maps that path back to the same identity (so a checkpoint taken on the origin
+// restores here). Checkpoint images record their stack by identity (runtime/gvisor).
+
+// TreePorter is a Driver that moves read-only layers between nodes (runtime/gvisor).
+type TreePorter interface {
+	// ExportTree writes layer directory dir as an archive into the new file dst.
+	ExportTree(ctx context.Context, dir, dst string) error
+	// ImportTree unpacks archive src (untrusted) into the new directory dir and returns where
+	// the layer's files are.
+	ImportTree(ctx context.Context, src, dir string, opts runtime.ImportOptions) (string, error)
+}
+
+// PortableTemplate is a template as another node loads it: its record with every host path
+// replaced by a layer identity (RootFS, Lowers) or a store id (Image).
+type PortableTemplate struct {
+	Template Template `json:"template"`
+	// ImageID is the store id of the checkpoint image.
+	ImageID string `json:"imageID"`
+}
+
+const (
+	remoteDir   = "remote"
+	treeArchive = "tree.tar"
+)
+
+// LayerIdentity returns the layer naming of a node whose data directory is dataDir (for the
+// driver's Config.LayerIdentity): a path beneath dataDir is named by its relative path, a layer
+// loaded from another node by the identity it had there; anything else (an identity already)
+// is its own name.
+func LayerIdentity(dataDir string) func(string) string {
+	remote := filepath.Join(dataDir, remoteDir) + string(os.PathSeparator)
+	return func(p string) string {
+		if !filepath.IsAbs(p) {
+			return p
+		}
+		if rest, ok := strings.CutPrefix(p, remote); ok {
+			enc, _, _ := strings.Cut(rest, string(os.PathSeparator))
+			if b, err := base64.RawURLEncoding.DecodeString(enc); err == nil {
+				return string(b)
+			}
+		}
+		if rel, err := filepath.Rel(dataDir, p); err == nil && rel != "." && !strings.HasPrefix(rel, "..") {
+			return filepath.ToSlash(rel)
+		}
+		return p
+	}
+}
+
+// layerStoreID is the store id of the layer named ident.
+func layerStoreID(ident string) string {
+	h := sha256.Sum256([]byte(ident))
+	return "layer-" + hex.EncodeToString(h[:16])
+}
+
+func (m *Manager) porter() (TreePorter, error) {
+	tp, ok := m.cfg.Driver.(TreePorter)
+	if !ok || m.cfg.Images == nil {
+		return nil, fmt.Errorf("templates cannot move between nodes without an image store and a driver that exports layers: %w", errdefs.ErrUnavailable)
+	}
+	return tp, nil
+}
+
+// ExportTemplate puts template (or snapshot) id into the image store (the layers the store
+// does not have yet, and its checkpoint image) and returns it as another node loads it.
+func (m *Manager) ExportTemplate(ctx context.Context, id string) (*PortableTemplate, error) {
+	tp, err := m.porter()
+	if err != nil {
+		return nil, err
+	}
+	tpl, err := m.cfg.Store.GetTemplate(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if !tpl.Ready || tpl.Image == "" {
+		return nil, fmt.Errorf("template %q is not ready: %w", id, errdefs.ErrConflict)
+	}
+	ident := LayerIdentity(m.cfg.DataDir)
+	out := &PortableTemplate{Template: *tpl}
+	out.Template.Lowers = nil
+	for i, dir := range append([]string{tpl.RootFS}, tpl.Lowers...) {
+		name := ident(dir)
+		if filepath.IsAbs(name) {
+			return nil, fmt.Errorf("template %q: layer %s is outside the data directory: %w", id, dir, errdefs.ErrInvalid)
+		}
+		if err := m.exportLayer(ctx, tp, name, dir); err != nil {
+			return nil, fmt.Errorf("template %q: export layer %s: %w", id, name, err)
+		}
+		if i == 0 {
+			out.Template.RootFS = name
+		} else {
+			out.Template.Lowers = append(out.Template.Lowers, name)
+		}
+	}
+	switch {
+	case tpl.Kind == "snapshot" && tpl.SnapshotStored:
+		out.ImageID = tpl.ID // uploaded by the snapshot itself (snapupload.go)
+	case tpl.Kind == "snapshot":
+		return nil, fmt.Errorf("snapshot %q is not stored yet (%s): %w", id, tpl.UploadState(), errdefs.ErrConflict)
+	default:
+		h := sha256.Sum256([]byte(tpl.ID + "\x00" + tpl.BuildID + "\x00" + ident(tpl.Image)))
+		out.ImageID = "tplimage-" + hex.EncodeToString(h[:16])
+		stored, err := m.cfg.Images.Exists(ctx, out.ImageID)
+		if err != nil {
+			return nil, err
+		}
+		if !stored {
+			if err := m.saveImage(ctx, out.ImageID, tpl.Image); err != nil {
+				return nil, fmt.Errorf("template %q: export image: %w", id, err)
+			}
+		}
+	}
+	out.Template.Image = ""
+	out.Template.SnapshotState, out.Template.SnapshotError = "", ""
+	return out, nil
+}
+
+// exportLayer stores layer dir under its identity's store id, unless the store has it.
+func (m *Manager) exportLayer(ctx context.Context, tp TreePorter, name, dir string) error {
+	sid := layerStoreID(name)
+	if ok, err := m.cfg.Images.Exists(ctx, sid); err != nil || ok {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Join(m.cfg.DataDir, remoteDir), 0o700); err != nil {
+		return err
+	}
+	stage, err := os.MkdirTemp(filepath.Join(m.cfg.DataDir, remoteDir), ".export-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(stage)
+	if err := tp.ExportTree(ctx, dir, filepath.Join(stage, treeArchive)); err != nil {
+		return err
+	}
+	return m.cfg.Images.Save(ctx, sid, stage)
+}
+
+// ImportTemplate makes the template p describes one of this node's, loading from the image
+// store (verified) the layers this node does not have and its checkpoint image. A local
+// template of the same name and build is kept as it is; one of another build is replaced (as a
+// rebuild replaces it: sandboxes running on the old build keep their layers).
+func (m *Manager) ImportTemplate(ctx context.Context, p *PortableTemplate) (*Template, error) {
+	tp, err := m.porter()
+	if err != nil {
+		return nil, err
+	}
+	id := p.Template.ID
+	if !nameRe.MatchString(id) {
+		return nil, fmt.Errorf("template %q: %w", id, errdefs.ErrInvalid)
+	}
+	if old, err := m.cfg.Store.GetTemplate(ctx, id); err == nil && old.BuildID == p.Template.BuildID && old.Ready {
+		return old, nil
+	}
+	release, err := m.reserveName(id, true)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	ended := m.buildStarted() // no layer collection while layers arrive
+	defer ended()
+	tpl := p.Template
+	max := int64(4*(orDefault(tpl.DiskMB, m.cfg.DiskMB)+orDefault(tpl.MemoryMB, m.cfg.MemoryMB))) << 20
+	var stack []string
+	for _, name := range append([]string{tpl.RootFS}, tpl.Lowers...) {
+		dir, err := m.importLayer(ctx, tp, name, 4<<30)
+		if err != nil {
+			return nil, fmt.Errorf("template %q: load layer %s: %w", id, name, err)
+		}
+		stack = append(stack, dir)
+	}
+	tpl.RootFS, tpl.Lowers = stack[0], stack[1:]
+	if len(tpl.Lowers) == 0 {
+		tpl.Lowers = nil
+	}
+	image := filepath.Join(m.cfg.DataDir, remoteDir, "images", p.ImageID)
+	if err := os.MkdirAll(filepath.Dir(image), 0o700); err != nil {
+		return nil, err
+	}
+	err = m.cfg.Images.Fetch(ctx, p.ImageID, image, func(ctx context.Context, src, dst string) error {
+		return m.cfg.Driver.ImportImage(ctx, src, dst, runtime.ImportOptions{MaxBytes: max})
+	})
+	if err != nil {
+		return nil, fmt.Errorf("template %q: load image: %w", id, err)
+	}
+	tpl.Image, tpl.Ready = image, true
+	if tpl.Kind == "snapshot" {
+		// The node-local copy of the stored snapshot: creates fetch it again if it goes.
+		tpl.SnapshotStored, tpl.SnapshotState = true, SnapshotStoredState
+	}
+	if err := m.cfg.Store.PutTemplate(ctx, &tpl); err != nil {
+		return nil, err
+	}
+	m.pool.templateChanged(&tpl)
+	m.prestarts.templateChanged(&tpl)
+	m.log.Info("template loaded from the image store", "template", id, "build", tpl.BuildID, "layers", len(stack))
+	c := tpl
+	return &c, nil
+}
+
+// importLayer returns this node's directory of the layer named name: its own (a layer it made
+// or unpacked itself under that name), or a verified copy loaded from the store.
+func (m *Manager) importLayer(ctx context.Context, tp TreePorter, name string, maxBytes int64) (string, error) {
+	if filepath.IsAbs(name) || name == "" || strings.Contains("/"+name+"/", "/../") {
+		return "", fmt.Errorf("layer name %q: %w", name, errdefs.ErrInvalid)
+	}
+	if fi, err := os.Lstat(filepath.Join(m.cfg.DataDir, filepath.FromSlash(name))); err == nil && fi.IsDir() {
+		return filepath.Join(m.cfg.DataDir, filepath.FromSlash(name)), nil
+	}
+	dest := filepath.Join(m.cfg.DataDir, remoteDir, base64.RawURLEncoding.EncodeToString([]byte(name)))
+	if err := os.MkdirAll(filepath.Dir(dest), 0o700); err != nil {
+		return "", err
+	}
+	err := m.cfg.Images.Fetch(ctx, layerStoreID(name), dest, func(ctx context.Context, src, dst string) error {
+		t, err := tp.ImportTree(ctx, filepath.Join(src, treeArchive), dst, runtime.ImportOptions{MaxBytes: maxBytes})
+		if err != nil {
+			return err
+		}
+		rel, err := filepath.Rel(dst, t)
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(filepath.Join(dst, treeFile), []byte(rel), 0o600)
+	})
+	if err != nil {
+		return "", err
+	}
+	rel, err := os.ReadFile(filepath.Join(dest, treeFile))
+	if err != nil || filepath.IsAbs(string(rel)) || strings.HasPrefix(string(rel), "..") {
+		return "", fmt.Errorf("layer %s: loaded copy %s is incomplete: %w", name, dest, errdefs.ErrCorrupt)
+	}
+	return filepath.Join(dest, string(rel)), nil
+}
+
+// treeFile, in a loaded layer's directory, says where beneath it the layer's files are.
+const treeFile = "tree-path"
+
+// SetTemplateHook sets f to be called (in the background) with every template or snapshot
+// that becomes ready on this node: built, step-built, or a snapshot stored. Cluster mode
+// shares them with it. Set it before serving.
+func (m *Manager) SetTemplateHook(f func(ctx context.Context, tpl *Template)) {
+	m.tplHook.Store(&f)
+}
+
+// templateReady calls the template hook, if set, after the caller returns.
+func (m *Manager) templateReady(tpl *Template) {
+	f := m.tplHook.Load()
+	if f == nil {
+		return
+	}
+	c := *tpl
+	m.goBG(func() { (*f)(m.bg, &c) })
+}
