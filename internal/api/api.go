@@ -53,6 +53,8 @@ type Config struct {
 	Cluster Cluster
 	// Templates, with Cluster, shares templates between the nodes (cluster_move.go).
 	Templates TemplateSharer
+	// Mover, with Cluster, moves stored paused sandboxes between the nodes (cluster_move.go).
+	Mover PausedMover
 }
 
 func (c Config) withDefaults() Config {

@@ -52,6 +52,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodGet, "/api-keys", s.listAPIKeys)
 	rt.handle(http.MethodDelete, "/api-keys/{id}", s.deleteAPIKey)
 	s.nodeRoutes(rt)
+	s.moveRoutes(rt) // cluster_move.go
 	return rt
 }
 

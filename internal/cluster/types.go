@@ -71,7 +71,10 @@ type Route struct {
 	CPU        int       `json:"cpu,omitempty"`
 	MemoryMB   int       `json:"memoryMB,omitempty"`
 	Since      time.Time `json:"since"`
-	modRev     int64
+	// Stored: the sandbox is paused and its pause image is in the image store (stored/<sid>):
+	// any node may resume it once its node is gone or drained (moves.go).
+	Stored bool `json:"stored,omitempty"`
+	modRev int64
 }
 
 // Lost records a sandbox that died with its node.

@@ -102,6 +102,8 @@ type Node struct {
 	// Cluster is this node's membership (nil for a single node).
 	Cluster *cluster.Cluster
 	net     *network.Manager
+
+	moves *cluster.Moves // stored paused sandboxes (cluster mode with S3)
 }
 
 // Open assembles a node from cfg: everything but the listener.
@@ -221,6 +223,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	met.SetSource(mgr)
 	acfg := api.Config{Domain: cfg.Domain, Metrics: met.Handler()}
 	var cl *cluster.Cluster
+	var moves *cluster.Moves
 	if len(cfg.EtcdEndpoints) > 0 {
 		if cl, err = openCluster(ctx, cfg, mgr, met.PlacementRetry); err != nil {
 			mgr.Close()
@@ -242,11 +245,14 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 				return nil, err
 			}
 			acfg.Templates = tpls
+			moves = cluster.NewMoves(cl, mgr)
+			mgr.SetPauseHook(moves.Stored)
+			acfg.Mover = moves
 		}
 	}
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true
-	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, Cluster: cl, net: nm}, nil
+	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, Cluster: cl, net: nm, moves: moves}, nil
 }
 
 func ensureKey(ctx context.Context, cfg Config, keys *auth.Keys) error {
@@ -263,6 +269,9 @@ func ensureKey(ctx context.Context, cfg Config, keys *auth.Keys) error {
 // Close stops background work. Running sandboxes keep running and are re-adopted by the next
 // start on the same data directory.
 func (n *Node) Close() {
+	if n.moves != nil {
+		n.moves.Close()
+	}
 	if n.Cluster != nil {
 		n.Cluster.Close()
 	}

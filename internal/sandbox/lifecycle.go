@@ -145,6 +145,7 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestar
 		m.logger(sb.ID).Error("record pause", "err", err)
 	}
 	m.guestT.close(old.GuestIP)
+	m.pauseStored(ctx, sb, keepMemory) // cluster mode: resumable on any node (portable.go)
 	m.observe(StagePause, start, nil)
 	m.logger(sb.ID).Info("sandbox paused", "memory", keepMemory, "ms", time.Since(start).Milliseconds())
 	// The checkpoint stopped every process of the instance and the record says paused: what is

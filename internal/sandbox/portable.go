@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
@@ -273,4 +274,140 @@ func (m *Manager) templateReady(tpl *Template) {
 	}
 	c := *tpl
 	m.goBG(func() { (*f)(m.bg, &c) })
+}
+
+// Portable paused sandboxes: in cluster mode a pause stores the sandbox's pause image (memory
+// and writable layer, chunks deduplicated by the store) before the pause answers, so that
+// another node can resume it when this one is gone or drained.
+
+// PortableSandbox is a paused sandbox as another node adopts it: its record with its rootfs
+// stack as layer identities and no placement, and the store id of its pause image.
+type PortableSandbox struct {
+	Sandbox Sandbox `json:"sandbox"`
+	ImageID string  `json:"imageID"`
+}
+
+// SetPauseHook sets f to be called with every memory pause, once its image is in the image
+// store, before the pause answers (cluster mode records it). Set it before serving.
+func (m *Manager) SetPauseHook(f func(ctx context.Context, p *PortableSandbox) error) {
+	m.pauseHook.Store(&f)
+}
+
+// pauseStored stores the pause image of sb (paused, its image complete) and calls the pause
+// hook. A failure leaves the sandbox paused on this node only.
+func (m *Manager) pauseStored(ctx context.Context, sb *Sandbox, keepMemory bool) {
+	f := m.pauseHook.Load()
+	if f == nil || !keepMemory {
+		return
+	}
+	p, err := m.exportPaused(ctx, sb)
+	if err == nil {
+		err = (*f)(ctx, p)
+	}
+	if err != nil {
+		m.logger(sb.ID).Warn("paused sandbox not stored: it resumes on this node only", "err", err)
+	}
+}
+
+func (m *Manager) exportPaused(ctx context.Context, sb *Sandbox) (*PortableSandbox, error) {
+	tp, err := m.porter()
+	if err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	ident := LayerIdentity(m.cfg.DataDir)
+	p := &PortableSandbox{Sandbox: *sb}
+	p.Sandbox.Runtime = Placement{SlotIndex: noSlot}
+	p.Sandbox.Lowers = nil
+	for i, dir := range append([]string{sb.RootFS}, sb.Lowers...) {
+		name := ident(dir)
+		if filepath.IsAbs(name) {
+			return nil, fmt.Errorf("layer %s is outside the data directory: %w", dir, errdefs.ErrInvalid)
+		}
+		if err := m.exportLayer(ctx, tp, name, dir); err != nil {
+			return nil, fmt.Errorf("export layer %s: %w", name, err)
+		}
+		if i == 0 {
+			p.Sandbox.RootFS = name
+		} else {
+			p.Sandbox.Lowers = append(p.Sandbox.Lowers, name)
+		}
+	}
+	p.ImageID = "paused-" + sb.ID + "-" + filepath.Base(sb.Runtime.Image)
+	if err := m.saveImage(ctx, p.ImageID, sb.Runtime.Image); err != nil {
+		return nil, fmt.Errorf("store pause image: %w", err)
+	}
+	m.logger(sb.ID).Info("pause image stored", "image", p.ImageID, "ms", time.Since(start).Milliseconds())
+	return p, nil
+}
+
+// ImportPaused makes the paused sandbox p describes one of this node's: its layers and pause
+// image loaded (verified) from the image store, and its record paused here. A sandbox this
+// node already holds paused is kept as it is.
+func (m *Manager) ImportPaused(ctx context.Context, p *PortableSandbox) (*Sandbox, error) {
+	tp, err := m.porter()
+	if err != nil {
+		return nil, err
+	}
+	id := p.Sandbox.ID
+	if !idRe.MatchString(id) {
+		return nil, fmt.Errorf("sandbox %q: %w", id, errdefs.ErrInvalid)
+	}
+	m.mu.Lock()
+	e := m.live[id]
+	m.mu.Unlock()
+	if e != nil {
+		e.mu.Lock()
+		st := e.sb.State
+		e.mu.Unlock()
+		switch st {
+		case StatePaused:
+			return m.snapshotOf(e), nil
+		case StateRunning:
+			return nil, fmt.Errorf("sandbox %q already runs here: %w", id, errdefs.ErrConflict)
+		}
+	}
+	ended := m.buildStarted() // no layer collection while layers arrive
+	defer ended()
+	sb := p.Sandbox
+	var stack []string
+	for _, name := range append([]string{sb.RootFS}, sb.Lowers...) {
+		dir, err := m.importLayer(ctx, tp, name, 4<<30)
+		if err != nil {
+			return nil, fmt.Errorf("sandbox %q: load layer %s: %w", id, name, err)
+		}
+		stack = append(stack, dir)
+	}
+	sb.RootFS, sb.Lowers = stack[0], stack[1:]
+	if len(sb.Lowers) == 0 {
+		sb.Lowers = nil
+	}
+	if err := os.MkdirAll(m.sandboxDir(id), 0o700); err != nil {
+		return nil, err
+	}
+	image := filepath.Join(m.sandboxDir(id), "image-"+randomHex(3))
+	max := int64(4*(orDefault(sb.DiskSizeMB, m.cfg.DiskMB)+orDefault(sb.MemoryMB, m.cfg.MemoryMB))) << 20
+	err = m.cfg.Images.Fetch(ctx, p.ImageID, image, func(ctx context.Context, src, dst string) error {
+		return m.cfg.Driver.ImportImage(ctx, src, dst, runtime.ImportOptions{MaxBytes: max})
+	})
+	if err != nil {
+		os.RemoveAll(image)
+		return nil, fmt.Errorf("sandbox %q: load pause image: %w", id, err)
+	}
+	if err := markComplete(image, false); err != nil {
+		m.logger(id).Warn("mark pause image complete", "err", err)
+	}
+	sb.State, sb.PausedFilesOnly = StatePaused, false
+	sb.Runtime = Placement{Image: image, SlotIndex: noSlot}
+	sb.EndReason, sb.EndedAt = "", time.Time{}
+	if err := m.cfg.Store.PutSandbox(ctx, &sb); err != nil {
+		os.RemoveAll(image)
+		return nil, err
+	}
+	ne := &entry{sb: &sb}
+	m.mu.Lock()
+	m.live[id] = ne
+	m.mu.Unlock()
+	m.logger(id).Info("paused sandbox adopted from the image store", "image", p.ImageID, "layers", len(stack))
+	return m.snapshotOf(ne), nil
 }

@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -135,4 +136,135 @@ func TestClusterTemplatesMove(t *testing.T) {
 		t.Fatalf("sandbox from the snapshot on %s sees %+v\n%s", b.nodeID, r, b.logs())
 	}
 	drain(t, a, a, false)
+}
+
+// counter reads the background counter of a sandbox.
+func counter(t *testing.T, d *daemon, s sbx) int {
+	t.Helper()
+	r := d.run(t, s, "cat /home/user/count")
+	n, err := strconv.Atoi(strings.TrimSpace(r.stdout))
+	if err != nil {
+		t.Fatalf("counter in %s through %s: %+v", s.SandboxID, d.nodeID, r)
+	}
+	return n
+}
+
+func nodeStateOf(t *testing.T, through *daemon, id string) string {
+	t.Helper()
+	var n nodeJSON
+	if through.api(t, "GET", "/nodes/"+id, nil, &n) != 200 {
+		return "absent"
+	}
+	return n.State
+}
+
+// Pause anywhere, resume anywhere: a sandbox paused on node A is in the image store before the
+// pause answers; with A killed (kill -9), a resume through C runs it on B or C with its files
+// and its background process's state, A's running sandboxes are reported lost and no create
+// lands on A; A restarted comes back empty and takes new work. A drained node pauses its
+// running sandboxes into the store, and they resume on other nodes.
+func TestClusterPausedSandboxesMove(t *testing.T) {
+	_, nodes := storedCluster(t, 3, []string{"p1", "p2", "p3"}, 53)
+	a, b, c := nodes[0], nodes[1], nodes[2]
+
+	// Two sandboxes on A: one to pause, one left running.
+	drain(t, c, b, true)
+	drain(t, c, c, true)
+	paused := c.create(t, map[string]any{"timeout": 900})
+	running := c.create(t, map[string]any{"timeout": 900})
+	for _, s := range []sbx{paused, running} {
+		if n := nodeOf(t, c, s.SandboxID); n != a.nodeID {
+			t.Fatalf("create with %s and %s drained landed on %q", b.nodeID, c.nodeID, n)
+		}
+	}
+	drain(t, c, b, false)
+	drain(t, c, c, false)
+	c.run(t, paused, "echo kept > /home/user/f")
+	c.background(t, paused, "i=0; while true; do i=$((i+1)); echo $i > /home/user/count; sleep 0.1; done")
+	waitUntil(t, 10*time.Second, "the counter runs", func() bool { return counter(t, c, paused) > 5 })
+	before := counter(t, c, paused)
+	t0 := time.Now()
+	if code, body := c.apiBody(t, "POST", "/sandboxes/"+paused.SandboxID+"/pause", nil, nil); code != 204 {
+		t.Fatalf("pause through %s: %d %s", c.nodeID, code, body)
+	}
+	t.Logf("pause (image stored) took %v", time.Since(t0).Round(time.Millisecond))
+
+	// A dies.
+	killed := time.Now()
+	a.crash()
+	waitUntil(t, 5*time.Second+15*time.Second, "A is lost", func() bool { return nodeStateOf(t, b, a.nodeID) == "lost" })
+	t.Logf("A seen lost %v after kill -9 (TTL 5s)", time.Since(killed).Round(time.Millisecond))
+
+	// Resume through C: on B or C, with its files and its process's state.
+	t0 = time.Now()
+	var resumed sbx
+	if code, body := c.apiBody(t, "POST", "/v2/sandboxes/"+paused.SandboxID+"/connect", map[string]any{"timeout": 600}, &resumed); code != 201 && code != 200 {
+		t.Fatalf("resume through %s: %d %s\n%s", c.nodeID, code, body, c.logs())
+	}
+	t.Logf("resume elsewhere (adopt from the store + restore) took %v", time.Since(t0).Round(time.Millisecond))
+	where := nodeOf(t, c, paused.SandboxID)
+	if where != b.nodeID && where != c.nodeID {
+		t.Fatalf("resumed on %q", where)
+	}
+	if r := b.run(t, paused, "cat /home/user/f"); r.stdout != "kept\n" {
+		t.Fatalf("file after the move: %+v", r)
+	}
+	after := counter(t, b, paused)
+	if after < before {
+		t.Fatalf("counter went back from %d to %d: the process restarted", before, after)
+	}
+	waitUntil(t, 10*time.Second, "the counter goes on", func() bool { return counter(t, b, paused) > after })
+
+	// A's running sandbox is lost; creates avoid A.
+	waitUntil(t, 15*time.Second, "A's running sandbox reported lost", func() bool {
+		code, body := b.apiBody(t, "GET", "/sandboxes/"+running.SandboxID, nil, nil)
+		return code == 404 && strings.Contains(body, "lost with node "+a.nodeID)
+	})
+	for i := 0; i < 4; i++ {
+		s := nodes[1+i%2].create(t, nil)
+		if n := nodeOf(t, b, s.SandboxID); n == a.nodeID || n == "" {
+			t.Fatalf("create landed on %q with %s dead", n, a.nodeID)
+		}
+	}
+
+	// A back: empty, and taking work.
+	if err := a.start(); err != nil {
+		t.Fatalf("restart %s: %v\n%s", a.nodeID, err, a.logs())
+	}
+	waitUntil(t, 30*time.Second, "the restarted node holds nothing", func() bool {
+		var n nodeJSON
+		return a.api(t, "GET", "/nodes/"+a.nodeID, nil, &n) == 200 && n.State == "active" && len(n.Sandboxes) == 0
+	})
+	if r := a.run(t, paused, "cat /home/user/f"); r.stdout != "kept\n" {
+		t.Fatalf("the moved sandbox through the restarted node: %+v", r)
+	}
+	took := false
+	for i := 0; i < 12 && !took; i++ {
+		s := nodes[i%3].create(t, nil)
+		took = nodeOf(t, a, s.SandboxID) == a.nodeID
+	}
+	if !took {
+		t.Fatal("the restarted node took no create in 12")
+	}
+
+	// Drain: the node holding the moved sandbox pauses it into the store; it resumes elsewhere.
+	holder := b
+	if where == c.nodeID {
+		holder = c
+	}
+	drain(t, a, holder, true)
+	waitUntil(t, 30*time.Second, "the drained node paused its sandbox", func() bool {
+		var s sbx
+		return a.api(t, "GET", "/sandboxes/"+paused.SandboxID, nil, &s) == 200 && s.State == "paused"
+	})
+	if code, body := a.apiBody(t, "POST", "/v2/sandboxes/"+paused.SandboxID+"/connect", map[string]any{"timeout": 600}, nil); code != 201 && code != 200 {
+		t.Fatalf("resume of a drained node's sandbox: %d %s", code, body)
+	}
+	if n := nodeOf(t, a, paused.SandboxID); n == holder.nodeID || n == "" {
+		t.Fatalf("resumed on %q, the drained node", n)
+	}
+	if r := a.run(t, paused, "cat /home/user/f"); r.stdout != "kept\n" {
+		t.Fatalf("file after the drain: %+v", r)
+	}
+	drain(t, a, holder, false)
 }
