@@ -55,6 +55,8 @@ type Config struct {
 	Templates TemplateSharer
 	// Mover, with Cluster, moves stored paused sandboxes between the nodes (cluster_move.go).
 	Mover PausedMover
+	// Forker, with Cluster, places the children of a fork on other nodes (cluster_move.go).
+	Forker Forker
 }
 
 func (c Config) withDefaults() Config {

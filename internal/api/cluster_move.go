@@ -1,13 +1,17 @@
 package api
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"sort"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -113,6 +117,7 @@ type PausedMover interface {
 // stored paused sandbox on.
 func (s *server) moveRoutes(rt *router) {
 	rt.handle(http.MethodPost, "/ember/sandboxes/{id}/adopt", s.adoptSandbox)
+	rt.handle(http.MethodPost, "/ember/forks", s.forkHere)
 }
 
 func (s *server) adoptSandbox(w http.ResponseWriter, r *http.Request, p params) error {
@@ -195,4 +200,189 @@ func (s *server) adoptOn(r *http.Request, resv *cluster.Reservation, id string) 
 		return fmt.Errorf("node %s: %s: %w", resv.Node, body, errdefs.ErrConflict)
 	}
 	return fmt.Errorf("node %s: adopt: %d %s: %w", resv.Node, resp.StatusCode, body, errdefs.ErrUnavailable)
+}
+
+// Forker forks across nodes (Config.Forker; *sandbox.Manager).
+type Forker interface {
+	ExportFork(ctx context.Context, id string) (*sandbox.PortableFork, error)
+	ForkFrom(ctx context.Context, pf *sandbox.PortableFork, count int, timeout time.Duration) ([]sandbox.ForkResult, error)
+}
+
+// forkRequest is POST /ember/forks: children of a stored fork image, on the node that holds
+// their reservations.
+type forkRequest struct {
+	Fork         sandbox.PortableFork `json:"fork"`
+	Timeout      time.Duration        `json:"timeout"`
+	Reservations []string             `json:"reservations"`
+}
+
+// forkAcross forks sandbox id (held here) with its children placed by the cluster: those
+// placed here are forked here, the others restored on their nodes from one fork image stored
+// in the image store. It answers false to leave the fork to this node alone.
+func (s *server) forkAcross(w http.ResponseWriter, r *http.Request, id string, count int, timeout time.Duration) bool {
+	if s.cfg.Forker == nil || s.cl == nil {
+		return false
+	}
+	ctx := r.Context()
+	sb, err := s.svc.Get(ctx, id)
+	if err != nil || sb.State != sandbox.StateRunning {
+		return false // the local fork answers as it does
+	}
+	local := 0
+	groups := map[string][]*cluster.Reservation{}
+	var order []string
+	for i := 0; i < count; i++ {
+		resv, err := s.cl.Place(ctx, cluster.PlaceRequest{TemplateID: sb.TemplateID})
+		if err != nil {
+			local += count - i // no room elsewhere: here, where the node admits or refuses them
+			break
+		}
+		if resv.Local {
+			s.cl.Cancel(context.WithoutCancel(ctx), resv) // a local child is counted once it runs
+			local++
+			continue
+		}
+		if groups[resv.Node] == nil {
+			order = append(order, resv.Node)
+		}
+		groups[resv.Node] = append(groups[resv.Node], resv)
+	}
+	if len(groups) == 0 {
+		return false
+	}
+	cancelAll := func() {
+		for _, rs := range groups {
+			for _, rv := range rs {
+				s.cl.Cancel(context.WithoutCancel(ctx), rv)
+			}
+		}
+	}
+	pf, err := s.cfg.Forker.ExportFork(ctx, id)
+	if err != nil {
+		cancelAll()
+		s.log.Warn("cluster: fork image not stored: forking here only", "sandbox_id", id, "err", err)
+		return false
+	}
+	var mu sync.Mutex
+	var out []forkResultJSON
+	var wg sync.WaitGroup
+	for _, node := range order {
+		rs := groups[node]
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res := s.forkOn(r, rs, pf, timeout)
+			mu.Lock()
+			out = append(out, res...)
+			mu.Unlock()
+		}()
+	}
+	if local > 0 {
+		results, err := s.svc.Fork(ctx, id, local, timeout)
+		mu.Lock()
+		if err != nil && len(results) == 0 {
+			for i := 0; i < local; i++ {
+				out = append(out, forkResultJSON{Error: &errorBody{Code: statusOf(err), Message: err.Error()}})
+			}
+		}
+		for _, res := range results {
+			if res.Sandbox != nil {
+				sj := s.toSandbox(res.Sandbox)
+				out = append(out, forkResultJSON{Sandbox: &sj})
+			} else if res.Err != nil {
+				out = append(out, forkResultJSON{Error: &errorBody{Code: statusOf(res.Err), Message: res.Err.Error()}})
+			}
+		}
+		mu.Unlock()
+	}
+	wg.Wait()
+	ok := 0
+	for _, o := range out {
+		if o.Sandbox != nil {
+			ok++
+		}
+	}
+	if ok == 0 {
+		writeJSONError(w, http.StatusInternalServerError, "fork: every child failed")
+		return true
+	}
+	writeJSON(w, http.StatusCreated, out)
+	return true
+}
+
+// forkOn restores len(rs) children on the node holding reservations rs.
+func (s *server) forkOn(r *http.Request, rs []*cluster.Reservation, pf *sandbox.PortableFork, timeout time.Duration) []forkResultJSON {
+	fail := func(msg string) []forkResultJSON {
+		for _, rv := range rs {
+			s.cl.Cancel(context.WithoutCancel(r.Context()), rv)
+		}
+		out := make([]forkResultJSON, len(rs))
+		for i := range out {
+			out[i] = forkResultJSON{Error: &errorBody{Code: http.StatusBadGateway, Message: msg}}
+		}
+		return out
+	}
+	req := forkRequest{Fork: *pf, Timeout: timeout}
+	for _, rv := range rs {
+		req.Reservations = append(req.Reservations, rv.ID)
+	}
+	body, _ := json.Marshal(req)
+	out, err := http.NewRequestWithContext(r.Context(), http.MethodPost, strings.TrimSuffix(rs[0].URL, "/")+"/ember/forks", bytes.NewReader(body))
+	if err != nil {
+		return fail(err.Error())
+	}
+	for _, h := range []string{"X-API-Key", "Authorization"} {
+		if v := r.Header.Get(h); v != "" {
+			out.Header.Set(h, v)
+		}
+	}
+	out.Header.Set("Content-Type", "application/json")
+	out.Header.Set(HeaderForwarded, s.cl.NodeID())
+	resp, err := s.nodeTransport.RoundTrip(out)
+	if err != nil {
+		return fail("node " + rs[0].Node + " did not answer")
+	}
+	defer resp.Body.Close()
+	var res []forkResultJSON
+	if resp.StatusCode != http.StatusCreated || json.NewDecoder(io.LimitReader(resp.Body, 4<<20)).Decode(&res) != nil {
+		return fail(fmt.Sprintf("node %s: fork: status %d", rs[0].Node, resp.StatusCode))
+	}
+	return res
+}
+
+// forkHere restores children of a fork image stored by another node (POST /ember/forks),
+// each consuming one of the reservations the edge made here.
+func (s *server) forkHere(w http.ResponseWriter, r *http.Request, _ params) error {
+	if s.cfg.Forker == nil || s.cl == nil {
+		return errNoCluster
+	}
+	var req forkRequest
+	if err := s.decodeJSON(w, r, &req, true); err != nil {
+		return err
+	}
+	if len(req.Reservations) < 1 || len(req.Reservations) > MaxForkCount {
+		return badRequest("between 1 and %d reservations", MaxForkCount)
+	}
+	results, err := s.cfg.Forker.ForkFrom(r.Context(), &req.Fork, len(req.Reservations), req.Timeout)
+	if err != nil && len(results) == 0 {
+		return err
+	}
+	out := make([]forkResultJSON, 0, len(results))
+	for i, res := range results {
+		if res.Sandbox != nil {
+			if cerr := s.cl.Claim(r.Context(), localOf(res.Sandbox), req.Reservations[i]); cerr != nil {
+				_ = unwrapped(s.svc).Kill(context.WithoutCancel(r.Context()), res.Sandbox.ID) // never run what is not routed here
+				res.Sandbox, res.Err = nil, cerr
+			}
+		}
+		if res.Sandbox != nil {
+			sj := s.toSandbox(res.Sandbox)
+			out = append(out, forkResultJSON{Sandbox: &sj})
+			continue
+		}
+		s.cl.Cancel(context.WithoutCancel(r.Context()), &cluster.Reservation{ID: req.Reservations[i], Node: s.cl.NodeID()})
+		out = append(out, forkResultJSON{Error: &errorBody{Code: statusOf(res.Err), Message: res.Err.Error()}})
+	}
+	writeJSON(w, http.StatusCreated, out)
+	return nil
 }

@@ -375,6 +375,9 @@ func (s *server) fork(w http.ResponseWriter, r *http.Request, p params) error {
 	if err != nil {
 		return err
 	}
+	if s.forkAcross(w, r, id, int(count), d) { // cluster mode: children on other nodes too (cluster_move.go)
+		return nil
+	}
 	results, err := s.svc.Fork(r.Context(), id, int(count), d)
 	if err != nil {
 		return err

@@ -248,6 +248,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			moves = cluster.NewMoves(cl, mgr)
 			mgr.SetPauseHook(moves.Stored)
 			acfg.Mover = moves
+			acfg.Forker = mgr
 		}
 	}
 	h := api.New(acfg, mgr, keys, cfg.Logger)

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -315,23 +316,10 @@ func (m *Manager) exportPaused(ctx context.Context, sb *Sandbox) (*PortableSandb
 		return nil, err
 	}
 	start := time.Now()
-	ident := LayerIdentity(m.cfg.DataDir)
 	p := &PortableSandbox{Sandbox: *sb}
 	p.Sandbox.Runtime = Placement{SlotIndex: noSlot}
-	p.Sandbox.Lowers = nil
-	for i, dir := range append([]string{sb.RootFS}, sb.Lowers...) {
-		name := ident(dir)
-		if filepath.IsAbs(name) {
-			return nil, fmt.Errorf("layer %s is outside the data directory: %w", dir, errdefs.ErrInvalid)
-		}
-		if err := m.exportLayer(ctx, tp, name, dir); err != nil {
-			return nil, fmt.Errorf("export layer %s: %w", name, err)
-		}
-		if i == 0 {
-			p.Sandbox.RootFS = name
-		} else {
-			p.Sandbox.Lowers = append(p.Sandbox.Lowers, name)
-		}
+	if p.Sandbox.RootFS, p.Sandbox.Lowers, err = m.exportStack(ctx, tp, sb.RootFS, sb.Lowers); err != nil {
+		return nil, err
 	}
 	p.ImageID = "paused-" + sb.ID + "-" + filepath.Base(sb.Runtime.Image)
 	if err := m.saveImage(ctx, p.ImageID, sb.Runtime.Image); err != nil {
@@ -370,17 +358,9 @@ func (m *Manager) ImportPaused(ctx context.Context, p *PortableSandbox) (*Sandbo
 	ended := m.buildStarted() // no layer collection while layers arrive
 	defer ended()
 	sb := p.Sandbox
-	var stack []string
-	for _, name := range append([]string{sb.RootFS}, sb.Lowers...) {
-		dir, err := m.importLayer(ctx, tp, name, 4<<30)
-		if err != nil {
-			return nil, fmt.Errorf("sandbox %q: load layer %s: %w", id, name, err)
-		}
-		stack = append(stack, dir)
-	}
-	sb.RootFS, sb.Lowers = stack[0], stack[1:]
-	if len(sb.Lowers) == 0 {
-		sb.Lowers = nil
+	n := 1 + len(sb.Lowers)
+	if sb.RootFS, sb.Lowers, err = m.importStack(ctx, tp, sb.RootFS, sb.Lowers); err != nil {
+		return nil, fmt.Errorf("sandbox %q: %w", id, err)
 	}
 	if err := os.MkdirAll(m.sandboxDir(id), 0o700); err != nil {
 		return nil, err
@@ -408,6 +388,168 @@ func (m *Manager) ImportPaused(ctx context.Context, p *PortableSandbox) (*Sandbo
 	m.mu.Lock()
 	m.live[id] = ne
 	m.mu.Unlock()
-	m.logger(id).Info("paused sandbox adopted from the image store", "image", p.ImageID, "layers", len(stack))
+	m.logger(id).Info("paused sandbox adopted from the image store", "image", p.ImageID, "layers", n)
 	return m.snapshotOf(ne), nil
+}
+
+// exportStack stores the layers of a rootfs stack the store does not have and returns their
+// identities.
+func (m *Manager) exportStack(ctx context.Context, tp TreePorter, rootfs string, lowers []string) (string, []string, error) {
+	ident := LayerIdentity(m.cfg.DataDir)
+	var names []string
+	for _, dir := range append([]string{rootfs}, lowers...) {
+		name := ident(dir)
+		if filepath.IsAbs(name) {
+			return "", nil, fmt.Errorf("layer %s is outside the data directory: %w", dir, errdefs.ErrInvalid)
+		}
+		if err := m.exportLayer(ctx, tp, name, dir); err != nil {
+			return "", nil, fmt.Errorf("export layer %s: %w", name, err)
+		}
+		names = append(names, name)
+	}
+	if len(names) == 1 {
+		return names[0], nil, nil
+	}
+	return names[0], names[1:], nil
+}
+
+// importStack returns this node's directories of a stack of layer identities, loading from
+// the store those it does not have.
+func (m *Manager) importStack(ctx context.Context, tp TreePorter, rootfs string, lowers []string) (string, []string, error) {
+	var dirs []string
+	for _, name := range append([]string{rootfs}, lowers...) {
+		dir, err := m.importLayer(ctx, tp, name, 4<<30)
+		if err != nil {
+			return "", nil, fmt.Errorf("load layer %s: %w", name, err)
+		}
+		dirs = append(dirs, dir)
+	}
+	if len(dirs) == 1 {
+		return dirs[0], nil, nil
+	}
+	return dirs[0], dirs[1:], nil
+}
+
+// Forks across nodes: the parent is checkpointed once more (it keeps running) into an image
+// stored in the image store, and nodes placed for children restore them from it.
+
+// PortableFork is a fork image in the store: the parent's record (its stack as layer
+// identities, no placement) and the image's store id.
+type PortableFork struct {
+	Parent  Sandbox `json:"parent"`
+	ImageID string  `json:"imageID"`
+}
+
+// ExportFork checkpoints running sandbox id (it keeps running) into the image store, for
+// children on other nodes (ForkFrom).
+func (m *Manager) ExportFork(ctx context.Context, id string) (*PortableFork, error) {
+	tp, err := m.porter()
+	if err != nil {
+		return nil, err
+	}
+	ctx, done, err := m.op(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	e, err := m.entry(id)
+	if err != nil {
+		return nil, err
+	}
+	e.mu.Lock()
+	if err := runningLocked(e); err != nil {
+		e.mu.Unlock()
+		return nil, err
+	}
+	parent := m.snapshotOf(e)
+	image := filepath.Join(m.cfg.DataDir, "images", "fork-"+randomHex(6))
+	if err := os.MkdirAll(image, 0o700); err != nil {
+		e.mu.Unlock()
+		return nil, err
+	}
+	defer removeTree(image)
+	start := time.Now()
+	err = m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+	e.mu.Unlock()
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint: %w", err)
+	}
+	pf := &PortableFork{Parent: *parent, ImageID: "fork-" + id + "-" + filepath.Base(image)[len("fork-"):]}
+	pf.Parent.Runtime = Placement{SlotIndex: noSlot}
+	if pf.Parent.RootFS, pf.Parent.Lowers, err = m.exportStack(ctx, tp, parent.RootFS, parent.Lowers); err != nil {
+		return nil, err
+	}
+	if err := m.saveImage(ctx, pf.ImageID, image); err != nil {
+		return nil, fmt.Errorf("store fork image: %w", err)
+	}
+	m.logger(id).Info("fork image stored", "image", pf.ImageID, "ms", time.Since(start).Milliseconds())
+	return pf, nil
+}
+
+// ForkFrom restores count children of the fork image pf on this node (its layers and image
+// loaded from the store, verified), each with its own id, token, network slot and layer.
+func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, timeout time.Duration) ([]ForkResult, error) {
+	if count < 1 || count > MaxForkCount {
+		return nil, fmt.Errorf("count must be between 1 and %d: %w", MaxForkCount, errdefs.ErrInvalid)
+	}
+	if timeout <= 0 || timeout > MaxTimeout {
+		timeout = DefaultTimeout
+	}
+	tp, err := m.porter()
+	if err != nil {
+		return nil, err
+	}
+	ctx, done, err := m.op(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	ended := m.buildStarted() // no layer collection while layers arrive
+	defer ended()
+	parent := pf.Parent
+	if parent.RootFS, parent.Lowers, err = m.importStack(ctx, tp, parent.RootFS, parent.Lowers); err != nil {
+		return nil, fmt.Errorf("fork of %q: %w", parent.ID, err)
+	}
+	if err := os.MkdirAll(filepath.Join(m.cfg.DataDir, "images"), 0o700); err != nil {
+		return nil, err
+	}
+	image := filepath.Join(m.cfg.DataDir, "images", "in-"+randomHex(6))
+	max := int64(4*(orDefault(parent.DiskSizeMB, m.cfg.DiskMB)+orDefault(parent.MemoryMB, m.cfg.MemoryMB))) << 20
+	start := time.Now()
+	err = m.cfg.Images.Fetch(ctx, pf.ImageID, image, func(ctx context.Context, src, dst string) error {
+		return m.cfg.Driver.ImportImage(ctx, src, dst, runtime.ImportOptions{MaxBytes: max})
+	})
+	defer removeTree(image)
+	if err != nil {
+		return nil, fmt.Errorf("fork of %q: load image: %w", parent.ID, err)
+	}
+	tpl, err := m.templateOf(ctx, &parent)
+	if err != nil {
+		return nil, err
+	}
+	results := make([]ForkResult, count)
+	sem := make(chan struct{}, forkParallelism)
+	var wg sync.WaitGroup
+	for i := range results {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			child, err := m.forkChild(ctx, &parent, tpl, image, timeout)
+			results[i] = ForkResult{Sandbox: child, Err: err}
+		}(i)
+	}
+	wg.Wait()
+	ok := 0
+	for _, r := range results {
+		if r.Err == nil {
+			ok++
+		}
+	}
+	m.logger(parent.ID).Info("fork children restored from the image store", "image", pf.ImageID, "children", ok, "failed", count-ok, "ms", time.Since(start).Milliseconds())
+	if ok == 0 {
+		return results, fmt.Errorf("fork: every child failed: %w", results[0].Err)
+	}
+	return results, nil
 }

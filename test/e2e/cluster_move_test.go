@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"sort"
@@ -267,4 +268,42 @@ func TestClusterPausedSandboxesMove(t *testing.T) {
 		t.Fatalf("file after the drain: %+v", r)
 	}
 	drain(t, a, holder, false)
+
+	// Fork: children placed over the nodes restore from one stored fork image, and diverge.
+	var forked []struct {
+		Sandbox *sbx `json:"sandbox"`
+		Error   *struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	t0 = time.Now()
+	if code, body := c.apiBody(t, "POST", "/sandboxes/"+paused.SandboxID+"/fork", map[string]any{"count": 4, "timeout": 300}, &forked); code != 201 {
+		t.Fatalf("fork through %s: %d %s", c.nodeID, code, body)
+	}
+	t.Logf("fork of 4 across nodes took %v", time.Since(t0).Round(time.Millisecond))
+	spread := map[string]int{}
+	for i, f := range forked {
+		if f.Sandbox == nil {
+			t.Fatalf("fork child %d failed: %+v", i, f.Error)
+		}
+		ch := *f.Sandbox
+		t.Cleanup(func() { a.api(t, "DELETE", "/sandboxes/"+ch.SandboxID, nil, nil) })
+		spread[nodeOf(t, a, ch.SandboxID)]++
+		if r := nodes[i%3].run(t, ch, "cat /home/user/f"); r.stdout != "kept\n" {
+			t.Fatalf("child %d's file: %+v", i, r)
+		}
+		nodes[i%3].run(t, ch, fmt.Sprintf("echo child-%d > /home/user/d", i))
+	}
+	t.Logf("fork children: %v", spread)
+	if len(spread) < 2 || spread[""] > 0 {
+		t.Fatalf("4 fork children on %v: want at least two nodes", spread)
+	}
+	for i, f := range forked {
+		if r := nodes[(i+1)%3].run(t, *f.Sandbox, "cat /home/user/d"); r.stdout != fmt.Sprintf("child-%d\n", i) {
+			t.Fatalf("child %d did not diverge: %+v", i, r)
+		}
+	}
+	if r := a.run(t, paused, "cat /home/user/d 2>/dev/null || echo none"); r.stdout != "none\n" {
+		t.Fatalf("the parent sees a child's write: %+v", r)
+	}
 }
