@@ -24,7 +24,7 @@ func storedCluster(t *testing.T, members int, ids []string, cidrBase int) (*clus
 	signKey := filepath.Join(t.TempDir(), "snapshot-key")
 	flags := []string{"--etcd-endpoints", strings.Join(e.Endpoints(), ","), "--cluster-ttl", "5s", "--pool-size", "1",
 		"--s3-endpoint", s3.Endpoint, "--s3-bucket", s3.Bucket, "--s3-access-key", s3.AccessKey, "--s3-secret-key", s3.SecretKey,
-		"--snapshot-key-file", signKey}
+		"--snapshot-key", signKey}
 	var nodes []*daemon
 	for i, id := range ids {
 		o := daemonOpts{NodeID: id, CIDR: nodeCIDR(cidrBase + i), Flags: flags}
