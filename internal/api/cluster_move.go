@@ -206,6 +206,7 @@ func (s *server) adoptOn(r *http.Request, resv *cluster.Reservation, id string) 
 type Forker interface {
 	ExportFork(ctx context.Context, id string) (*sandbox.PortableFork, error)
 	ForkFrom(ctx context.Context, pf *sandbox.PortableFork, count int, timeout time.Duration) ([]sandbox.ForkResult, error)
+	DeleteStored(ctx context.Context, imageID string)
 }
 
 // forkRequest is POST /ember/forks: children of a stored fork image, on the node that holds
@@ -296,6 +297,8 @@ func (s *server) forkAcross(w http.ResponseWriter, r *http.Request, id string, c
 		mu.Unlock()
 	}
 	wg.Wait()
+	// Every child restored from the fork image (or failed): nothing reads it again.
+	s.cfg.Forker.DeleteStored(context.WithoutCancel(ctx), pf.ImageID)
 	ok := 0
 	for _, o := range out {
 		if o.Sandbox != nil {

@@ -28,6 +28,8 @@ type PausedPorter interface {
 	List(ctx context.Context, f sandbox.ListFilter) ([]*sandbox.Sandbox, error)
 	Pause(ctx context.Context, id string) error
 	Kill(ctx context.Context, id string) error
+	// DeleteStored removes an image nothing refers to any more from the image store.
+	DeleteStored(ctx context.Context, imageID string)
 }
 
 // Moves moves this node's paused sandboxes through the image store.
@@ -85,12 +87,19 @@ func (mv *Moves) Stored(ctx context.Context, p *sandbox.PortableSandbox) error {
 	resp, err := cl.c.Txn(ctx).If(
 		clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", id)), "=", r.modRev),
 		clientv3.Compare(clientv3.LeaseValue(cl.key("nodes", cl.cfg.NodeID)), "=", epoch),
-	).Then(clientv3.OpPut(cl.key("stored", id), string(b)), clientv3.OpPut(cl.key("sandboxes", id), string(rb))).Commit()
+	).Then(clientv3.OpPut(cl.key("stored", id), string(b), clientv3.WithPrevKV()), clientv3.OpPut(cl.key("sandboxes", id), string(rb))).Commit()
 	if err != nil {
 		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
 	}
 	if !resp.Succeeded {
 		return fmt.Errorf("sandbox %q: its route changed: %w", id, errdefs.ErrConflict)
+	}
+	// The image of an earlier pause that no resume consumed is nobody's now.
+	if prev := resp.Responses[0].GetResponsePut().GetPrevKv(); prev != nil {
+		var old sandbox.PortableSandbox
+		if json.Unmarshal(prev.Value, &old) == nil && old.ImageID != "" && old.ImageID != p.ImageID {
+			mv.p.DeleteStored(context.WithoutCancel(ctx), old.ImageID)
+		}
 	}
 	return cl.WaitRevision(ctx, resp.Header.Revision)
 }

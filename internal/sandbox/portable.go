@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -552,4 +553,17 @@ func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, tim
 		return results, fmt.Errorf("fork: every child failed: %w", results[0].Err)
 	}
 	return results, nil
+}
+
+// DeleteStored removes a pause or fork image nothing refers to any more from the image store
+// (its chunks go with the store's collection).
+func (m *Manager) DeleteStored(ctx context.Context, imageID string) {
+	if m.cfg.Images == nil || !(strings.HasPrefix(imageID, "paused-") || strings.HasPrefix(imageID, "fork-")) {
+		return
+	}
+	m.goBG(func() {
+		if err := m.cfg.Images.Delete(ctx, imageID); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			m.log.Warn("delete stored image", "image", imageID, "err", err)
+		}
+	})
 }

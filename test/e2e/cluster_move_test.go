@@ -193,6 +193,9 @@ func TestClusterPausedSandboxesMove(t *testing.T) {
 	// A dies.
 	killed := time.Now()
 	a.crash()
+	for _, i := range a.instances() { // and its sandboxes
+		_, _ = a.runscCmd("kill", "--all", i.ID, "KILL")
+	}
 	waitUntil(t, 5*time.Second+15*time.Second, "A is lost", func() bool { return nodeStateOf(t, b, a.nodeID) == "lost" })
 	t.Logf("A seen lost %v after kill -9 (TTL 5s)", time.Since(killed).Round(time.Millisecond))
 

@@ -98,3 +98,22 @@ func TestTreeRoundTrip(t *testing.T) {
 		t.Fatalf("a failed import left %s: %v", dst+"2", err)
 	}
 }
+
+// A pause image carries the caller's completeness markers (dot files) beside runsc's files:
+// exporting it (to move it to another node) leaves them out instead of failing.
+func TestExportImageLeavesMarkersOut(t *testing.T) {
+	img := t.TempDir()
+	for _, n := range []string{"checkpoint.img", ".ember-complete", ".snapshot-complete"} {
+		if err := os.WriteFile(filepath.Join(img, n), []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	exp := t.TempDir()
+	if err := (&Driver{}).ExportImage(context.Background(), img, exp); err != nil {
+		t.Fatalf("ExportImage: %v", err)
+	}
+	ents, err := os.ReadDir(exp)
+	if err != nil || len(ents) != 1 || ents[0].Name() != "checkpoint.img" {
+		t.Fatalf("exported %v (%v), want checkpoint.img alone", ents, err)
+	}
+}
