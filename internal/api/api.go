@@ -107,7 +107,7 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 		s.cl = cfg.Cluster
 		s.svc = &clusterService{Service: svc, cl: cfg.Cluster}
 		if cfg.Templates != nil {
-			s.svc = &sharedService{Service: s.svc, t: cfg.Templates} // cluster_move.go
+			s.svc = &sharedService{Service: s.svc, t: cfg.Templates, mv: cfg.Mover, f: cfg.Forker} // cluster_move.go
 		}
 		s.nodeTransport = newNodeTransport()
 	}

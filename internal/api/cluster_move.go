@@ -35,7 +35,9 @@ type TemplateSharer interface {
 // is the cluster's (the same on every node), and a delete removes the template everywhere.
 type sharedService struct {
 	sandbox.Service
-	t TemplateSharer
+	t  TemplateSharer
+	mv PausedMover // optional: stored pause images are deleted once nothing resumes from them
+	f  Forker
 }
 
 func (s *sharedService) unwrap() sandbox.Service  { return s.Service }
@@ -65,12 +67,45 @@ func (s *sharedService) ListTemplates(ctx context.Context) ([]*sandbox.Template,
 		out = append(out, &t)
 	}
 	for _, t := range local {
-		if !byID[t.ID] {
+		// A template loaded from the cluster and deleted there since is not listed.
+		if !byID[t.ID] && !sandbox.Loaded(t) {
 			out = append(out, t)
 		}
 	}
 	sort.SliceStable(out, func(i, j int) bool { return out[i].CreatedAt.After(out[j].CreatedAt) })
 	return out, nil
+}
+
+// ConnectWith resumes (or extends) a sandbox; a resume consumes its stored pause image, which
+// is then deleted from the image store.
+func (s *sharedService) ConnectWith(ctx context.Context, id string, opts sandbox.ConnectOptions) (*sandbox.Sandbox, bool, error) {
+	image := s.storedImage(ctx, id)
+	sbx, resumed, err := s.Service.ConnectWith(ctx, id, opts)
+	if err == nil && resumed && image != "" {
+		s.f.DeleteStored(ctx, image)
+	}
+	return sbx, resumed, err
+}
+
+func (s *sharedService) Connect(ctx context.Context, id string, timeout time.Duration) (*sandbox.Sandbox, bool, error) {
+	return s.ConnectWith(ctx, id, sandbox.ConnectOptions{Timeout: timeout})
+}
+
+// Kill kills a sandbox, and deletes its stored pause image.
+func (s *sharedService) Kill(ctx context.Context, id string) error {
+	image := s.storedImage(ctx, id)
+	err := s.Service.Kill(ctx, id)
+	if err == nil && image != "" {
+		s.f.DeleteStored(ctx, image)
+	}
+	return err
+}
+
+func (s *sharedService) storedImage(ctx context.Context, id string) string {
+	if s.mv == nil || s.f == nil {
+		return ""
+	}
+	return s.mv.StoredImage(ctx, id)
 }
 
 // DeleteTemplate deletes the template here and from the cluster's templates (other nodes'
@@ -111,6 +146,8 @@ func unwrapped(svc sandbox.Service) sandbox.Service {
 type PausedMover interface {
 	// Adopt makes stored sandbox id this node's (loaded from the image store, paused here).
 	Adopt(ctx context.Context, id string) error
+	// StoredImage is the store id of sandbox id's stored pause image ("" if none).
+	StoredImage(ctx context.Context, id string) string
 }
 
 // moveRoutes: POST /ember/sandboxes/{id}/adopt, which an edge sends to the node it placed a

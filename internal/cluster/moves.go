@@ -198,3 +198,20 @@ func (mv *Moves) drainLoop(ctx context.Context) {
 		}
 	}
 }
+
+// StoredImage returns the store id of sandbox id's stored pause image, "" when its route
+// (in the cache) is not stored.
+func (mv *Moves) StoredImage(ctx context.Context, id string) string {
+	if r := mv.cl.route(id); r == nil || !r.Stored {
+		return ""
+	}
+	resp, err := mv.cl.c.Get(ctx, mv.cl.key("stored", id))
+	if err != nil || len(resp.Kvs) == 0 {
+		return ""
+	}
+	var p sandbox.PortableSandbox
+	if json.Unmarshal(resp.Kvs[0].Value, &p) != nil {
+		return ""
+	}
+	return p.ImageID
+}

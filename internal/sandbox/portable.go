@@ -137,7 +137,7 @@ func (m *Manager) ExportTemplate(ctx context.Context, id string) (*PortableTempl
 			}
 		}
 	}
-	out.Template.Image = ""
+	out.Template.Image, out.Template.LoadedFrom = "", ""
 	out.Template.SnapshotState, out.Template.SnapshotError = "", ""
 	return out, nil
 }
@@ -209,7 +209,7 @@ func (m *Manager) ImportTemplate(ctx context.Context, p *PortableTemplate) (*Tem
 	if err != nil {
 		return nil, fmt.Errorf("template %q: load image: %w", id, err)
 	}
-	tpl.Image, tpl.Ready = image, true
+	tpl.Image, tpl.Ready, tpl.LoadedFrom = image, true, p.ImageID
 	if tpl.Kind == "snapshot" {
 		// The node-local copy of the stored snapshot: creates fetch it again if it goes.
 		tpl.SnapshotStored, tpl.SnapshotState = true, SnapshotStoredState
@@ -567,3 +567,6 @@ func (m *Manager) DeleteStored(ctx context.Context, imageID string) {
 		}
 	})
 }
+
+// Loaded reports whether template t was loaded from the image store (built on another node).
+func Loaded(t *Template) bool { return t.LoadedFrom != "" }

@@ -137,6 +137,18 @@ func TestClusterTemplatesMove(t *testing.T) {
 		t.Fatalf("sandbox from the snapshot on %s sees %+v\n%s", b.nodeID, r, b.logs())
 	}
 	drain(t, a, a, false)
+
+	// Deleted through one node, the snapshot is gone from every node's list.
+	if code := a.api(t, "DELETE", "/templates/"+snap.SnapshotID, nil, nil); code != 204 {
+		t.Fatalf("delete the snapshot through %s: %d", a.nodeID, code)
+	}
+	for _, d := range nodes {
+		for _, x := range templatesOf(t, d) {
+			if strings.HasPrefix(x, snap.SnapshotID+"@") {
+				t.Fatalf("deleted snapshot still listed through %s: %v", d.nodeID, templatesOf(t, d))
+			}
+		}
+	}
 }
 
 // counter reads the background counter of a sandbox.
