@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -425,4 +426,35 @@ func (s *server) forkHere(w http.ResponseWriter, r *http.Request, _ params) erro
 	}
 	writeJSON(w, http.StatusCreated, out)
 	return nil
+}
+
+// sharedBuilder makes GET /templates/{id} answer with the cluster's templates too (in cluster
+// mode with shared templates), as GET /templates lists them.
+func (s *server) sharedBuilder(b sandbox.TemplateBuilder) sandbox.TemplateBuilder {
+	if ss, ok := s.svc.(*sharedService); ok {
+		return clusterBuilder{TemplateBuilder: b, t: ss.t}
+	}
+	return b
+}
+
+type clusterBuilder struct {
+	sandbox.TemplateBuilder
+	t TemplateSharer
+}
+
+func (b clusterBuilder) GetTemplate(ctx context.Context, id string) (*sandbox.Template, error) {
+	shared := b.t.List()
+	for _, st := range shared {
+		if st.ID == id || slices.Contains(st.Aliases, id) {
+			t := st.Portable.Template
+			t.Ready = true
+			return &t, nil
+		}
+	}
+	t, err := b.TemplateBuilder.GetTemplate(ctx, id)
+	if err == nil && sandbox.Loaded(t) {
+		// Loaded from the cluster, and deleted there since.
+		return nil, fmt.Errorf("template %q: %w", id, errdefs.ErrNotFound)
+	}
+	return t, err
 }

@@ -73,7 +73,7 @@ func (s *server) builder() (sandbox.TemplateBuilder, error) {
 	if !ok {
 		return nil, &httpError{status: http.StatusNotImplemented, msg: "template builds are not supported by this server"}
 	}
-	return b, nil
+	return s.sharedBuilder(b), nil // cluster_move.go
 }
 
 type templateRequestV3 struct {

@@ -127,6 +127,9 @@ func TestClusterTemplatesMove(t *testing.T) {
 		}
 		return false
 	})
+	if code, body := b.apiBody(t, "GET", "/templates/"+snap.SnapshotID, nil, nil); code != 200 {
+		t.Fatalf("GET /templates/%s through %s (not loaded there yet): %d %s", snap.SnapshotID, b.nodeID, code, body)
+	}
 	drain(t, a, b, false)
 	drain(t, a, a, true)
 	child := a.create(t, map[string]any{"templateID": snap.SnapshotID})
@@ -143,6 +146,9 @@ func TestClusterTemplatesMove(t *testing.T) {
 		t.Fatalf("delete the snapshot through %s: %d", a.nodeID, code)
 	}
 	for _, d := range nodes {
+		if code, _ := d.apiBody(t, "GET", "/templates/"+snap.SnapshotID, nil, nil); code != 404 {
+			t.Fatalf("GET /templates/%s through %s after the delete: %d", snap.SnapshotID, d.nodeID, code)
+		}
 		for _, x := range templatesOf(t, d) {
 			if strings.HasPrefix(x, snap.SnapshotID+"@") {
 				t.Fatalf("deleted snapshot still listed through %s: %v", d.nodeID, templatesOf(t, d))
