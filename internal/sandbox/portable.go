@@ -302,6 +302,8 @@ func (m *Manager) pauseStored(ctx context.Context, sb *Sandbox, keepMemory bool)
 	if f == nil || !keepMemory {
 		return
 	}
+	// The pause is done: its upload finishes even if the caller goes away.
+	ctx = context.WithoutCancel(ctx)
 	p, err := m.exportPaused(ctx, sb)
 	if err == nil {
 		err = (*f)(ctx, p)
