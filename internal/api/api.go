@@ -51,6 +51,12 @@ type Config struct {
 	Metrics http.Handler
 	// Cluster, when set, makes this node one edge of a cluster (cluster.go).
 	Cluster Cluster
+	// Templates, with Cluster, shares templates between the nodes (cluster_move.go).
+	Templates TemplateSharer
+	// Mover, with Cluster, moves stored paused sandboxes between the nodes (cluster_move.go).
+	Mover PausedMover
+	// Forker, with Cluster, places the children of a fork on other nodes (cluster_move.go).
+	Forker Forker
 }
 
 func (c Config) withDefaults() Config {
@@ -100,6 +106,9 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 	if cfg.Cluster != nil {
 		s.cl = cfg.Cluster
 		s.svc = &clusterService{Service: svc, cl: cfg.Cluster}
+		if cfg.Templates != nil {
+			s.svc = &sharedService{Service: s.svc, t: cfg.Templates, mv: cfg.Mover, f: cfg.Forker} // cluster_move.go
+		}
 		s.nodeTransport = newNodeTransport()
 	}
 	domainHost := strings.ToLower(cfg.Domain)

@@ -166,6 +166,9 @@ func (s *server) routeSandbox(w http.ResponseWriter, r *http.Request, id, port s
 	if err == nil && (!loc.Known() || loc.Dead) {
 		loc, err = s.cl.Locate(ctx, id, true)
 	}
+	if err == nil {
+		loc, err = s.relocate(r, id, loc) // a stored paused sandbox of a gone node (cluster_move.go)
+	}
 	if err != nil {
 		writeError(w, s.log, r, err)
 		return true

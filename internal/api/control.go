@@ -52,6 +52,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodGet, "/api-keys", s.listAPIKeys)
 	rt.handle(http.MethodDelete, "/api-keys/{id}", s.deleteAPIKey)
 	s.nodeRoutes(rt)
+	s.moveRoutes(rt) // cluster_move.go
 	return rt
 }
 
@@ -373,6 +374,9 @@ func (s *server) fork(w http.ResponseWriter, r *http.Request, p params) error {
 	id, err := sandboxIDParam(p)
 	if err != nil {
 		return err
+	}
+	if s.forkAcross(w, r, id, int(count), d) { // cluster mode: children on other nodes too (cluster_move.go)
+		return nil
 	}
 	results, err := s.svc.Fork(r.Context(), id, int(count), d)
 	if err != nil {

@@ -69,11 +69,11 @@ func (u *uploads) take(tok string) (string, bool) {
 }
 
 func (s *server) builder() (sandbox.TemplateBuilder, error) {
-	b, ok := s.svc.(sandbox.TemplateBuilder)
+	b, ok := unwrapped(s.svc).(sandbox.TemplateBuilder)
 	if !ok {
 		return nil, &httpError{status: http.StatusNotImplemented, msg: "template builds are not supported by this server"}
 	}
-	return b, nil
+	return s.sharedBuilder(b), nil // cluster_move.go
 }
 
 type templateRequestV3 struct {

@@ -175,6 +175,7 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&cfg.S3.Bucket, "s3-bucket", envOr("EMBER_S3_BUCKET", "ember"), "S3 bucket")
 	f.StringVar(&cfg.S3.AccessKey, "s3-access-key", os.Getenv("EMBER_S3_ACCESS_KEY"), "S3 access key")
 	f.StringVar(&cfg.S3.SecretKey, "s3-secret-key", os.Getenv("EMBER_S3_SECRET_KEY"), "S3 secret key")
+	f.StringVar(&cfg.SnapshotKeyFile, "snapshot-key", os.Getenv("EMBER_SNAPSHOT_KEY"), "key signing stored images (default <data-dir>/snapshot-key; created if missing); the nodes of a cluster share one")
 	f.BoolVar(&verbose, "verbose", false, "debug logs")
 	return c
 }

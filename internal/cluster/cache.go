@@ -27,6 +27,7 @@ func (cl *Cluster) load(ctx context.Context) (int64, error) {
 	cl.byNode = map[string]map[string]struct{}{}
 	cl.keys = map[string][]byte{}
 	cl.down = map[string]time.Time{}
+	cl.templates = map[string]*SharedTemplate{}
 	for _, kv := range r.Kvs {
 		cl.applyPut(kv)
 	}
@@ -116,6 +117,8 @@ func (cl *Cluster) applyPut(kv *mvccpb.KeyValue) {
 		}
 	case "apikeys":
 		cl.keys[rest] = kv.Value
+	case "templates":
+		cl.applyTemplate(rest, kv.Value)
 	case "down":
 		var at time.Time
 		if json.Unmarshal(kv.Value, &at) == nil {
@@ -139,6 +142,8 @@ func (cl *Cluster) applyDelete(key string) {
 		delete(cl.routes, rest)
 	case "apikeys":
 		delete(cl.keys, rest)
+	case "templates":
+		cl.applyTemplate(rest, nil)
 	case "down":
 		delete(cl.down, rest)
 	}

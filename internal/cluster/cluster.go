@@ -83,6 +83,8 @@ type Cluster struct {
 	rev     int64 // last revision applied to the caches
 	revCond *sync.Cond
 
+	templates map[string]*SharedTemplate // templates/<id>: the cluster's templates (templates.go)
+
 	kick      chan struct{}
 	closeOnce sync.Once
 	cancel    context.CancelFunc

@@ -24,6 +24,8 @@ type PlaceRequest struct {
 	// Runsc and CPUClass, when set, restrict placement to nodes that can restore a checkpoint
 	// made with them.
 	Runsc, CPUClass string
+	// Prefer names the node tried first when it is a candidate (a paused sandbox's own).
+	Prefer string
 }
 
 // Reservation is room held on a node for one create, under the edge's lease: the node that
@@ -79,6 +81,9 @@ func (cl *Cluster) Place(ctx context.Context, req PlaceRequest) (*Reservation, e
 			if cands[j].score > cands[i].score {
 				i = j
 			}
+		}
+		if attempt == 0 && req.Prefer != "" {
+			i = preferred(cands, req.Prefer, i) // moves.go
 		}
 		c := cands[i]
 		size := c.size
@@ -162,7 +167,10 @@ func (cl *Cluster) candidates(req PlaceRequest) (out []candidate, haveTpl bool) 
 	for id, n := range cl.nodes {
 		size, ok := n.Templates[req.TemplateID]
 		if !ok {
-			continue
+			// A template of the cluster's: the node loads it from the image store.
+			if size, ok = cl.sharedSize(req.TemplateID); !ok {
+				continue
+			}
 		}
 		haveTpl = true
 		if cl.drains[id] || slices.Contains(req.Exclude, id) ||
@@ -252,7 +260,8 @@ func (cl *Cluster) claim(ctx context.Context, s LocalSandbox, rid string) error 
 		return fmt.Errorf("sandbox %q is held by node %s: %w", s.ID, r.Node, errdefs.ErrConflict)
 	}
 	b, _ := json.Marshal(Route{Node: self, Epoch: epoch, TemplateID: s.TemplateID, CPU: s.CPU, MemoryMB: s.MemoryMB, Since: time.Now().UTC()})
-	ops := []clientv3.Op{clientv3.OpPut(cl.key("sandboxes", s.ID), string(b))}
+	// Running here now: a pause image stored earlier is stale (moves.go).
+	ops := []clientv3.Op{clientv3.OpPut(cl.key("sandboxes", s.ID), string(b)), clientv3.OpDelete(cl.key("stored", s.ID))}
 	if rid != "" {
 		ops = append(ops, clientv3.OpDelete(cl.key("resv", self, rid)))
 	}
@@ -276,7 +285,7 @@ func (cl *Cluster) claim(ctx context.Context, s LocalSandbox, rid string) error 
 func (cl *Cluster) Release(ctx context.Context, id string) {
 	if r := cl.route(id); r != nil && r.Node == cl.cfg.NodeID {
 		_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", id)), "=", r.modRev)).
-			Then(clientv3.OpDelete(cl.key("sandboxes", id))).Commit()
+			Then(clientv3.OpDelete(cl.key("sandboxes", id)), clientv3.OpDelete(cl.key("stored", id))).Commit()
 	}
 	cl.kickSync()
 }
@@ -290,6 +299,10 @@ type Location struct {
 	// cluster has not marked it lost yet.
 	Lost *Lost
 	Dead bool
+	// Stored: paused, its pause image in the store (any node may adopt it); TemplateID is its
+	// template (moves.go).
+	Stored     bool
+	TemplateID string
 }
 
 // Known reports whether the cluster knows the sandbox.
@@ -318,7 +331,7 @@ func (cl *Cluster) Locate(ctx context.Context, id string, fresh bool) (Location,
 	if r == nil {
 		return Location{}, nil
 	}
-	loc := Location{Node: r.Node, Local: r.Node == cl.cfg.NodeID && r.Epoch == cl.epoch.Load()}
+	loc := Location{Node: r.Node, Local: r.Node == cl.cfg.NodeID && r.Epoch == cl.epoch.Load(), Stored: r.Stored, TemplateID: r.TemplateID}
 	if n := cl.node(r.Node); n != nil && n.Epoch == r.Epoch {
 		loc.URL = n.URL
 	} else if !loc.Local {

@@ -80,7 +80,7 @@ func (cl *Cluster) sync(ctx context.Context) {
 			}
 		case r.Node != self || r.Epoch != epoch:
 			cl.killLocal(ctx, s.ID, "the cluster has it on node "+r.Node)
-			if r.Node == self {
+			if r.Node == self && !r.Stored { // a stored one stays resumable anywhere
 				stale = append(stale, staleRoute{s.ID, r.modRev})
 			}
 			continue
@@ -97,6 +97,9 @@ func (cl *Cluster) sync(ctx context.Context) {
 			continue
 		}
 		if r.Epoch != epoch {
+			if r.Stored {
+				continue // resumable anywhere (moves.go)
+			}
 			stale = append(stale, staleRoute{id, r.modRev})
 		} else {
 			ended = append(ended, staleRoute{id, r.modRev})
@@ -199,7 +202,8 @@ func (cl *Cluster) reap(ctx context.Context, node string, at time.Time) {
 	n := cl.nodes[node]
 	var rs []staleRoute
 	for id := range cl.byNode[node] {
-		if r := cl.routes[id]; r != nil && (n == nil || r.Epoch != n.Epoch) {
+		// A stored paused sandbox is not lost: another node resumes it (moves.go).
+		if r := cl.routes[id]; r != nil && !r.Stored && (n == nil || r.Epoch != n.Epoch) {
 			rs = append(rs, staleRoute{id, r.modRev})
 		}
 	}

@@ -17,6 +17,7 @@
 //	down/<id>           the time a node was found dead, under a one-day lease
 //	reaping/<id>/<ep>   the live node marking a dead epoch's sandboxes lost, under its lease
 //	apikeys/<id>        the cluster's API keys (auth.Key), no lease
+//	templates/<id>      SharedTemplate: a template every node can load from the image store, no lease
 package cluster
 
 import "time"
@@ -70,7 +71,10 @@ type Route struct {
 	CPU        int       `json:"cpu,omitempty"`
 	MemoryMB   int       `json:"memoryMB,omitempty"`
 	Since      time.Time `json:"since"`
-	modRev     int64
+	// Stored: the sandbox is paused and its pause image is in the image store (stored/<sid>):
+	// any node may resume it once its node is gone or drained (moves.go).
+	Stored bool `json:"stored,omitempty"`
+	modRev int64
 }
 
 // Lost records a sandbox that died with its node.

@@ -99,3 +99,49 @@ func runscVersion(bin string) string {
 	line, _, _ := strings.Cut(string(out), "\n")
 	return strings.TrimSpace(strings.TrimPrefix(line, "runsc version"))
 }
+
+// startTemplates, in cluster mode with a shared image store, gives the node the start-up
+// templates: the cluster's build of each, loaded from the store, or (the first node to start)
+// its own build, registered for the others. From then on every template that becomes ready
+// here is shared with the cluster.
+func startTemplates(ctx context.Context, cfg Config, mgr *sandbox.Manager, tpls *cluster.Templates) error {
+	for _, name := range cfg.Templates {
+		t0 := time.Now()
+		if err := tpls.Ensure(ctx, name); err != nil {
+			return fmt.Errorf("template %q: %w", name, err)
+		}
+		local, err := mgr.GetTemplate(ctx, name)
+		if err == nil && !local.Stale() {
+			if _, err := tpls.Share(ctx, name, true); err != nil {
+				return fmt.Errorf("share template %q: %w", name, err)
+			}
+			fmt.Fprintf(cfg.Out, "Template %q: the cluster's build %s (%s)\n", name, local.BuildID, time.Since(t0).Round(time.Millisecond))
+			continue
+		}
+		fmt.Fprintf(cfg.Out, "Building template %q (the cluster has none)...\n", name)
+		if _, err := mgr.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) }); err != nil {
+			return fmt.Errorf("build template %q: %w", name, err)
+		}
+		// Registered unless a node starting at the same time registered its build first: then
+		// that one is loaded, and every node runs the same build. A stale record is replaced.
+		stale := false
+		if st, err := tpls.Shared(ctx, name); err == nil && st != nil {
+			stale = st.Portable.Template.Stale()
+		}
+		won, err := tpls.Share(ctx, name, !stale)
+		if err != nil {
+			return fmt.Errorf("share template %q: %w", name, err)
+		}
+		if err := tpls.Ensure(ctx, name); err != nil {
+			return fmt.Errorf("template %q: %w", name, err)
+		}
+		fmt.Fprintf(cfg.Out, "Template %q shared: build %s of node %s (%s)\n", name, won.BuildID, won.Node, time.Since(t0).Round(time.Millisecond))
+	}
+	// From now on, every template that becomes ready here is the cluster's.
+	mgr.SetTemplateHook(func(ctx context.Context, tpl *sandbox.Template) {
+		if _, err := tpls.Share(ctx, tpl.ID, false); err != nil {
+			cfg.Logger.Warn("cluster: share template", "template", tpl.ID, "err", err)
+		}
+	})
+	return nil
+}

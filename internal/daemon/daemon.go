@@ -102,6 +102,8 @@ type Node struct {
 	// Cluster is this node's membership (nil for a single node).
 	Cluster *cluster.Cluster
 	net     *network.Manager
+
+	moves *cluster.Moves // stored paused sandboxes (cluster mode with S3)
 }
 
 // Open assembles a node from cfg: everything but the listener.
@@ -148,7 +150,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	drv, err := gvisor.New(gvisor.Config{Runsc: cfg.Runsc, Root: filepath.Join(cfg.DataDir, "runsc"), CgroupParent: names.CgroupParent,
-		ExtraFlags: []string{"--allow-suid"}, Logger: cfg.Logger})
+		ExtraFlags: []string{"--allow-suid"}, Logger: cfg.Logger, LayerIdentity: sandbox.LayerIdentity(cfg.DataDir)})
 	if err != nil {
 		return nil, err
 	}
@@ -198,7 +200,11 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
+	shareTemplates := len(cfg.EtcdEndpoints) > 0 && cfg.S3.Endpoint != ""
 	for _, name := range cfg.Templates {
+		if shareTemplates {
+			break // after joining: the cluster's build, if it has one (startTemplates)
+		}
 		what := "first start only"
 		if t, err := st.GetTemplate(ctx, name); err == nil {
 			if !t.Stale() {
@@ -217,6 +223,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	met.SetSource(mgr)
 	acfg := api.Config{Domain: cfg.Domain, Metrics: met.Handler()}
 	var cl *cluster.Cluster
+	var moves *cluster.Moves
 	if len(cfg.EtcdEndpoints) > 0 {
 		if cl, err = openCluster(ctx, cfg, mgr, met.PlacementRetry); err != nil {
 			mgr.Close()
@@ -230,10 +237,23 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			return nil, err
 		}
 		acfg.Cluster = cl
+		if shareTemplates {
+			tpls := cluster.NewTemplates(cl, mgr)
+			if err := startTemplates(ctx, cfg, mgr, tpls); err != nil {
+				cl.Close()
+				mgr.Close()
+				return nil, err
+			}
+			acfg.Templates = tpls
+			moves = cluster.NewMoves(cl, mgr)
+			mgr.SetPauseHook(moves.Stored)
+			acfg.Mover = moves
+			acfg.Forker = mgr
+		}
 	}
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true
-	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, Cluster: cl, net: nm}, nil
+	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, Cluster: cl, net: nm, moves: moves}, nil
 }
 
 func ensureKey(ctx context.Context, cfg Config, keys *auth.Keys) error {
@@ -250,6 +270,9 @@ func ensureKey(ctx context.Context, cfg Config, keys *auth.Keys) error {
 // Close stops background work. Running sandboxes keep running and are re-adopted by the next
 // start on the same data directory.
 func (n *Node) Close() {
+	if n.moves != nil {
+		n.moves.Close()
+	}
 	if n.Cluster != nil {
 		n.Cluster.Close()
 	}

@@ -141,7 +141,10 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestar
 	tl.Mark("mkdir")
 	// A memory pause answers once the memory image is written: the instance's layer reaches the
 	// image in the teardown after the answer (DeferLayer), which a resume or kill waits for.
-	opts := runtime.CheckpointOptions{FilesOnly: !keepMemory, DeferLayer: keepMemory && !layerFirst}
+	// In cluster mode the image goes to the store before the answer (pauseStored), layer and
+	// all, so there the layer moves in first.
+	stored := keepMemory && m.pauseHook.Load() != nil
+	opts := runtime.CheckpointOptions{FilesOnly: !keepMemory, DeferLayer: keepMemory && !layerFirst && !stored}
 	if err := m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, opts); err != nil {
 		os.RemoveAll(image)
 		m.observe(StagePause, start, err)
@@ -164,6 +167,10 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestar
 	tl.Mark("record")
 	m.guestT.close(old.GuestIP)
 	tl.Mark("transport")
+	if stored {
+		m.pauseStored(ctx, sb, keepMemory) // cluster mode: resumable on any node (portable.go)
+		tl.Mark("stored")
+	}
 	tl.Log(m.logger(sb.ID), "pause timeline", "memory", keepMemory)
 	m.observe(StagePause, start, nil)
 	m.logger(sb.ID).Info("sandbox paused", "memory", keepMemory, "ms", time.Since(start).Milliseconds())

@@ -166,6 +166,9 @@ type Manager struct {
 	mu   sync.Mutex
 	live map[string]*entry // sandboxes by id: running, paused, and recently ended (tombstones)
 
+	tplHook   atomic.Pointer[func(context.Context, *Template)]              // SetTemplateHook (portable.go)
+	pauseHook atomic.Pointer[func(context.Context, *PortableSandbox) error] // SetPauseHook (portable.go)
+
 	pool      *pool // restored sandboxes waiting for an assignment
 	prestarts *pool // pre-started instances waiting for a restore into them
 	// resumePre counts the instances pre-started for the resume of a paused sandbox

@@ -118,6 +118,7 @@ func (m *Manager) upload(ctx context.Context, id, image string, resumed bool) {
 		return
 	}
 	log.Info("snapshot stored", "ms", time.Since(start).Milliseconds(), "resumed", resumed)
+	m.templateReady(tpl)
 }
 
 // uploadOnce is one attempt. A manifest already stored under id is this snapshot's own when

@@ -565,6 +565,7 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 	}
 	ok = true
 	m.pool.templateChanged(tpl)
+	m.templateReady(tpl)
 	logf("finalize", "[finalize] template %s built in %s", name, time.Since(start).Round(time.Millisecond))
 	return tpl, nil
 }

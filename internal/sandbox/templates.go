@@ -94,6 +94,7 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 	}
 	m.pool.templateChanged(tpl)
 	m.prestarts.templateChanged(tpl)
+	m.templateReady(tpl)
 	progress(fmt.Sprintf("template %q ready in %s", tpl.ID, time.Since(start).Round(time.Millisecond)))
 	return tpl, nil
 }

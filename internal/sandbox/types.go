@@ -191,6 +191,9 @@ type Template struct {
 	Format int `json:"format,omitempty"`
 	// BuildID changes on every rebuild.
 	BuildID string `json:"buildId,omitempty"`
+	// LoadedFrom is the store id of the image a template built on another node was loaded
+	// from (portable.go); empty for one built here.
+	LoadedFrom string `json:"loadedFrom,omitempty"`
 	// SourceSandbox is the sandbox a snapshot was taken from.
 	SourceSandbox string   `json:"sourceSandbox,omitempty"`
 	Names         []string `json:"names,omitempty"`

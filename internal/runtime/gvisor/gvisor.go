@@ -69,6 +69,13 @@ type Config struct {
 	// loaded (needs Compression "none"). The image must then stay in place while the instance runs.
 	RestoreBackground bool
 
+	// LayerIdentity names a read-only layer of a rootfs stack by its content rather than its
+	// host path (default: the path), so that a checkpoint taken on one node restores on another
+	// whose copy of the same layers lives elsewhere: a checkpoint image records its stack as
+	// these names, and a restore compares them (layers.go). It must map a name it returns to
+	// itself (the names recorded by older images, host paths, go through it too).
+	LayerIdentity func(path string) string
+
 	// Logger receives the driver's logs (default slog.Default()).
 	Logger *slog.Logger
 }

@@ -129,6 +129,8 @@ func (d *Driver) ExportImage(ctx context.Context, imageDir, dstDir string) error
 			if err := copyFileSparse(src, dstDir, name, 0, nil); err != nil {
 				return fail(fmt.Errorf("gvisor: export %s: %w", name, err))
 			}
+		case e.Type().IsRegular() && strings.HasPrefix(name, "."):
+			// The caller's bookkeeping beside the image (a completeness marker), not part of it.
 		default:
 			return fail(fmt.Errorf("gvisor: export: unexpected entry %q in image %s: %w", name, imageDir, errdefs.ErrInvalid))
 		}

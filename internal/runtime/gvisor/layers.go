@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -45,10 +46,10 @@ func (d *Driver) prepareLayer(spec runtime.Spec, imageDir string) (runtime.Spec,
 	if err := os.MkdirAll(spec.StateDir, 0o700); err != nil {
 		return spec, fmt.Errorf("gvisor: state dir: %w", err)
 	}
-	if err := checkStack(spec, imageDir); err != nil {
+	if err := d.checkStack(spec, imageDir); err != nil {
 		return spec, err
 	}
-	if err := os.WriteFile(filepath.Join(spec.StateDir, stackName), []byte(strings.Join(spec.Stack(), "\n")), 0o600); err != nil {
+	if err := os.WriteFile(filepath.Join(spec.StateDir, stackName), []byte(strings.Join(d.stackIDs(spec.Stack()), "\n")), 0o600); err != nil {
 		return spec, fmt.Errorf("gvisor: state dir: %w", err)
 	}
 	if imageDir != "" && imageHasLayer(imageDir) {
@@ -79,13 +80,27 @@ func (d *Driver) prepareLayer(spec runtime.Spec, imageDir string) (runtime.Spec,
 }
 
 // stackName, in an instance's state dir and in its checkpoint images, lists the read-only
-// layers (top first) its root filesystem stacks its writable layer on.
+// layers (top first) its root filesystem stacks its writable layer on, by their identities
+// (Config.LayerIdentity; host paths in images of older drivers).
 const stackName = "rootfs-stack"
+
+// stackIDs names the layers of a stack by their identities.
+func (d *Driver) stackIDs(stack []string) []string {
+	if d.cfg.LayerIdentity == nil {
+		return stack
+	}
+	out := make([]string, len(stack))
+	for i, p := range stack {
+		out[i] = d.cfg.LayerIdentity(p)
+	}
+	return out
+}
 
 // checkStack refuses to restore a memory image onto another stack of layers than the one it
 // was checkpointed on: its files would not be the ones its memory knows (an image of an older
-// driver, which records none, is not checked).
-func checkStack(spec runtime.Spec, imageDir string) error {
+// driver, which records none, is not checked). Both stacks are compared by identity: one
+// recorded as host paths (an older driver) matches the same layers here.
+func (d *Driver) checkStack(spec runtime.Spec, imageDir string) error {
 	if imageDir == "" {
 		return nil
 	}
@@ -96,9 +111,10 @@ func checkStack(spec runtime.Spec, imageDir string) error {
 	if err != nil {
 		return nil
 	}
-	if want := strings.Join(spec.Stack(), "\n"); string(b) != want {
+	got, want := d.stackIDs(strings.Split(string(b), "\n")), d.stackIDs(spec.Stack())
+	if !slices.Equal(got, want) {
 		return fmt.Errorf("gvisor: restore: image %s was checkpointed on the rootfs layers %q, not %q: %w",
-			imageDir, strings.Split(string(b), "\n"), spec.Stack(), errdefs.ErrInvalid)
+			imageDir, got, want, errdefs.ErrInvalid)
 	}
 	return nil
 }

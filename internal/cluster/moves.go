@@ -1,0 +1,217 @@
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+// Paused sandboxes that move between nodes. In cluster mode with a shared image store a
+// memory pause stores the sandbox's pause image before it answers, then records it under
+// stored/<sid> (no lease) and marks its route Stored, in one transaction. A stored sandbox is
+// not lost with its node: when its node is gone (or drained), the edge that gets a request
+// for it places it (preferring its node), and the chosen node adopts it (loads its layers and
+// pause image from the store, verified, and takes the route over in a transaction that
+// compares the route's revision, so two edges never adopt it twice) and serves the request.
+// A resume makes it running: the route stops being Stored and stored/<sid> goes. A drained
+// node pauses its running sandboxes, so that they too resume elsewhere.
+
+// PausedPorter is what moving paused sandboxes needs of the node's Manager.
+type PausedPorter interface {
+	ImportPaused(ctx context.Context, p *sandbox.PortableSandbox) (*sandbox.Sandbox, error)
+	List(ctx context.Context, f sandbox.ListFilter) ([]*sandbox.Sandbox, error)
+	Pause(ctx context.Context, id string) error
+	Kill(ctx context.Context, id string) error
+	// DeleteStored removes an image nothing refers to any more from the image store.
+	DeleteStored(ctx context.Context, imageID string)
+}
+
+// Moves moves this node's paused sandboxes through the image store.
+type Moves struct {
+	cl     *Cluster
+	p      PausedPorter
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// NewMoves returns the moving of p's paused sandboxes over cl, and starts pausing p's running
+// sandboxes whenever this node is drained.
+func NewMoves(cl *Cluster, p PausedPorter) *Moves {
+	ctx, cancel := context.WithCancel(context.Background())
+	mv := &Moves{cl: cl, p: p, cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(mv.done)
+		mv.drainLoop(ctx)
+	}()
+	return mv
+}
+
+// Close stops the drain loop (before the Manager closes).
+func (mv *Moves) Close() {
+	mv.cancel()
+	<-mv.done
+}
+
+// preferred returns the index of node among cands, else i.
+func preferred(cands []candidate, node string, i int) int {
+	for j, c := range cands {
+		if c.n.ID == node {
+			return j
+		}
+	}
+	return i
+}
+
+// Stored records that sandbox p, paused on this node, is in the image store.
+func (mv *Moves) Stored(ctx context.Context, p *sandbox.PortableSandbox) error {
+	cl := mv.cl
+	epoch := cl.epoch.Load()
+	id := p.Sandbox.ID
+	r := cl.route(id)
+	if epoch == 0 || r == nil || r.Node != cl.cfg.NodeID || r.Epoch != epoch {
+		return fmt.Errorf("sandbox %q is not this node's in the cluster: %w", id, errdefs.ErrConflict)
+	}
+	b, err := json.Marshal(p)
+	if err != nil {
+		return err
+	}
+	nr := *r
+	nr.Stored = true
+	rb, _ := json.Marshal(nr)
+	resp, err := cl.c.Txn(ctx).If(
+		clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", id)), "=", r.modRev),
+		clientv3.Compare(clientv3.LeaseValue(cl.key("nodes", cl.cfg.NodeID)), "=", epoch),
+	).Then(clientv3.OpPut(cl.key("stored", id), string(b), clientv3.WithPrevKV()), clientv3.OpPut(cl.key("sandboxes", id), string(rb))).Commit()
+	if err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	if !resp.Succeeded {
+		return fmt.Errorf("sandbox %q: its route changed: %w", id, errdefs.ErrConflict)
+	}
+	// The image of an earlier pause that no resume consumed is nobody's now.
+	if prev := resp.Responses[0].GetResponsePut().GetPrevKv(); prev != nil {
+		var old sandbox.PortableSandbox
+		if json.Unmarshal(prev.Value, &old) == nil && old.ImageID != "" && old.ImageID != p.ImageID {
+			mv.p.DeleteStored(context.WithoutCancel(ctx), old.ImageID)
+		}
+	}
+	return cl.WaitRevision(ctx, resp.Header.Revision)
+}
+
+// Adopt makes stored sandbox id this node's: loaded from the image store, paused here, its
+// route taken over. It fails (ErrConflict) when the sandbox is not stored or its node still
+// serves it (alive and not drained).
+func (mv *Moves) Adopt(ctx context.Context, id string) error {
+	cl := mv.cl
+	epoch := cl.epoch.Load()
+	if epoch == 0 {
+		return fmt.Errorf("this node is cut off from the cluster: %w", errdefs.ErrUnavailable)
+	}
+	self := cl.cfg.NodeID
+	resp, err := cl.c.Txn(ctx).Then(clientv3.OpGet(cl.key("sandboxes", id)), clientv3.OpGet(cl.key("stored", id))).Commit()
+	if err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	rk, sk := resp.Responses[0].GetResponseRange().Kvs, resp.Responses[1].GetResponseRange().Kvs
+	if len(rk) == 0 {
+		return fmt.Errorf("sandbox %q: %w", id, errdefs.ErrNotFound)
+	}
+	var r Route
+	if err := json.Unmarshal(rk[0].Value, &r); err != nil {
+		return fmt.Errorf("sandbox %q: bad route: %w", id, errdefs.ErrCorrupt)
+	}
+	if r.Node == self && r.Epoch == epoch {
+		return nil // here already
+	}
+	if !r.Stored || len(sk) == 0 {
+		return fmt.Errorf("sandbox %q is not stored: node %s holds it: %w", id, r.Node, errdefs.ErrConflict)
+	}
+	if n := cl.node(r.Node); n != nil && n.Epoch == r.Epoch && !cl.draining(r.Node) {
+		return fmt.Errorf("sandbox %q: its node %s serves it: %w", id, r.Node, errdefs.ErrConflict)
+	}
+	var p sandbox.PortableSandbox
+	if err := json.Unmarshal(sk[0].Value, &p); err != nil || p.Sandbox.ID != id {
+		return fmt.Errorf("sandbox %q: bad stored record: %w", id, errdefs.ErrCorrupt)
+	}
+	start := time.Now()
+	if _, err := mv.p.ImportPaused(ctx, &p); err != nil {
+		return err
+	}
+	from := r.Node
+	r.Node, r.Epoch, r.Since = self, epoch, time.Now().UTC()
+	b, _ := json.Marshal(r)
+	t, err := cl.c.Txn(ctx).If(
+		clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", id)), "=", rk[0].ModRevision),
+		clientv3.Compare(clientv3.Version(cl.key("lost", id)), "=", 0),
+		clientv3.Compare(clientv3.LeaseValue(cl.key("nodes", self)), "=", epoch),
+	).Then(clientv3.OpPut(cl.key("sandboxes", id), string(b))).Commit()
+	if err != nil || !t.Succeeded {
+		// Another edge moved it first (or etcd did not answer): never hold what is not routed here.
+		_ = mv.p.Kill(context.WithoutCancel(ctx), id)
+		if err != nil {
+			return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+		}
+		return fmt.Errorf("sandbox %q moved meanwhile: %w", id, errdefs.ErrConflict)
+	}
+	cl.log.Info("cluster: adopted a stored paused sandbox", "sandbox_id", id, "from", from, "ms", time.Since(start).Milliseconds())
+	return cl.WaitRevision(ctx, t.Header.Revision)
+}
+
+func (cl *Cluster) draining(node string) bool {
+	cl.mu.RLock()
+	defer cl.mu.RUnlock()
+	return cl.drains[node]
+}
+
+// drainLoop pauses this node's running sandboxes (into the image store) while it is drained.
+func (mv *Moves) drainLoop(ctx context.Context) {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if !mv.cl.draining(mv.cl.cfg.NodeID) || mv.cl.epoch.Load() == 0 {
+			continue
+		}
+		sbxs, err := mv.p.List(ctx, sandbox.ListFilter{States: []sandbox.State{sandbox.StateRunning}})
+		if err != nil {
+			continue
+		}
+		for _, s := range sbxs {
+			if s.State != sandbox.StateRunning || ctx.Err() != nil {
+				continue
+			}
+			if err := mv.p.Pause(ctx, s.ID); err != nil {
+				mv.cl.log.Warn("cluster: drain: pause", "sandbox_id", s.ID, "err", err)
+				continue
+			}
+			mv.cl.log.Info("cluster: drain: paused into the image store", "sandbox_id", s.ID)
+		}
+	}
+}
+
+// StoredImage returns the store id of sandbox id's stored pause image, "" when its route
+// (in the cache) is not stored.
+func (mv *Moves) StoredImage(ctx context.Context, id string) string {
+	if r := mv.cl.route(id); r == nil || !r.Stored {
+		return ""
+	}
+	resp, err := mv.cl.c.Get(ctx, mv.cl.key("stored", id))
+	if err != nil || len(resp.Kvs) == 0 {
+		return ""
+	}
+	var p sandbox.PortableSandbox
+	if json.Unmarshal(resp.Kvs[0].Value, &p) != nil {
+		return ""
+	}
+	return p.ImageID
+}

@@ -1,0 +1,123 @@
+package cluster_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/cluster"
+	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
+	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+// fakePorter is a node's paused-sandbox mover without a runtime or an image store.
+type fakePorter struct {
+	local    *fakeLocal
+	mu       sync.Mutex
+	imported []string
+	deleted  []string
+}
+
+func (p *fakePorter) ImportPaused(_ context.Context, ps *sandbox.PortableSandbox) (*sandbox.Sandbox, error) {
+	p.mu.Lock()
+	p.imported = append(p.imported, ps.Sandbox.ID)
+	p.mu.Unlock()
+	s := p.local.add(ps.Sandbox.ID)
+	p.local.mu.Lock()
+	s.Running = false
+	p.local.sbxs[s.ID] = s
+	p.local.mu.Unlock()
+	return &sandbox.Sandbox{ID: ps.Sandbox.ID, State: sandbox.StatePaused}, nil
+}
+
+func (p *fakePorter) List(context.Context, sandbox.ListFilter) ([]*sandbox.Sandbox, error) {
+	return nil, nil
+}
+func (p *fakePorter) Pause(context.Context, string) error       { return nil }
+func (p *fakePorter) Kill(ctx context.Context, id string) error { return p.local.Kill(ctx, id) }
+func (p *fakePorter) DeleteStored(_ context.Context, image string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.deleted = append(p.deleted, image)
+}
+
+func stored(id, image string) *sandbox.PortableSandbox {
+	return &sandbox.PortableSandbox{Sandbox: sandbox.Sandbox{ID: id, TemplateID: "base"}, ImageID: image}
+}
+
+// A stored paused sandbox is not lost with its node: it stays routed as stored, a live node's
+// is never taken from it, and once its node is gone exactly one of two nodes adopting it at
+// once gets it; a re-pause deletes the image it replaces.
+func TestStoredPausedSandboxOutlivesItsNode(t *testing.T) {
+	e := clustertest.Start(t, 1)
+	la, lb, lc := newLocal("base"), newLocal("base"), newLocal("base")
+	a := join(t, e.Endpoints(), "a", 4, la)
+	b := join(t, e.Endpoints(), "b", 4, lb)
+	c := join(t, e.Endpoints(), "c", 4, lc)
+	pa, pb, pc := &fakePorter{local: la}, &fakePorter{local: lb}, &fakePorter{local: lc}
+	ma, mb, mc := cluster.NewMoves(a, pa), cluster.NewMoves(b, pb), cluster.NewMoves(c, pc)
+	t.Cleanup(ma.Close)
+	t.Cleanup(mb.Close)
+	t.Cleanup(mc.Close)
+	ctx := context.Background()
+	for _, id := range []string{"sp", "sr"} {
+		if err := a.Claim(ctx, la.add(id), ""); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := ma.Stored(ctx, stored("sp", "paused-sp-1")); err != nil {
+		t.Fatal(err)
+	}
+	if err := ma.Stored(ctx, stored("sp", "paused-sp-2")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "the first image deleted", func() bool {
+		pa.mu.Lock()
+		defer pa.mu.Unlock()
+		return len(pa.deleted) == 1 && pa.deleted[0] == "paused-sp-1"
+	})
+	eventually(t, 5*time.Second, "b sees sp stored", func() bool { l, _ := b.Locate(ctx, "sp", false); return l.Stored && l.Node == "a" })
+	if got := mb.StoredImage(ctx, "sp"); got != "paused-sp-2" {
+		t.Fatalf("stored image %q", got)
+	}
+	if err := mb.Adopt(ctx, "sp"); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("adopt from a live node: %v, want ErrConflict", err)
+	}
+	a.Close() // no Leave: the lease runs out
+	eventually(t, ttl+3*time.Second, "sr reported lost", func() bool {
+		l, err := b.Locate(ctx, "sr", true)
+		return err == nil && l.Lost != nil
+	})
+	l, err := b.Locate(ctx, "sp", true)
+	if err != nil || l.Lost != nil || !l.Stored || !l.Dead {
+		t.Fatalf("sp after its node died: %+v %v, want stored, its node dead, not lost", l, err)
+	}
+	errs := make(chan error, 2)
+	go func() { errs <- mb.Adopt(ctx, "sp") }()
+	go func() { errs <- mc.Adopt(ctx, "sp") }()
+	e1, e2 := <-errs, <-errs
+	if (e1 == nil) == (e2 == nil) {
+		t.Fatalf("two adoptions at once: %v and %v, want exactly one to succeed", e1, e2)
+	}
+	winner, loser, lw := b, lc, lb
+	if lc.has("sp") && !lb.has("sp") {
+		winner, loser, lw = c, lb, lc
+	}
+	if !lw.has("sp") || loser.has("sp") {
+		t.Fatalf("sp held by b %v, c %v: want the winner alone", lb.has("sp"), lc.has("sp"))
+	}
+	l, _ = winner.Locate(ctx, "sp", true)
+	if !l.Local || !l.Stored {
+		t.Fatalf("sp at the winner: %+v, want local and still stored", l)
+	}
+	// Running again: no longer stored.
+	if err := winner.Claim(ctx, cluster.LocalSandbox{ID: "sp", TemplateID: "base", Running: true}, ""); err != nil {
+		t.Fatal(err)
+	}
+	if l, _ := winner.Locate(ctx, "sp", true); l.Stored {
+		t.Fatalf("sp resumed but still stored: %+v", l)
+	}
+}
