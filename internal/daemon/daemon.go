@@ -53,8 +53,9 @@ type Config struct {
 	// without them ember's local CA under <DataDir>/tls issues a certificate for *.<domain>.
 	TLSListen, TLSCert, TLSKey string
 	PoolSize                   int
-	// PoolMax and PoolMemoryMB bound the warm pools (0 = the Manager's defaults).
-	PoolMax, PoolMemoryMB int
+	// PoolMax and PoolMemoryMB bound the warm pools, PoolRefills their concurrent refills
+	// (0 = the Manager's defaults).
+	PoolMax, PoolMemoryMB, PoolRefills int
 	// PrestartSize and PrestartMax bound the pre-started instances per template (0 = none).
 	PrestartSize, PrestartMax int
 	// SlotPoolSize is the number of network slots made ahead of need (-1 = default 4).
@@ -190,6 +191,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		PoolSize:     cfg.PoolSize,
 		PoolMax:      cfg.PoolMax,
 		PoolMemoryMB: cfg.PoolMemoryMB,
+		PoolRefills:  cfg.PoolRefills,
 		PrestartSize: cfg.PrestartSize,
 		PrestartMax:  cfg.PrestartMax,
 		MaxSandboxes: cfg.MaxSandboxes,
