@@ -18,7 +18,7 @@ import (
 //
 //   - the creates that arrive while one refill runs, twice over (the observed create rate, an
 //     exponentially weighted average, times the time a refill takes), plus one after a recent
-//     miss: what a steady stream needs;
+//     miss, but at most one more than the bursts' figure below: what a steady stream needs;
 //   - the largest burst seen lately: the longest run of creates that arrived while the pool was
 //     not full (the first create that finds it full starts a new run). A burst of N creates, in
 //     a loop or all at once, makes the target N at once; the figure halves every
@@ -84,7 +84,10 @@ func (d *demand) want(now time.Time, tau time.Duration) int {
 	if !d.lastMiss.IsZero() && now.Sub(d.lastMiss) < tau {
 		steady++ // a recent miss: one more than the rate alone says
 	}
-	return max(steady, int(math.Round(d.peakNow(now, tau))))
+	// The rate of a burst (creates milliseconds apart) says nothing of what follows it: the
+	// steady term adds at most one to the bursts' figure.
+	burst := int(math.Round(d.peakNow(now, tau)))
+	return max(burst, min(steady, burst+1))
 }
 
 // targetLocked is how many instances template id should have now (before the budget).
