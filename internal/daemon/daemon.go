@@ -56,6 +56,8 @@ type Config struct {
 	// PoolMax and PoolMemoryMB bound the warm pools, PoolRefills their concurrent refills
 	// (0 = the Manager's defaults).
 	PoolMax, PoolMemoryMB, PoolRefills int
+	// PoolDecay is how fast the pools forget demand (0 = the Manager's default, 30 s).
+	PoolDecay time.Duration
 	// PrestartSize and PrestartMax bound the pre-started instances per template (0 = none).
 	PrestartSize, PrestartMax int
 	// SlotPoolSize is the number of network slots made ahead of need (-1 = default 4).
@@ -192,6 +194,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		PoolMax:      cfg.PoolMax,
 		PoolMemoryMB: cfg.PoolMemoryMB,
 		PoolRefills:  cfg.PoolRefills,
+		PoolDecay:    cfg.PoolDecay,
 		PrestartSize: cfg.PrestartSize,
 		PrestartMax:  cfg.PrestartMax,
 		MaxSandboxes: cfg.MaxSandboxes,

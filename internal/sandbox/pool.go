@@ -73,7 +73,7 @@ type demand struct {
 	misses   int       // creates that found it empty
 	lastMiss time.Time
 	// run counts the creates since one last found the pool full; peak is the largest run seen,
-	// as of peakAt (it halves every Config.PoolDecay after that: poolsize.go).
+	// as of peakAt (it holds for Config.PoolDecay, then halves every PoolDecay: poolsize.go).
 	run    int
 	peak   float64
 	peakAt time.Time

@@ -21,8 +21,9 @@ import (
 //     miss, but at most one more than the bursts' figure below: what a steady stream needs;
 //   - the largest burst seen lately: the longest run of creates that arrived while the pool was
 //     not full (the first create that finds it full starts a new run). A burst of N creates, in
-//     a loop or all at once, makes the target N at once; the figure halves every
-//     Config.PoolDecay after that, so the pool grows fast and shrinks slowly;
+//     a loop or all at once, makes the target N at once; the figure holds for Config.PoolDecay
+//     (so that the pool refills to it) and halves every PoolDecay after that: the pool grows
+//     fast and shrinks slowly;
 //
 // then at least Config.PoolSize and at most Config.PoolMax, and at least what an explicit
 // warm-up (WarmPool) asks for, beyond PoolMax. All pools of a node together stay within the
@@ -66,12 +67,17 @@ func (d *demand) decayed(now time.Time, tau time.Duration) float64 {
 	return d.rate * math.Exp(-idle/tau.Seconds())
 }
 
-// peakNow is the largest burst as of now: it halves every tau after it was seen.
+// peakNow is the largest burst as of now: it holds for tau after it was seen (the pool has
+// time to refill to it before it shrinks), then halves every tau.
 func (d *demand) peakNow(now time.Time, tau time.Duration) float64 {
 	if d.peakAt.IsZero() {
 		return 0
 	}
-	return d.peak * math.Exp2(-now.Sub(d.peakAt).Seconds()/tau.Seconds())
+	after := now.Sub(d.peakAt) - tau
+	if after <= 0 {
+		return d.peak
+	}
+	return d.peak * math.Exp2(-after.Seconds()/tau.Seconds())
 }
 
 // want is the pool size the demand asks for, before limits.

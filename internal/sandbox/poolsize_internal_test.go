@@ -6,7 +6,8 @@ import (
 )
 
 // A burst of creates the pool cannot absorb asks for a pool of its size at once; the figure
-// halves every decay period after it, so the pool shrinks slowly.
+// holds for a decay period (the pool refills to it), then halves every period: the pool
+// shrinks slowly.
 func TestSizingFollowsABurstAndHalvesPerDecay(t *testing.T) {
 	const tau = 30 * time.Second
 	t0 := time.Unix(1_000_000, 0)
@@ -24,14 +25,14 @@ func TestSizingFollowsABurstAndHalvesPerDecay(t *testing.T) {
 	for _, c := range []struct {
 		after time.Duration
 		want  int
-	}{{tau, 10}, {2 * tau, 5}, {10 * tau, 0}} {
+	}{{tau / 2, 20}, {tau, 20}, {2 * tau, 10}, {3 * tau, 5}, {12 * tau, 0}} {
 		got := int(d.peakNow(end.Add(c.after), tau) + 0.5)
 		if got != c.want {
 			t.Fatalf("burst %s after it: %d, want %d", c.after, got, c.want)
 		}
 	}
 	// A new, larger burst raises it at once (and its rate, creates 1 ms apart, adds one).
-	later := end.Add(tau)
+	later := end.Add(2 * tau)
 	d.observe(later, true, tau)
 	for i := 1; i < 40; i++ {
 		d.observe(later.Add(time.Duration(i)*time.Millisecond), false, tau)

@@ -1,0 +1,123 @@
+package e2e
+
+import (
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+type poolJSON struct {
+	TemplateID      string   `json:"templateID"`
+	Kind            string   `json:"kind"`
+	Ready           int      `json:"ready"`
+	Target          int      `json:"target"`
+	Burst           float64  `json:"burst"`
+	RefillsInFlight int      `json:"refillsInFlight"`
+	InstanceMB      float64  `json:"instanceMB"`
+	BudgetMB        int      `json:"budgetMB"`
+	UsedMB          float64  `json:"usedMB"`
+	SandboxIDs      []string `json:"sandboxIDs"`
+}
+
+func (d *daemon) restoredPool(t *testing.T) poolJSON {
+	t.Helper()
+	var pools []poolJSON
+	if code, body, err := d.call(10*time.Second, "GET", "/ember/pools", nil, &pools); err != nil || code != 200 {
+		t.Fatalf("GET /ember/pools: %d %s %v", code, body, err)
+	}
+	for _, p := range pools {
+		if p.TemplateID == "base" && p.Kind == "restored" {
+			return p
+		}
+	}
+	return poolJSON{}
+}
+
+// memoryCharge is what the host charges the daemon's instances (their parent cgroup), in MiB.
+func (d *daemon) memoryCharge() float64 {
+	cg, _ := os.ReadFile("/proc/" + strconv.Itoa(d.cmd.Process.Pid) + "/cgroup")
+	for _, line := range strings.Split(string(cg), "\n") {
+		parts := strings.SplitN(line, ":", 3)
+		if len(parts) == 3 && (parts[1] == "memory" || parts[1] == "") {
+			for _, f := range []string{"memory.usage_in_bytes", "memory.current"} {
+				dir := filepath.Join("/sys/fs/cgroup", parts[1], parts[2], "ember-"+d.nodeID)
+				if parts[1] == "" {
+					dir = filepath.Join("/sys/fs/cgroup/unified", parts[2], "ember-"+d.nodeID)
+				}
+				if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {
+					v, _ := strconv.ParseFloat(strings.TrimSpace(string(b)), 64)
+					return v / (1 << 20)
+				}
+			}
+		}
+	}
+	return -1
+}
+
+// TestPoolFollowsABurstWithinItsBudget: 16 creates in a loop drain a pool of 1; the pool then
+// grows towards the burst, no further than its memory budget at the instances' measured cost
+// (GET /ember/pools says so, and runsc runs no more instances than that), and shrinks back to
+// its minimum once the demand is forgotten.
+func TestPoolFollowsABurstWithinItsBudget(t *testing.T) {
+	d := newDaemonWith(t, daemonOpts{Flags: []string{"--pool-size", "1", "--pool-memory-mb", "200", "--pool-decay", "8s",
+		"--prestart-size", "0", "--prestart-max", "0"}})
+	settled := func(what string, within time.Duration, ok func(p poolJSON) bool) poolJSON {
+		t.Helper()
+		deadline := time.Now().Add(within)
+		for {
+			p := d.restoredPool(t)
+			if ok(p) {
+				return p
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not within %s: %+v\n%s", what, within, p, d.logs())
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	settled("pool at its minimum", 2*time.Minute, func(p poolJSON) bool { return p.Ready == 1 && p.RefillsInFlight == 0 })
+	for i := 0; i < 16; i++ {
+		s := d.create(t, nil)
+		d.api(t, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil)
+	}
+	p := d.restoredPool(t)
+	if p.Burst < 10 || p.Target < 10 {
+		t.Fatalf("after 16 creates in a loop the pool is %+v; want a target near the burst", p)
+	}
+	// It grows until the budget stops it: instances measured at their cgroup charge.
+	most, peakCharge := 0, 0.0
+	deadline := time.Now().Add(40 * time.Second)
+	for time.Now().Before(deadline) {
+		p = d.restoredPool(t)
+		if p.UsedMB > float64(p.BudgetMB) {
+			t.Fatalf("pool uses %.1f MiB of its %d MiB budget: %+v", p.UsedMB, p.BudgetMB, p)
+		}
+		n := len(d.instances())
+		if n > most {
+			most = n
+		}
+		peakCharge = max(peakCharge, d.memoryCharge())
+		if p.InstanceMB > 0 && n > int(float64(p.BudgetMB)/p.InstanceMB) {
+			t.Fatalf("%d instances run at %.1f MiB each within a budget of %d MiB", n, p.InstanceMB, p.BudgetMB)
+		}
+		if p.Ready < most && most >= 4 {
+			break // shrinking
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Logf("pool grew to %d instances at %.1f MiB each (budget %d MiB); the node's cgroup peaked at %.1f MiB", most, p.InstanceMB, p.BudgetMB, peakCharge)
+	if p.InstanceMB == 32 || p.InstanceMB < 4 {
+		t.Fatalf("instances counted at %.1f MiB: not measured", p.InstanceMB)
+	}
+	if most < 4 {
+		t.Fatalf("the pool grew to %d instances only after a burst of 16", most)
+	}
+	// Idle, it shrinks back to its minimum, step by step.
+	settled("pool back at its minimum", 90*time.Second, func(p poolJSON) bool { return p.Ready == 1 && p.Target == 1 })
+	if n := len(d.instances()); n != 1 {
+		t.Fatalf("%d runsc instances with a pool of 1 and no sandbox", n)
+	}
+}
