@@ -207,7 +207,9 @@ func BenchmarkLoadWarm(b *testing.B) {
 	show("pool warmed for 100", warmed)
 
 	// What a pool miss costs: the instance cgroup's CPU after a restore (sentry and gofer), and
-	// the node's CPU in all for one create that restores.
+	// the node's CPU in all for one create that restores (with no refill running: a create
+	// that skips the pool leaves it alone).
+	n.settle(5*time.Minute, full)
 	var inCg, all dist
 	for i := 0; i < 5; i++ {
 		c0 := n.cpuNow()
