@@ -447,8 +447,11 @@ func (p *pool) restore(ctx context.Context, tpl *Template, owner string) (*poole
 		return nil, err
 	}
 	pe.place = place
-	if err := m.warmGuest(ctx, place.GuestIP, tpl.InitToken); err != nil {
-		m.logger(pe.owner).Debug("pool instance warm-up", "err", err)
+	// A pre-started instance runs nothing yet: its warm-up is the create's restore.
+	if p.kind == kindRestored {
+		if err := m.warmGuest(ctx, place.GuestIP, tpl.InitToken); err != nil {
+			m.logger(pe.owner).Debug("pool instance warm-up", "err", err)
+		}
 	}
 	p.measure(ctx, place.InstanceID)
 	return pe, nil

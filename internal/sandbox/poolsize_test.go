@@ -3,6 +3,7 @@ package sandbox_test
 import (
 	"context"
 	"errors"
+	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -164,5 +165,33 @@ func TestWarmPool(t *testing.T) {
 	off.build("base")
 	if _, err := off.m.WarmPool(context.Background(), "base", 2); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("WarmPool with the pool disabled: %v, want a conflict", err)
+	}
+}
+
+// A pre-started instance runs nothing until a create restores into it: the pool does not try
+// to run a warm-up command in it (which could only fail, after a connection attempt).
+func TestPrestartedInstancesAreNotWarmedUp(t *testing.T) {
+	var mu sync.Mutex
+	var dialed []string
+	n := newNode(t, func(c *sandbox.Config) {
+		c.PoolSize, c.PrestartSize, c.PrestartMax = 0, 1, 1
+		dial := c.Dial
+		c.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			mu.Lock()
+			dialed = append(dialed, addr)
+			mu.Unlock()
+			return dial(ctx, network, addr)
+		}
+	})
+	tpl := n.build("base")
+	mu.Lock()
+	dialed = nil // the build's own boot
+	mu.Unlock()
+	eventually(t, 5*time.Second, "one pre-started instance", func() bool { return poolOf(n, tpl.ID, "prestarted").Ready == 1 })
+	time.Sleep(200 * time.Millisecond)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(dialed) != 0 {
+		t.Fatalf("the pool connected to %v, a pre-started instance's guest", dialed)
 	}
 }
