@@ -159,6 +159,7 @@ func serveCmd() *cobra.Command {
 	f.IntVar(&cfg.PoolMax, "pool-max", 64, "restored sandboxes kept ready per template at most (an explicit `ember pool warm` may ask for more)")
 	f.IntVar(&cfg.PoolMemoryMB, "pool-memory-mb", 0, "memory all warm pools together may use (MiB; 0 = an eighth of the host's memory), each instance counted at its measured idle cost")
 	f.DurationVar(&cfg.PoolDecay, "pool-decay", 30*time.Second, "how fast the pools forget demand: the observed create rate fades with this time constant, the largest recent burst halves every period")
+	f.IntVar(&cfg.PoolRefillWeight, "pool-refill-weight", 0, "CPU weight of restored-pool refills against the sandboxes' 100 (cgroup v2 units; 0 = 10; -1 = the sandboxes' weight)")
 	f.IntVar(&cfg.PoolRefills, "pool-refills", 0, "pool refills run at once while no create is in flight (0 = the number of CPUs)")
 	f.IntVar(&cfg.PrestartSize, "prestart-size", 1, "pre-started instances (created ahead, restored into on a pool miss) kept per template at least; they grow with the misses")
 	f.IntVar(&cfg.PrestartMax, "prestart-max", 8, "pre-started instances kept per template at most (0 disables them)")

@@ -56,8 +56,10 @@ type Config struct {
 	// PoolMax and PoolMemoryMB bound the warm pools, PoolRefills their concurrent refills
 	// (0 = the Manager's defaults).
 	PoolMax, PoolMemoryMB, PoolRefills int
-	// PoolDecay is how fast the pools forget demand (0 = the Manager's default, 30 s).
-	PoolDecay time.Duration
+	// PoolDecay is how fast the pools forget demand (0 = the Manager's default, 30 s);
+	// PoolRefillWeight the refills' CPU weight (0 = default 10, -1 = the sandboxes' 100).
+	PoolDecay        time.Duration
+	PoolRefillWeight int
 	// PrestartSize and PrestartMax bound the pre-started instances per template (0 = none).
 	PrestartSize, PrestartMax int
 	// SlotPoolSize is the number of network slots made ahead of need (-1 = default 4).
@@ -181,24 +183,25 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	met := metrics.New()
 	mgr, err := sandbox.New(ctx, sandbox.Config{
-		Observer:     met,
-		DataDir:      cfg.DataDir,
-		Driver:       drv,
-		Network:      &netAdapter{m: nm, slots: map[int]*network.Slot{}},
-		Store:        st,
-		Builder:      &builderAdapter{dataDir: cfg.DataDir, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
-		Images:       images,
-		Logger:       cfg.Logger,
-		Dial:         network.MarkedDialer(names.HostMark).DialContext,
-		PoolSize:     cfg.PoolSize,
-		PoolMax:      cfg.PoolMax,
-		PoolMemoryMB: cfg.PoolMemoryMB,
-		PoolRefills:  cfg.PoolRefills,
-		PoolDecay:    cfg.PoolDecay,
-		PrestartSize: cfg.PrestartSize,
-		PrestartMax:  cfg.PrestartMax,
-		MaxSandboxes: cfg.MaxSandboxes,
-		MaxBuilds:    cfg.MaxBuilds,
+		Observer:         met,
+		DataDir:          cfg.DataDir,
+		Driver:           drv,
+		Network:          &netAdapter{m: nm, slots: map[int]*network.Slot{}},
+		Store:            st,
+		Builder:          &builderAdapter{dataDir: cfg.DataDir, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
+		Images:           images,
+		Logger:           cfg.Logger,
+		Dial:             network.MarkedDialer(names.HostMark).DialContext,
+		PoolSize:         cfg.PoolSize,
+		PoolMax:          cfg.PoolMax,
+		PoolMemoryMB:     cfg.PoolMemoryMB,
+		PoolRefills:      cfg.PoolRefills,
+		PoolDecay:        cfg.PoolDecay,
+		PoolRefillWeight: cfg.PoolRefillWeight,
+		PrestartSize:     cfg.PrestartSize,
+		PrestartMax:      cfg.PrestartMax,
+		MaxSandboxes:     cfg.MaxSandboxes,
+		MaxBuilds:        cfg.MaxBuilds,
 	})
 	if err != nil {
 		return nil, err

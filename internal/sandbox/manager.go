@@ -116,6 +116,10 @@ type Config struct {
 	// PoolRefills bounds the pool refills run at once while no create is in flight (default
 	// the number of CPUs; one while creates are in flight).
 	PoolRefills int
+	// PoolRefillWeight is the CPU weight restored-pool refills run at against the node's
+	// sandboxes (cgroup v2 units; sandboxes have 100; default 10; -1 = the sandboxes' weight,
+	// restored in one step). A lowered instance gets the normal weight when a create takes it.
+	PoolRefillWeight int
 	// PrestartSize is the least number of pre-started instances (created by the runtime with a
 	// template image's layer and a network slot, restored into on demand) kept per template;
 	// PrestartMax bounds them per template (0 disables them, as does a driver without

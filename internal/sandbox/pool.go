@@ -51,6 +51,8 @@ type pooled struct {
 	image          string // pre-started: the image its layer came from, to restore into it
 	cpu, mem, disk int
 	place          Placement
+	// lowered: the instance runs at the refills' CPU weight until a create takes it.
+	lowered bool
 }
 
 // PoolKindResume is the kind of the PoolState of instances pre-started for resumes.
@@ -217,6 +219,9 @@ func (p *pool) take(tpl *Template, cpu, mem, disk int) *pooled {
 		}
 		p.setReadyLocked(tpl.ID, append(list[:i:i], list[i+1:]...))
 		d.hits++
+		if pe.lowered {
+			p.setWeight(context.Background(), pe.owner, pe.place.InstanceID, normalCPUWeight)
+		}
 		return pe
 	}
 	d.misses++
@@ -440,8 +445,21 @@ func (p *pool) restore(ctx context.Context, tpl *Template, owner string) (*poole
 	m := p.m
 	pe := &pooled{owner: owner, buildID: tpl.BuildID, image: tpl.Image,
 		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), mem: orDefault(tpl.MemoryMB, m.cfg.MemoryMB), disk: orDefault(tpl.DiskMB, m.cfg.DiskMB)}
-	place, err := m.launch(ctx, launchSpec{owner: pe.owner, tpl: tpl, image: tpl.Image, prestart: p.kind == kindPrestarted,
-		cpu: pe.cpu, memMB: pe.mem, diskMB: pe.disk, egress: Egress{AllowInternet: true}})
+	spec := launchSpec{owner: pe.owner, tpl: tpl, image: tpl.Image, prestart: p.kind == kindPrestarted,
+		cpu: pe.cpu, memMB: pe.mem, diskMB: pe.disk, egress: Egress{AllowInternet: true}}
+	var place Placement
+	var err error
+	if w := p.refillWeight(); w > 0 {
+		// In two steps, to restore at a low CPU weight: pre-started, lowered, restored into.
+		spec.prestart = true
+		if place, err = m.launch(ctx, spec); err == nil {
+			pe.lowered = p.setWeight(ctx, pe.owner, place.InstanceID, w)
+			spec.prestart, spec.into = false, &place
+			place, err = m.launch(ctx, spec)
+		}
+	} else {
+		place, err = m.launch(ctx, spec)
+	}
 	if err != nil {
 		m.removeSandboxDir(pe.owner)
 		return nil, err

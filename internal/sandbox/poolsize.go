@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
 // How the pools size themselves. Each template's target is the larger of
@@ -35,6 +36,55 @@ import (
 // (its cgroup's memory charge).
 type memoryCharger interface {
 	MemoryCharge(ctx context.Context, id string) (uint64, error)
+}
+
+// cpuWeighter is implemented by drivers that can set an instance's CPU weight against the
+// node's other instances (cgroup v2 units: 1–10000, normalCPUWeight the default).
+type cpuWeighter interface {
+	SetCPUWeight(ctx context.Context, id string, weight int) error
+}
+
+// normalCPUWeight is a sandbox's CPU weight; defaultRefillWeight a pool refill's (a tenth).
+const (
+	normalCPUWeight     = 100
+	defaultRefillWeight = 10
+)
+
+// refillWeight is the CPU weight restored-pool refills run at, or 0 when they run at the
+// normal weight in one step (Config.PoolRefillWeight < 0, or a driver that cannot pre-start
+// instances or set weights). A refill then gives way to the creates in flight (restores that
+// miss the pool, commands in new sandboxes) rather than halving their CPU.
+func (p *pool) refillWeight() int {
+	if p.kind != kindRestored {
+		return 0
+	}
+	w := p.m.cfg.PoolRefillWeight
+	if w < 0 {
+		return 0
+	}
+	if w == 0 {
+		w = defaultRefillWeight
+	}
+	if _, ok := p.m.cfg.Driver.(cpuWeighter); !ok {
+		return 0
+	}
+	if _, ok := p.m.cfg.Driver.(runtime.Prestarter); !ok {
+		return 0
+	}
+	return min(w, 10000)
+}
+
+// setWeight sets instance's CPU weight; it reports whether it did.
+func (p *pool) setWeight(ctx context.Context, owner, instance string, w int) bool {
+	cw, ok := p.m.cfg.Driver.(cpuWeighter)
+	if !ok {
+		return false
+	}
+	if err := cw.SetCPUWeight(ctx, instance, w); err != nil {
+		p.m.logger(owner).Warn("set the CPU weight of a pool instance", "weight", w, "err", err)
+		return false
+	}
+	return true
 }
 
 // observe records a create of the template (for the rate and the bursts); full tells whether it

@@ -195,3 +195,59 @@ func TestPrestartedInstancesAreNotWarmedUp(t *testing.T) {
 		t.Fatalf("the pool connected to %v, a pre-started instance's guest", dialed)
 	}
 }
+
+// weightingDriver is the fake driver that records the CPU weights set on its instances.
+type weightingDriver struct {
+	*sandboxtest.Driver
+	mu      *sync.Mutex
+	weights map[string][]int
+}
+
+func (d weightingDriver) SetCPUWeight(ctx context.Context, id string, w int) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.weights[id] = append(d.weights[id], w)
+	return nil
+}
+
+// Refills restore at a low CPU weight (pre-started, lowered, restored into), and a sandbox
+// that takes a pool instance runs at the normal weight.
+func TestPoolRefillsRunAtALowCPUWeight(t *testing.T) {
+	wd := weightingDriver{mu: &sync.Mutex{}, weights: map[string][]int{}}
+	n := newNode(t, func(c *sandbox.Config) {
+		c.PoolSize = 1
+		wd.Driver = c.Driver.(*sandboxtest.Driver)
+		c.Driver = wd
+	})
+	tpl := n.build("base")
+	eventually(t, 5*time.Second, "pool filled", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 1 })
+	inst := n.rig.Driver.Running()[0]
+	wd.mu.Lock()
+	got := append([]int(nil), wd.weights[inst]...)
+	wd.mu.Unlock()
+	if len(got) != 1 || got[0] != 10 || n.rig.Driver.Calls("RestoreInto") == 0 {
+		t.Fatalf("pool instance %s: weights %v, %d restores into pre-started instances; want weight 10 set before its restore", inst, got, n.rig.Driver.Calls("RestoreInto"))
+	}
+	sb := n.create(sandbox.CreateRequest{})
+	if sb.Runtime.InstanceID != inst {
+		t.Fatalf("create took %s, not the pool's %s", sb.Runtime.InstanceID, inst)
+	}
+	wd.mu.Lock()
+	got = append([]int(nil), wd.weights[inst]...)
+	wd.mu.Unlock()
+	if len(got) != 2 || got[1] != 100 {
+		t.Fatalf("weights of the instance a create took: %v, want 10 then 100", got)
+	}
+	// -1: one-step restores at the normal weight.
+	wd2 := weightingDriver{mu: &sync.Mutex{}, weights: map[string][]int{}}
+	o := newNode(t, func(c *sandbox.Config) {
+		c.PoolSize, c.PoolRefillWeight = 1, -1
+		wd2.Driver = c.Driver.(*sandboxtest.Driver)
+		c.Driver = wd2
+	})
+	otpl := o.build("base")
+	eventually(t, 5*time.Second, "pool filled", func() bool { return poolOf(o, otpl.ID, "restored").Ready == 1 })
+	if len(wd2.weights) != 0 || o.rig.Driver.Calls("RestoreInto") != 0 {
+		t.Fatalf("with PoolRefillWeight -1: weights %v, %d restores into", wd2.weights, o.rig.Driver.Calls("RestoreInto"))
+	}
+}

@@ -36,25 +36,46 @@ func (d *daemon) restoredPool(t *testing.T) poolJSON {
 	return poolJSON{}
 }
 
-// memoryCharge is what the host charges the daemon's instances (their parent cgroup), in MiB.
-func (d *daemon) memoryCharge() float64 {
+// cgroupFile reads a file of the daemon's cgroup of controller ctrl ("" = v2), under
+// ember-<node>/rel.
+func (d *daemon) cgroupFile(ctrl, rel, name string) (string, error) {
 	cg, _ := os.ReadFile("/proc/" + strconv.Itoa(d.cmd.Process.Pid) + "/cgroup")
 	for _, line := range strings.Split(string(cg), "\n") {
 		parts := strings.SplitN(line, ":", 3)
-		if len(parts) == 3 && (parts[1] == "memory" || parts[1] == "") {
-			for _, f := range []string{"memory.usage_in_bytes", "memory.current"} {
-				dir := filepath.Join("/sys/fs/cgroup", parts[1], parts[2], "ember-"+d.nodeID)
-				if parts[1] == "" {
-					dir = filepath.Join("/sys/fs/cgroup/unified", parts[2], "ember-"+d.nodeID)
-				}
-				if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {
-					v, _ := strconv.ParseFloat(strings.TrimSpace(string(b)), 64)
-					return v / (1 << 20)
-				}
+		if len(parts) == 3 && parts[1] == ctrl {
+			root := filepath.Join("/sys/fs/cgroup", ctrl)
+			if ctrl == "" {
+				root = "/sys/fs/cgroup/unified"
 			}
+			b, err := os.ReadFile(filepath.Join(root, parts[2], "ember-"+d.nodeID, rel, name))
+			return strings.TrimSpace(string(b)), err
 		}
 	}
-	return -1
+	return "", os.ErrNotExist
+}
+
+// cpuWeight is an instance's CPU weight as its cgroup says (v1 cpu.shares or v2 cpu.weight).
+func (d *daemon) cpuWeight(id string) string {
+	if v, err := d.cgroupFile("cpu", id, "cpu.shares"); err == nil {
+		return "shares " + v
+	}
+	if v, err := d.cgroupFile("", id, "cpu.weight"); err == nil {
+		return "weight " + v
+	}
+	return "?"
+}
+
+// memoryCharge is what the host charges the daemon's instances (their parent cgroup), in MiB.
+func (d *daemon) memoryCharge() float64 {
+	v, err := d.cgroupFile("memory", "", "memory.usage_in_bytes")
+	if err != nil {
+		v, err = d.cgroupFile("", "", "memory.current")
+	}
+	if err != nil {
+		return -1
+	}
+	f, _ := strconv.ParseFloat(v, 64)
+	return f / (1 << 20)
 }
 
 // TestPoolFollowsABurstWithinItsBudget: 16 creates in a loop drain a pool of 1; the pool then
@@ -79,6 +100,23 @@ func TestPoolFollowsABurstWithinItsBudget(t *testing.T) {
 		}
 	}
 	settled("pool at its minimum", 2*time.Minute, func(p poolJSON) bool { return p.Ready == 1 && p.RefillsInFlight == 0 })
+	// The pool's instance was restored at the refills' low CPU weight; the create that takes it
+	// runs at the normal weight.
+	insts := d.instances()
+	if len(insts) != 1 {
+		t.Fatalf("runsc instances %+v; want the pool's one", insts)
+	}
+	if w := d.cpuWeight(insts[0].ID); w != "shares 102" && w != "weight 10" {
+		t.Fatalf("pool instance %s at CPU %s, want the refills' (shares 102 or weight 10)", insts[0].ID, w)
+	}
+	var taken sbx
+	if code, body, err := d.call(time.Minute, "POST", "/sandboxes", map[string]any{"templateID": "base"}, &taken); err != nil || code != 201 {
+		t.Fatalf("create: %d %s %v", code, body, err)
+	}
+	if w := d.cpuWeight(insts[0].ID); w != "shares 1024" && w != "weight 100" {
+		t.Fatalf("the sandbox that took the pool instance runs at CPU %s, want shares 1024 or weight 100", w)
+	}
+	d.call(time.Minute, "DELETE", "/sandboxes/"+taken.SandboxID, nil, nil)
 	for i := 0; i < 16; i++ {
 		var s sbx
 		if code, body, err := d.call(time.Minute, "POST", "/sandboxes", map[string]any{"templateID": "base"}, &s); err != nil || code != 201 {
