@@ -183,25 +183,24 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	met := metrics.New()
 	mgr, err := sandbox.New(ctx, sandbox.Config{
-		Observer:         met,
-		DataDir:          cfg.DataDir,
-		Driver:           drv,
-		Network:          &netAdapter{m: nm, slots: map[int]*network.Slot{}},
-		Store:            st,
-		Builder:          &builderAdapter{dataDir: cfg.DataDir, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
-		Images:           images,
-		Logger:           cfg.Logger,
-		Dial:             network.MarkedDialer(names.HostMark).DialContext,
-		PoolSize:         cfg.PoolSize,
-		PoolMax:          cfg.PoolMax,
-		PoolMemoryMB:     cfg.PoolMemoryMB,
-		PoolRefills:      cfg.PoolRefills,
-		PoolDecay:        cfg.PoolDecay,
-		PoolRefillWeight: cfg.PoolRefillWeight,
-		PrestartSize:     cfg.PrestartSize,
-		PrestartMax:      cfg.PrestartMax,
-		MaxSandboxes:     cfg.MaxSandboxes,
-		MaxBuilds:        cfg.MaxBuilds,
+		Observer:     met,
+		DataDir:      cfg.DataDir,
+		Driver:       drv,
+		Network:      &netAdapter{m: nm, slots: map[int]*network.Slot{}},
+		Store:        st,
+		Builder:      &builderAdapter{dataDir: cfg.DataDir, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
+		Images:       images,
+		Logger:       cfg.Logger,
+		Dial:         network.MarkedDialer(names.HostMark).DialContext,
+		PoolSize:     cfg.PoolSize,
+		PoolMax:      cfg.PoolMax,
+		PoolMemoryMB: cfg.PoolMemoryMB,
+		PrestartSize: cfg.PrestartSize,
+		PrestartMax:  cfg.PrestartMax,
+		MaxSandboxes: cfg.MaxSandboxes,
+		MaxBuilds:    cfg.MaxBuilds,
+		// How the pools size themselves and refill.
+		PoolRefills: cfg.PoolRefills, PoolDecay: cfg.PoolDecay, PoolRefillWeight: cfg.PoolRefillWeight,
 	})
 	if err != nil {
 		return nil, err
