@@ -103,7 +103,8 @@ func (d *demand) observe(now time.Time, full bool, tau time.Duration) {
 		d.run = 0
 	}
 	d.run++
-	if float64(d.run) > d.peakNow(now, tau) {
+	// A run as long as the burst figure renews it: a burst that comes back keeps its pool.
+	if float64(d.run) >= d.peakNow(now, tau) {
 		d.peak, d.peakAt = float64(d.run), now
 	}
 }

@@ -31,6 +31,16 @@ func TestSizingFollowsABurstAndHalvesPerDecay(t *testing.T) {
 			t.Fatalf("burst %s after it: %d, want %d", c.after, got, c.want)
 		}
 	}
+	// The same burst again, before it decays, renews it: it holds for another period.
+	again := end.Add(tau / 2)
+	d.observe(again, true, tau)
+	for i := 1; i < 20; i++ {
+		d.observe(again.Add(time.Duration(i)*100*time.Millisecond), false, tau)
+	}
+	if got := int(d.peakNow(again.Add(2*time.Second+tau), tau) + 0.5); got != 20 {
+		t.Fatalf("a repeated burst of 20, a decay period later: %d, want 20", got)
+	}
+	end = again.Add(1900 * time.Millisecond)
 	// A new, larger burst raises it at once (and its rate, creates 1 ms apart, adds one).
 	later := end.Add(2 * tau)
 	d.observe(later, true, tau)
