@@ -89,6 +89,8 @@ func startNode(runsc string, poolSize int) (*node, error) {
 	n, err := daemon.Open(context.Background(), daemon.Config{
 		DataDir: dataDir, CacheDir: cache, Runsc: runsc, Envd: envd, PoolSize: poolSize, SlotPoolSize: -1,
 		PrestartSize: 1, PrestartMax: 8, // ember serve's defaults
+		// EMBER_BENCH_POOL_REFILL_WEIGHT=-1: refills at the sandboxes' CPU weight (an A/B of it).
+		PoolRefillWeight: atoiOr(os.Getenv("EMBER_BENCH_POOL_REFILL_WEIGHT"), 0),
 		// Names and addresses of its own, so a benchmark never meets a daemon on this host.
 		NodeID: envOr("EMBER_BENCH_NODE", "bench"), CIDR: envOr("EMBER_BENCH_CIDR", "10.240.0.0/16"),
 		Templates: []string{"base"},
@@ -248,6 +250,14 @@ func fsType(p string) string {
 // EMBER_BENCH_CIDR let two benchmark runs share a host).
 func envOr(name, def string) string {
 	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+// atoiOr is s as a number, or def.
+func atoiOr(s string, def int) int {
+	if v, err := strconv.Atoi(s); err == nil {
 		return v
 	}
 	return def

@@ -48,6 +48,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodPost, "/ember/imports", s.importArchive)
 	rt.handle(http.MethodDelete, "/ember/imports/{name}", s.deleteImport)
 	rt.handle(http.MethodGet, "/ember/pools", s.listPools)
+	rt.handle(http.MethodPost, "/ember/pools/{template}/warm", s.warmPool)
 	rt.handle(http.MethodPost, "/api-keys", s.createAPIKey)
 	rt.handle(http.MethodGet, "/api-keys", s.listAPIKeys)
 	rt.handle(http.MethodDelete, "/api-keys/{id}", s.deleteAPIKey)

@@ -376,29 +376,8 @@ build log entry as a JSON line, then the result.`,
 		},
 	}
 	pools := &cobra.Command{
-		Use: "pools", Short: "Show the warm pools: ready instances, targets and demand per template", Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			var out []map[string]any
-			if _, err := g.client().do(cmd.Context(), http.MethodGet, "/ember/pools", nil, &out); err != nil {
-				return err
-			}
-			if g.asJSON {
-				if out == nil {
-					out = []map[string]any{}
-				}
-				return printJSON(out)
-			}
-			rows := [][]string{}
-			for _, p := range out {
-				rate, _ := p["createsPerSecond"].(float64)
-				refill, _ := p["refillMs"].(float64)
-				rows = append(rows, []string{str(p["templateID"]), str(p["kind"]), str(p["ready"]), str(p["target"]),
-					fmt.Sprintf("%s-%s", str(p["min"]), str(p["max"])), fmt.Sprintf("%.2f", rate), fmt.Sprintf("%.0f", refill),
-					str(p["hits"]), str(p["misses"])})
-			}
-			table([]string{"TEMPLATE", "KIND", "READY", "TARGET", "RANGE", "CREATES/S", "REFILL MS", "HITS", "MISSES"}, rows)
-			return nil
-		},
+		Use: "pools", Short: "Show the warm pools (as `ember pool ls`)", Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error { return listPools(cmd.Context(), g) },
 	}
 	c.AddCommand(build, ls, rm, pools)
 	return c

@@ -53,8 +53,13 @@ type Config struct {
 	// without them ember's local CA under <DataDir>/tls issues a certificate for *.<domain>.
 	TLSListen, TLSCert, TLSKey string
 	PoolSize                   int
-	// PoolMax and PoolMemoryMB bound the warm pools (0 = the Manager's defaults).
-	PoolMax, PoolMemoryMB int
+	// PoolMax and PoolMemoryMB bound the warm pools, PoolRefills their concurrent refills
+	// (0 = the Manager's defaults).
+	PoolMax, PoolMemoryMB, PoolRefills int
+	// PoolDecay is how fast the pools forget demand (0 = the Manager's default, 30 s);
+	// PoolRefillWeight the refills' CPU weight (0 = default 10, -1 = the sandboxes' 100).
+	PoolDecay        time.Duration
+	PoolRefillWeight int
 	// PrestartSize and PrestartMax bound the pre-started instances per template (0 = none).
 	PrestartSize, PrestartMax int
 	// SlotPoolSize is the number of network slots made ahead of need (-1 = default 4).
@@ -196,6 +201,8 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		PrestartMax:  cfg.PrestartMax,
 		MaxSandboxes: cfg.MaxSandboxes,
 		MaxBuilds:    cfg.MaxBuilds,
+		// How the pools size themselves and refill.
+		PoolRefills: cfg.PoolRefills, PoolDecay: cfg.PoolDecay, PoolRefillWeight: cfg.PoolRefillWeight,
 	})
 	if err != nil {
 		return nil, err

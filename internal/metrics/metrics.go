@@ -95,6 +95,13 @@ var (
 	descPoolTgt   = prometheus.NewDesc("ember_pool_target", "The size a template's warm pool is kept at now.", []string{"template", "kind"}, nil)
 	descPoolHits  = prometheus.NewDesc("ember_pool_hits_total", "Creates served by a template's warm pool.", []string{"template", "kind"}, nil)
 	descPoolMiss  = prometheus.NewDesc("ember_pool_misses_total", "Creates that found a template's warm pool empty.", []string{"template", "kind"}, nil)
+	descPoolFill  = prometheus.NewDesc("ember_pool_refilling", "Refills of a template's warm pool in flight.", []string{"template", "kind"}, nil)
+	descPoolRate  = prometheus.NewDesc("ember_pool_create_rate", "Creates per second a template's warm pool observes (exponentially weighted, decaying when idle).", []string{"template", "kind"}, nil)
+	descPoolBurst = prometheus.NewDesc("ember_pool_burst", "The largest run of creates a template's warm pool could not absorb lately (halving every decay period).", []string{"template", "kind"}, nil)
+	descPoolWarm  = prometheus.NewDesc("ember_pool_warm", "The floor an explicit warm-up set for a template's warm pool (0: none).", []string{"template", "kind"}, nil)
+	descPoolCost  = prometheus.NewDesc("ember_pool_instance_bytes", "Memory one instance of a pool kind is counted at: its measured idle cost, or the estimate before one is measured.", []string{"kind"}, nil)
+	descPoolBudg  = prometheus.NewDesc("ember_pool_memory_budget_bytes", "Memory all warm pools of this node may hold.", nil, nil)
+	descPoolUsed  = prometheus.NewDesc("ember_pool_memory_used_bytes", "Memory the warm pools of this node hold or are making, each instance at its kind's cost.", nil, nil)
 	descSnapshots = prometheus.NewDesc("ember_snapshots", "Named snapshots by the state of their image (uploading, stored, failed, local).", []string{"state"}, nil)
 )
 
@@ -102,7 +109,8 @@ var (
 type stateCollector struct{ m *Metrics }
 
 func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSandboxes, descPoolReady, descPoolTgt, descPoolHits, descPoolMiss, descSnapshots} {
+	for _, d := range []*prometheus.Desc{descSandboxes, descPoolReady, descPoolTgt, descPoolHits, descPoolMiss, descPoolFill, descPoolRate,
+		descPoolBurst, descPoolWarm, descPoolCost, descPoolBudg, descPoolUsed, descSnapshots} {
 		ch <- d
 	}
 }
@@ -125,11 +133,29 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(descSandboxes, prometheus.GaugeValue, float64(v), string(st))
 		}
 	}
+	costs := map[string]bool{}
+	var budget, used float64
 	for _, p := range src.Pools(ctx) {
 		ch <- prometheus.MustNewConstMetric(descPoolReady, prometheus.GaugeValue, float64(p.Ready), p.TemplateID, p.Kind)
 		ch <- prometheus.MustNewConstMetric(descPoolTgt, prometheus.GaugeValue, float64(p.Target), p.TemplateID, p.Kind)
 		ch <- prometheus.MustNewConstMetric(descPoolHits, prometheus.CounterValue, float64(p.Hits), p.TemplateID, p.Kind)
 		ch <- prometheus.MustNewConstMetric(descPoolMiss, prometheus.CounterValue, float64(p.Misses), p.TemplateID, p.Kind)
+		if p.Kind == sandbox.PoolKindResume {
+			continue // instances pre-started for resumes follow pauses, not demand
+		}
+		ch <- prometheus.MustNewConstMetric(descPoolFill, prometheus.GaugeValue, float64(p.RefillsInFlight), p.TemplateID, p.Kind)
+		ch <- prometheus.MustNewConstMetric(descPoolRate, prometheus.GaugeValue, p.CreateRate, p.TemplateID, p.Kind)
+		ch <- prometheus.MustNewConstMetric(descPoolBurst, prometheus.GaugeValue, p.Burst, p.TemplateID, p.Kind)
+		ch <- prometheus.MustNewConstMetric(descPoolWarm, prometheus.GaugeValue, float64(p.Warm), p.TemplateID, p.Kind)
+		if !costs[p.Kind] {
+			costs[p.Kind] = true
+			ch <- prometheus.MustNewConstMetric(descPoolCost, prometheus.GaugeValue, p.InstanceMB*(1<<20), p.Kind)
+		}
+		budget, used = float64(p.BudgetMB)*(1<<20), p.UsedMB*(1<<20)
+	}
+	if budget > 0 {
+		ch <- prometheus.MustNewConstMetric(descPoolBudg, prometheus.GaugeValue, budget)
+		ch <- prometheus.MustNewConstMetric(descPoolUsed, prometheus.GaugeValue, used)
 	}
 	if tpls, err := src.ListTemplates(ctx); err == nil {
 		n := map[string]int{sandbox.SnapshotUploading: 0, sandbox.SnapshotStoredState: 0, sandbox.SnapshotFailed: 0, sandbox.SnapshotLocal: 0}

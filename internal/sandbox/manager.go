@@ -106,11 +106,20 @@ type Config struct {
 	EnvdTimeout time.Duration
 	// PoolSize is the least number of restored, unassigned sandboxes kept per template
 	// (0 disables the pool). The pool grows above it with demand (the observed create rate
-	// times the time a refill takes), up to PoolMax per template and PoolMemoryMB in all.
+	// times the time a refill takes, and the bursts seen lately: poolsize.go), up to PoolMax
+	// per template and PoolMemoryMB in all.
 	PoolSize int
-	// PoolMax bounds one template's pool (default 16). PoolMemoryMB bounds the memory all pool
-	// instances may use, counted at PoolInstanceMB each (defaults 1024 and 32).
+	// PoolMax bounds one template's pool (default 64). PoolMemoryMB bounds the memory all pool
+	// instances may use (default an eighth of the host's memory), each counted at its measured
+	// idle cost, or at PoolInstanceMB (default 32) until one is measured.
 	PoolMax, PoolMemoryMB, PoolInstanceMB int
+	// PoolRefills bounds the pool refills run at once while no create is in flight (default
+	// the number of CPUs; one while creates are in flight).
+	PoolRefills int
+	// PoolRefillWeight is the CPU weight restored-pool refills run at against the node's
+	// sandboxes (cgroup v2 units; sandboxes have 100; default 10; -1 = the sandboxes' weight,
+	// restored in one step). A lowered instance gets the normal weight when a create takes it.
+	PoolRefillWeight int
 	// PrestartSize is the least number of pre-started instances (created by the runtime with a
 	// template image's layer and a network slot, restored into on demand) kept per template;
 	// PrestartMax bounds them per template (0 disables them, as does a driver without
@@ -246,10 +255,10 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		cfg.PoolDecay = 30 * time.Second
 	}
 	if cfg.PoolMax == 0 {
-		cfg.PoolMax = 16
+		cfg.PoolMax = 64
 	}
 	if cfg.PoolMemoryMB == 0 {
-		cfg.PoolMemoryMB = 1024
+		cfg.PoolMemoryMB = defaultPoolMemoryMB()
 	}
 	if cfg.PoolInstanceMB == 0 {
 		cfg.PoolInstanceMB = 32

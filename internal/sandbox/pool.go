@@ -2,7 +2,6 @@ package sandbox
 
 import (
 	"context"
-	"math"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -18,10 +17,12 @@ import (
 // default); a create that asks otherwise restores normally. They are never persisted: after a
 // crash, reconcile finds them without a record and removes them.
 //
-// The pool follows demand: each template's target is the observed create rate times the time
-// a refill takes (with headroom), at least Config.PoolSize and at most Config.PoolMax, and all
-// pools together stay within Config.PoolMemoryMB. Refills run one at a time and wait while
-// creates are in flight, so they never compete with the requests they are there to serve.
+// The pool follows demand (poolsize.go): each template's target covers the creates that arrive
+// while a refill runs and the largest burst seen lately, at least Config.PoolSize (or what an
+// explicit warm-up asks) and at most Config.PoolMax, and all pools together stay within the
+// memory budget, each instance counted at its measured cost. Refills run concurrently, up to
+// Config.PoolRefills at once, but only one while creates are in flight (and only after a short
+// wait for a gap), so they do not starve the requests they are there to serve.
 //
 // A second pool of the same kind of machinery keeps pre-started instances (kindPrestarted,
 // prestart.go): created by the runtime with the template image's layer and a network slot,
@@ -35,9 +36,13 @@ type pool struct {
 	mu    sync.Mutex
 	ready map[string][]*pooled // by template id
 	stats map[string]*demand   // by template id
-	kick  chan struct{}
-	stop  chan struct{}
-	wg    sync.WaitGroup
+	// making counts refills in flight (readable without mu); cost is the measured memory
+	// (MiB, float64 bits) an idle instance of this kind holds, 0 until measured.
+	making atomic.Int32
+	cost   atomic.Uint64
+	kick   chan struct{}
+	stop   chan struct{}
+	wg     sync.WaitGroup
 }
 
 type pooled struct {
@@ -46,7 +51,12 @@ type pooled struct {
 	image          string // pre-started: the image its layer came from, to restore into it
 	cpu, mem, disk int
 	place          Placement
+	// lowered: the instance runs at the refills' CPU weight until a create takes it.
+	lowered bool
 }
+
+// PoolKindResume is the kind of the PoolState of instances pre-started for resumes.
+const PoolKindResume = kindResume
 
 // Pool kinds.
 const (
@@ -58,14 +68,23 @@ const (
 
 // demand is what the pool observed of one template.
 type demand struct {
-	rate      float64   // creates per second, exponentially weighted
-	last      time.Time // last create
-	refill    float64   // seconds one refill takes, exponentially weighted
-	hits      int       // creates served from the pool
-	misses    int       // creates that found it empty
-	lastMiss  time.Time
-	refilling bool
-	owner     string // the id of the instance being restored
+	rate     float64   // creates per second, exponentially weighted
+	last     time.Time // last create
+	refill   float64   // seconds one refill takes, exponentially weighted
+	hits     int       // creates served from the pool
+	misses   int       // creates that found it empty
+	lastMiss time.Time
+	// run counts the creates since one last found the pool full; peak is the largest run seen,
+	// as of peakAt (it holds for Config.PoolDecay, then halves every PoolDecay: poolsize.go).
+	run    int
+	peak   float64
+	peakAt time.Time
+	// warm is the explicit floor a warm-up asked for (0: none).
+	warm int
+	// refilling are the owners of the refills in flight; retryAt holds refills back after one
+	// failed.
+	refilling map[string]bool
+	retryAt   time.Time
 }
 
 // PoolState is one template's pool, as the API and CLI show it.
@@ -74,17 +93,30 @@ type PoolState struct {
 	// Kind is "restored" (sandboxes restored and waiting for an assignment), "prestarted"
 	// (instances created by the runtime, waiting for a restore into them) or "resume"
 	// (instances pre-started for the resume of paused sandboxes: SandboxIDs).
-	Kind       string  `json:"kind"`
-	Ready      int     `json:"ready"`
-	Target     int     `json:"target"`
-	Min        int     `json:"min"`
-	Max        int     `json:"max"`
+	Kind  string `json:"kind"`
+	Ready int    `json:"ready"`
+	// Target is the size the pool is kept at now: max(Min, Warm, min(Max, the demand)), within
+	// the memory budget (BudgetMB over every pool, of which UsedMB is held or being made).
+	Target int `json:"target"`
+	Min    int `json:"min"`
+	Max    int `json:"max"`
+	// Warm is the floor an explicit warm-up set (0: none).
+	Warm       int     `json:"warm"`
 	CreateRate float64 `json:"createsPerSecond"`
-	RefillMs   float64 `json:"refillMs"`
-	Hits       int     `json:"hits"`
-	Misses     int     `json:"misses"`
-	Refilling  bool    `json:"refilling"`
-	// SandboxIDs are the ids the pool's instances (ready, and the one being restored) will be
+	// Burst is the largest run of creates the pool could not absorb lately (decaying).
+	Burst    float64 `json:"burst"`
+	RefillMs float64 `json:"refillMs"`
+	Hits     int     `json:"hits"`
+	Misses   int     `json:"misses"`
+	// Refilling: a refill is in flight; RefillsInFlight how many.
+	Refilling       bool `json:"refilling"`
+	RefillsInFlight int  `json:"refillsInFlight"`
+	// InstanceMB is what one instance of this kind is counted at in the budget: its measured
+	// idle cost once measured, the configured estimate before.
+	InstanceMB float64 `json:"instanceMB"`
+	BudgetMB   int     `json:"budgetMB"`
+	UsedMB     float64 `json:"usedMB"`
+	// SandboxIDs are the ids the pool's instances (ready, and those being restored) will be
 	// assigned with: their state already lives under sandboxes/<id>.
 	SandboxIDs []string `json:"sandboxIDs"`
 }
@@ -168,54 +200,6 @@ func (p *pool) demandLocked(id string) *demand {
 	return d
 }
 
-// observe records a create of template id (for the rate).
-func (d *demand) observe(p *pool, now time.Time) {
-	if !d.last.IsZero() {
-		gap := now.Sub(d.last).Seconds()
-		if gap < 1e-3 {
-			gap = 1e-3
-		}
-		// An EWMA of the instantaneous rate, weighted towards the last ~8 creates.
-		d.rate = 0.875*d.decayed(now, p.m.cfg.PoolDecay) + 0.125/gap
-	}
-	d.last = now
-}
-
-// decayed is the rate as of now: it falls off (time constant tau) when no create came.
-func (d *demand) decayed(now time.Time, tau time.Duration) float64 {
-	if d.last.IsZero() {
-		return 0
-	}
-	idle := now.Sub(d.last).Seconds()
-	return d.rate * math.Exp(-idle/tau.Seconds())
-}
-
-// targetLocked is how many ready instances template id should have now.
-func (p *pool) targetLocked(id string, now time.Time) int {
-	cfg := p.m.cfg
-	d := p.demandLocked(id)
-	refill := d.refill
-	if refill == 0 {
-		refill = 0.25
-	}
-	// Enough to cover the creates that arrive while one refill runs, twice over.
-	want := int(math.Ceil(2 * d.decayed(now, cfg.PoolDecay) * refill))
-	if !d.lastMiss.IsZero() && now.Sub(d.lastMiss) < cfg.PoolDecay {
-		want++ // a recent miss: one more than the rate alone says
-	}
-	least, most, _ := p.limits()
-	return max(least, min(want, most))
-}
-
-// totalLocked counts ready instances of every template.
-func (p *pool) totalLocked() int {
-	n := 0
-	for _, l := range p.ready {
-		n += len(l)
-	}
-	return n
-}
-
 // take returns a ready instance of tpl's current build with the given resources, or nil.
 // Only creates with the default egress rules take one.
 func (p *pool) take(tpl *Template, cpu, mem, disk int) *pooled {
@@ -227,14 +211,17 @@ func (p *pool) take(tpl *Template, cpu, mem, disk int) *pooled {
 	defer p.poke()
 	d := p.demandLocked(tpl.ID)
 	now := time.Now()
-	d.observe(p, now)
 	list := p.ready[tpl.ID]
+	d.observe(now, len(list) >= p.targetLocked(tpl.ID, now), p.m.cfg.PoolDecay)
 	for i, pe := range list {
 		if pe.buildID != tpl.BuildID || pe.cpu != cpu || pe.mem != mem || (p.kind == kindPrestarted && pe.disk != disk) {
 			continue
 		}
 		p.setReadyLocked(tpl.ID, append(list[:i:i], list[i+1:]...))
 		d.hits++
+		if pe.lowered {
+			p.setWeight(context.Background(), pe.owner, pe.place.InstanceID, normalCPUWeight)
+		}
 		return pe
 	}
 	d.misses++
@@ -254,7 +241,7 @@ func (p *pool) templateChanged(tpl *Template) {
 	p.poke()
 }
 
-// State returns every template's pool.
+// state returns every template's pool.
 func (p *pool) state() []PoolState {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -266,6 +253,8 @@ func (p *pool) state() []PoolState {
 	for id := range p.stats {
 		ids[id] = true
 	}
+	budget, used := p.budgetLocked()
+	cost := p.instanceMB()
 	out := make([]PoolState, 0, len(ids))
 	for id := range ids {
 		d := p.demandLocked(id)
@@ -273,13 +262,15 @@ func (p *pool) state() []PoolState {
 		for _, pe := range p.ready[id] {
 			owners = append(owners, pe.owner)
 		}
-		if d.refilling {
-			owners = append(owners, d.owner)
+		for o := range d.refilling {
+			owners = append(owners, o)
 		}
+		sort.Strings(owners[len(p.ready[id]):])
 		least, most, _ := p.limits()
 		out = append(out, PoolState{TemplateID: id, Kind: p.kind, Ready: len(p.ready[id]), Target: p.targetLocked(id, now),
-			Min: least, Max: most, CreateRate: d.decayed(now, p.m.cfg.PoolDecay), RefillMs: d.refill * 1000,
-			Hits: d.hits, Misses: d.misses, Refilling: d.refilling, SandboxIDs: owners})
+			Min: least, Max: most, Warm: d.warm, CreateRate: d.decayed(now, p.m.cfg.PoolDecay), Burst: d.peakNow(now, p.m.cfg.PoolDecay),
+			RefillMs: d.refill * 1000, Hits: d.hits, Misses: d.misses, Refilling: len(d.refilling) > 0, RefillsInFlight: len(d.refilling),
+			InstanceMB: cost, BudgetMB: budget, UsedMB: used, SandboxIDs: owners})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].TemplateID < out[j].TemplateID })
 	return out
@@ -312,7 +303,9 @@ func (p *pool) loop() {
 	}
 }
 
-// fill tops every template's pool up to its target, one instance at a time, most needed first.
+// fill starts refills towards every template's target, most needed first: up to
+// Config.PoolRefills at once, one while creates are in flight (after waiting up to 100 ms for
+// them to finish). A refill that ends pokes the loop, which calls fill again.
 func (p *pool) fill() {
 	ctx := p.m.bg
 	for {
@@ -320,10 +313,6 @@ func (p *pool) fill() {
 		case <-p.stop:
 			return
 		default:
-		}
-		tpl := p.next(ctx)
-		if tpl == nil {
-			return
 		}
 		// Creates in flight go first: a refill competes with them for the CPU.
 		for i := 0; i < 50 && p.m.busy(); i++ {
@@ -333,40 +322,54 @@ func (p *pool) fill() {
 			case <-time.After(2 * time.Millisecond):
 			}
 		}
-		owner := newID()
-		p.mu.Lock()
-		p.demandLocked(tpl.ID).refilling = true
-		p.demandLocked(tpl.ID).owner = owner
-		p.mu.Unlock()
-		start := time.Now()
-		pe, err := p.restore(ctx, tpl, owner)
-		p.mu.Lock()
-		d := p.demandLocked(tpl.ID)
-		d.refilling = false
-		if err != nil {
-			p.mu.Unlock()
-			if ctx.Err() == nil {
-				p.m.log.Warn("pool refill failed", "template_id", tpl.ID, "err", err)
-			}
-			return // the ticker tries again
+		limit := p.parallel()
+		if p.m.busy() {
+			limit = 1
 		}
-		took := time.Since(start).Seconds()
-		if d.refill == 0 {
-			d.refill = took
-		} else {
-			d.refill = 0.75*d.refill + 0.25*took
+		tpl, owner := p.next(ctx, limit)
+		if tpl == nil {
+			return
 		}
-		p.setReadyLocked(tpl.ID, append(p.ready[tpl.ID], pe))
-		p.mu.Unlock()
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			defer p.poke()
+			p.refill(ctx, tpl, owner)
+		}()
 	}
 }
 
-// next picks the template whose pool is furthest below its target (stale builds discarded),
-// or nil when every pool is full or the memory budget is spent.
-func (p *pool) next(ctx context.Context) *Template {
+// refill makes one instance of tpl for the pool, as owner (already counted as in flight).
+func (p *pool) refill(ctx context.Context, tpl *Template, owner string) {
+	start := time.Now()
+	pe, err := p.restore(ctx, tpl, owner)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	d := p.demandLocked(tpl.ID)
+	p.markLocked(d, owner, true)
+	if err != nil {
+		d.retryAt = time.Now().Add(time.Second)
+		if ctx.Err() == nil {
+			p.m.log.Warn("pool refill failed", "template_id", tpl.ID, "err", err)
+		}
+		return
+	}
+	took := time.Since(start).Seconds()
+	if d.refill == 0 {
+		d.refill = took
+	} else {
+		d.refill = 0.75*d.refill + 0.25*took
+	}
+	p.setReadyLocked(tpl.ID, append(p.ready[tpl.ID], pe))
+}
+
+// next picks the template whose pool is furthest below its target (counting refills in
+// flight; stale builds discarded) and marks a refill of it in flight, as the returned owner.
+// It returns nil when limit refills run already, every pool is full or the budget is spent.
+func (p *pool) next(ctx context.Context, limit int) (*Template, string) {
 	tpls, err := p.m.cfg.Store.ListTemplates(ctx)
 	if err != nil {
-		return nil
+		return nil, ""
 	}
 	now := time.Now()
 	var stale []*pooled
@@ -390,16 +393,13 @@ func (p *pool) next(ctx context.Context) *Template {
 		if !current[id] {
 			stale = append(stale, list...)
 			gone = true
-			delete(p.ready, id)
+			p.setReadyLocked(id, nil)
 		}
 	}
-	_, _, instanceMB := p.limits()
-	used := int(p.m.resumePre.Load()) * p.m.cfg.PrestartInstanceMB // pre-started for resumes
-	if o := p.other; o != nil && o.enabled() {
-		_, _, otherMB := o.limits()
-		used += int(o.n.Load()) * otherMB
+	inflight := 0
+	for _, d := range p.stats {
+		inflight += len(d.refilling)
 	}
-	budget := (p.m.cfg.PoolMemoryMB - used) / instanceMB
 	var best *Template
 	bestGap := 0
 	for _, tpl := range tpls {
@@ -415,6 +415,7 @@ func (p *pool) next(ctx context.Context) *Template {
 				gone = true
 			}
 		}
+		d := p.demandLocked(tpl.ID)
 		target := p.targetLocked(tpl.ID, now)
 		// Demand fell: instances beyond the target are given back (the oldest first), one a
 		// round, so the pool shrinks as it grew.
@@ -423,14 +424,19 @@ func (p *pool) next(ctx context.Context) *Template {
 			keep = keep[1:]
 		}
 		p.setReadyLocked(tpl.ID, keep)
-		if gap := target - len(keep); gap > bestGap {
+		if now.Before(d.retryAt) {
+			continue
+		}
+		if gap := target - len(keep) - len(d.refilling); gap > bestGap {
 			best, bestGap = tpl, gap
 		}
 	}
-	if best == nil || p.totalLocked() >= budget {
-		return nil
+	if best == nil || inflight >= limit || !p.roomLocked() {
+		return nil, ""
 	}
-	return best
+	owner := newID()
+	p.markLocked(p.demandLocked(best.ID), owner, false)
+	return best, owner
 }
 
 // restore makes one instance for the pool: a sandbox restored from tpl's image, or (the
@@ -440,18 +446,34 @@ func (p *pool) restore(ctx context.Context, tpl *Template, owner string) (*poole
 	pe := &pooled{owner: owner, buildID: tpl.BuildID, image: tpl.Image,
 		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), mem: orDefault(tpl.MemoryMB, m.cfg.MemoryMB), disk: orDefault(tpl.DiskMB, m.cfg.DiskMB)}
 	prestart := p.kind == kindPrestarted
-	place, err := m.launch(ctx, launchSpec{owner: pe.owner, tpl: tpl, image: tpl.Image, prestart: prestart, guest: !prestart,
-		cpu: pe.cpu, memMB: pe.mem, diskMB: pe.disk, egress: Egress{AllowInternet: true}})
+	// A restored instance's launch requests go through its guest transport, so the connection
+	// they leave idle serves its first request (guest.go).
+	spec := launchSpec{owner: pe.owner, tpl: tpl, image: tpl.Image, prestart: prestart, guest: !prestart,
+		cpu: pe.cpu, memMB: pe.mem, diskMB: pe.disk, egress: Egress{AllowInternet: true}}
+	var place Placement
+	var err error
+	if w := p.refillWeight(); w > 0 {
+		// In two steps, to restore at a low CPU weight: pre-started, lowered, restored into.
+		spec.prestart, spec.guest = true, false
+		if place, err = m.launch(ctx, spec); err == nil {
+			pe.lowered = p.setWeight(ctx, pe.owner, place.InstanceID, w)
+			spec.prestart, spec.guest, spec.into = false, !prestart, &place
+			place, err = m.launch(ctx, spec)
+		}
+	} else {
+		place, err = m.launch(ctx, spec)
+	}
 	if err != nil {
 		m.removeSandboxDir(pe.owner)
 		return nil, err
 	}
 	pe.place = place
-	if prestart {
-		return pe, nil // nothing runs in it yet
+	// A pre-started instance runs nothing yet: its warm-up is the create's restore.
+	if p.kind == kindRestored {
+		if err := m.warmGuest(ctx, place.GuestIP, tpl.InitToken); err != nil {
+			m.logger(pe.owner).Debug("pool instance warm-up", "err", err)
+		}
 	}
-	if err := m.warmGuest(ctx, place.GuestIP, tpl.InitToken); err != nil {
-		m.logger(pe.owner).Debug("pool instance warm-up", "err", err)
-	}
+	p.measure(ctx, place.InstanceID)
 	return pe, nil
 }

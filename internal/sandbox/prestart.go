@@ -11,7 +11,7 @@ import (
 // pause image's layer (moved in: the runtime fixes the root at create) and a network slot of its
 // egress rules, so that its resume restores into a ready instance. It costs what a pre-started
 // instance holds (the runtime's processes before any restore, about 11 MiB private, counted at
-// Config.PrestartInstanceMB within Config.PoolMemoryMB, and a slot), so it is made only while
+// the pre-started pool's measured cost within Config.PoolMemoryMB, and a slot), so it is made only while
 // the pools' budget has room. The layer goes back into the image when the instance is discarded
 // (kill, filesystem-only resume, graceful stop) or, after a crash, when reconcile releases the
 // run directory the record does not name: the paused sandbox keeps its files either way.
@@ -28,8 +28,7 @@ func (m *Manager) prestartForResume(e *entry, image string) {
 	if sb.State != StatePaused || sb.PausedFilesOnly || sb.Runtime.Image != image || e.pre != nil {
 		return
 	}
-	used := int(m.pool.n.Load())*m.cfg.PoolInstanceMB + int(m.prestarts.n.Load()+m.resumePre.Load()+1)*m.cfg.PrestartInstanceMB
-	if used > m.cfg.PoolMemoryMB {
+	if !m.poolRoom(m.prestarts.instanceMB()) {
 		return
 	}
 	tpl, err := m.templateOf(m.bg, sb)

@@ -35,6 +35,8 @@ type Service interface {
 	ListTemplates(ctx context.Context) ([]*Template, error)
 	// Pools reports the warm pools (ready instances, targets, demand).
 	Pools(ctx context.Context) []PoolState
+	// WarmPool keeps at least count restored sandboxes of a template ready (0: demand alone).
+	WarmPool(ctx context.Context, templateID string, count int) (PoolState, error)
 	// BuildTemplate builds (or rebuilds) a template, writing progress lines to progress.
 	BuildTemplate(ctx context.Context, req BuildRequest, progress func(line string)) (*Template, error)
 	// CheckBuild validates a build request (name, source) without building.

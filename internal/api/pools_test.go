@@ -1,0 +1,60 @@
+package api
+
+import (
+	"context"
+	"net/http/httptest"
+	"testing"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+// POST /ember/pools/{template}/warm sets a pool's floor and answers its state; GET /ember/pools
+// shows it with the demand and the budget. Bad input is 400, an unknown template 404, a node
+// without a pool 409.
+func TestWarmPoolRoute(t *testing.T) {
+	keys := auth.NewKeys(auth.NewMemoryBackend())
+	key, _, err := keys.Create(context.Background(), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := newGuest(t)
+	svc := newServiceWith(t, g.srv.Listener.Addr().String(), func(c *sandbox.Config) { c.PoolSize = 1; c.PoolMemoryMB = 512 })
+	api := httptest.NewServer(New(Config{Domain: testDomain}, svc, keys, testLogger(t)))
+	t.Cleanup(api.Close)
+	e := &env{t: t, fake: svc, keys: keys, key: key, api: api, guest: g}
+
+	r := e.ctl("POST", "/ember/pools/base/warm", `{"count":4}`)
+	if r.status != 200 {
+		t.Fatalf("warm: %d %s", r.status, r.body)
+	}
+	var st sandbox.PoolState
+	r.json(t, &st)
+	if st.TemplateID != "base" || st.Kind != "restored" || st.Warm != 4 || st.Target != 4 || st.BudgetMB != 512 {
+		t.Fatalf("warm answered %+v", st)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var all []sandbox.PoolState
+		e.ctl("GET", "/ember/pools", "").json(t, &all)
+		if len(all) == 1 && all[0].Ready == 4 {
+			if all[0].InstanceMB <= 0 || all[0].UsedMB != 4*all[0].InstanceMB || len(all[0].SandboxIDs) != 4 {
+				t.Fatalf("pool state %+v", all[0])
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pool not warmed to 4: %+v", all)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	e.ctl("POST", "/ember/pools/base/warm", `{}`).wantError(t, 400)
+	e.ctl("POST", "/ember/pools/base/warm", `{"count":-1}`).wantError(t, 400)
+	e.ctl("POST", "/ember/pools/base/warm", `{"count":"x"}`).wantError(t, 400)
+	e.ctl("POST", "/ember/pools/nosuch/warm", `{"count":1}`).wantError(t, 404)
+	e.do("POST", "/ember/pools/base/warm", `{"count":1}`).wantError(t, 401)
+
+	off := newEnv(t) // no pool
+	off.ctl("POST", "/ember/pools/base/warm", `{"count":1}`).wantError(t, 409)
+}
