@@ -38,6 +38,8 @@ type Cluster interface {
 	Nodes() []cluster.NodeView
 	Node(id string) (cluster.NodeView, error)
 	Drain(ctx context.Context, id string, on bool) error
+	// Available is nil while the cluster store can commit; else why not (ErrUnavailable).
+	Available() error
 }
 
 // Headers between the nodes of a cluster.
@@ -89,6 +91,9 @@ func (s *server) serveCluster(w http.ResponseWriter, r *http.Request) bool {
 	}
 	if r.URL.Path == "/files" {
 		return false
+	}
+	if s.refuseWithoutQuorum(w, r) {
+		return true
 	}
 	segs := splitPath(r.URL.Path)
 	if len(segs) > 0 && segs[0] == "v2" {

@@ -30,8 +30,8 @@ func (cl *Cluster) syncLoop(ctx context.Context) {
 // what runs here plus the reservations made for it.
 func (cl *Cluster) sync(ctx context.Context) {
 	epoch := cl.epoch.Load()
-	if epoch == 0 {
-		return
+	if epoch == 0 || cl.Available() != nil {
+		return // fenced, or etcd cannot commit: nothing to reconcile against
 	}
 	self := cl.cfg.NodeID
 	// Reservations before the local list: a reservation consumed in between is then counted
