@@ -38,6 +38,7 @@ type Cluster interface {
 	Nodes() []cluster.NodeView
 	Node(id string) (cluster.NodeView, error)
 	Drain(ctx context.Context, id string, on bool) error
+	LostSandboxes(ctx context.Context) ([]cluster.LostSandbox, error)
 	// Available is nil while the cluster store can commit; else why not (ErrUnavailable).
 	Available() error
 }
@@ -390,6 +391,11 @@ func (s *server) createOn(r *http.Request, rec *httptest.ResponseRecorder, resv 
 // listEverywhere gathers a list from every live node (each filters and pages the same way)
 // and merges the pages.
 func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
+	lost, r, ask, err := s.lostForList(r) // ember's state=lost (cluster_lost.go)
+	if err != nil {
+		writeError(w, s.log, r, err)
+		return
+	}
 	v2 := strings.HasPrefix(r.URL.Path, "/v2/")
 	q := r.URL.Query()
 	limit, desc := 0, true
@@ -408,6 +414,9 @@ func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
 		err   []byte
 	}
 	nodes := s.cl.Live()
+	if !ask {
+		nodes = nil
+	}
 	answers := make([]answer, len(nodes))
 	var wg sync.WaitGroup
 	for i, n := range nodes {
@@ -445,6 +454,9 @@ func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
 	}
 	wg.Wait()
 	var items []pageItem[listedSandboxJSON]
+	for _, it := range lost {
+		items = append(items, pageItem[listedSandboxJSON]{at: it.StartedAt, id: it.SandboxID, v: it})
+	}
 	more := false
 	for _, a := range answers {
 		if a.code != 0 && a.code != http.StatusOK {

@@ -225,7 +225,14 @@ func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, r
 		cl.log.Warn("cluster: mark lost: grant", "err", err)
 		return
 	}
-	b, _ := json.Marshal(Lost{Node: node, At: at.UTC(), Reason: reason})
+	record := func(id string) string {
+		lr := Lost{Node: node, At: at.UTC(), Reason: reason}
+		if r := cl.route(id); r != nil {
+			lr.TemplateID, lr.CPU, lr.MemoryMB, lr.Since = r.TemplateID, r.CPU, r.MemoryMB, r.Since
+		}
+		b, _ := json.Marshal(lr)
+		return string(b)
+	}
 	const batch = 40 // 3 entries each, within etcd's default 128 operations a transaction
 	for len(rs) > 0 {
 		n := min(batch, len(rs))
@@ -233,7 +240,7 @@ func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, r
 		var ops []clientv3.Op
 		for _, r := range rs[:n] {
 			cmps = append(cmps, clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", r.id)), "=", r.modRev))
-			ops = append(ops, clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), string(b), clientv3.WithLease(l.ID)))
+			ops = append(ops, clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), record(r.id), clientv3.WithLease(l.ID)))
 		}
 		resp, err := cl.c.Txn(ctx).If(cmps...).Then(ops...).Commit()
 		if err != nil {
@@ -244,7 +251,7 @@ func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, r
 			// One of them changed: one by one.
 			for _, r := range rs[:n] {
 				_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", r.id)), "=", r.modRev)).
-					Then(clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), string(b), clientv3.WithLease(l.ID))).Commit()
+					Then(clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), record(r.id), clientv3.WithLease(l.ID))).Commit()
 			}
 		}
 		rs = rs[n:]

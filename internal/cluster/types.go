@@ -78,6 +78,11 @@ type Lost struct {
 	Node   string    `json:"node"`
 	At     time.Time `json:"at"`
 	Reason string    `json:"reason"`
+	// From the route it replaced (absent in records written before they were kept).
+	TemplateID string    `json:"templateID,omitempty"`
+	CPU        int       `json:"cpu,omitempty"`
+	MemoryMB   int       `json:"memoryMB,omitempty"`
+	Since      time.Time `json:"since,omitzero"`
 }
 
 // Node states in NodeView.
