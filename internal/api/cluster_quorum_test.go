@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
 )
 
@@ -16,7 +17,11 @@ import (
 // works again and no sandbox was killed.
 func TestClusterQuorumLoss(t *testing.T) {
 	e := clustertest.Start(t, 3)
-	nodes := []*clusterNode{newClusterNode(t, e, "a", nil), newClusterNode(t, e, "b", nil)}
+	// A TTL well above etcd's election timeout (500 ms here, 1 s by default): the members
+	// notice the lost leader, and say so, before any node's renewal is due.
+	const ttl = 4 * time.Second
+	long := func(c *cluster.Config) { c.TTL = ttl }
+	nodes := []*clusterNode{newClusterNodeWith(t, e, "a", nil, long, nil), newClusterNodeWith(t, e, "b", nil, long, nil)}
 	key, _, err := nodes[0].env.keys.Create(context.Background(), "test")
 	if err != nil {
 		t.Fatal(err)
@@ -62,7 +67,7 @@ func TestClusterQuorumLoss(t *testing.T) {
 		{http.MethodGet, "/templates", ""},
 	}
 	// Long past the TTL: still refused, nothing killed.
-	for round := 0; round < 3; round++ {
+	for round := 0; round < 4; round++ {
 		for _, n := range nodes {
 			for _, c := range calls {
 				start := time.Now()
@@ -84,7 +89,7 @@ func TestClusterQuorumLoss(t *testing.T) {
 				}
 			}
 		}
-		time.Sleep(clusterTTL)
+		time.Sleep(ttl / 2)
 	}
 	var eb errorBody
 	nodes[1].env.ctl(http.MethodGet, "/sandboxes", "").json(t, &eb)

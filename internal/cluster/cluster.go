@@ -294,9 +294,10 @@ func (cl *Cluster) renew(ctx context.Context) {
 		}
 		lastOK, holding := time.Now(), false
 		for ctx.Err() == nil {
-			// A slow answer still counts from when it was sent: wait for it up to the deadline.
+			// A slow answer still counts from when it was sent: wait for it up to a quarter TTL
+			// (then try again, up to the deadline).
 			deadline := lastOK.Add(cl.cfg.TTL)
-			if time.Now().After(deadline) && cl.holdWithoutQuorum(lastOK) {
+			if time.Now().After(deadline) && cl.holdWithoutQuorum(lastOK, holding) {
 				// etcd has no leader, so no lease can expire: keep the sandboxes (quorum.go).
 				if !holding {
 					holding = true
@@ -310,7 +311,9 @@ func (cl *Cluster) renew(ctx context.Context) {
 				break
 			}
 			sent := time.Now()
-			kctx, cancel := context.WithTimeout(clientv3.WithRequireLeader(ctx), step)
+			// Short attempts: one sent to a leader that has just died hangs, and only a fresh
+			// one hears "no leader" from a member that noticed.
+			kctx, cancel := context.WithTimeout(clientv3.WithRequireLeader(ctx), min(step, max(cl.cfg.TTL/4, 100*time.Millisecond)))
 			_, err := cl.c.KeepAliveOnce(kctx, lease)
 			cancel()
 			if ctx.Err() == nil {

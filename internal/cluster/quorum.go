@@ -128,13 +128,20 @@ func (cl *Cluster) Available() error {
 }
 
 // holdWithoutQuorum reports whether a node whose renewal is overdue keeps its sandboxes: a
-// member said lately that it has no leader, and the grace since the last renewal is not over.
-func (cl *Cluster) holdWithoutQuorum(lastRenewal time.Time) bool {
+// member said lately that it has no leader (or, holding already, some member answered within
+// a TTL: once a leader is back, the node holds until its own renewal answers, which says
+// whether its lease survived), and the grace since the last renewal is not over.
+func (cl *Cluster) holdWithoutQuorum(lastRenewal time.Time, holding bool) bool {
 	h := &cl.health
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.state != storeOK && time.Since(h.noLeader) < 2*cl.cfg.ProbeInterval+cl.cfg.ProbeTimeout &&
-		time.Since(lastRenewal) < cl.cfg.QuorumGrace
+	if time.Since(lastRenewal) >= cl.cfg.QuorumGrace {
+		return false
+	}
+	if holding {
+		return time.Since(h.noLeader) < cl.cfg.TTL || time.Since(h.lastOK) < cl.cfg.TTL
+	}
+	return h.state != storeOK && time.Since(h.noLeader) < 2*cl.cfg.ProbeInterval+cl.cfg.ProbeTimeout
 }
 
 // probeLoop checks etcd every ProbeInterval in which no other round trip succeeded: one

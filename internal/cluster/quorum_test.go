@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,8 +19,12 @@ import (
 func TestQuorumLossKillsNothing(t *testing.T) {
 	e := clustertest.Start(t, 3)
 	la, lb := newLocal("base"), newLocal("base")
-	a := join(t, e.Endpoints(), "a", 4, la)
-	b := join(t, e.Endpoints(), "b", 4, lb)
+	// A TTL well above etcd's election timeout (500 ms here, 1 s by default): the members
+	// notice the lost leader, and say so, before any node's renewal is due.
+	const ttl = 4 * time.Second
+	long := func(c *cluster.Config) { c.TTL = ttl }
+	a := join(t, e.Endpoints(), "a", 4, la, long)
+	b := join(t, e.Endpoints(), "b", 4, lb, long)
 	ctx := context.Background()
 	if err := a.Claim(ctx, la.add("qa1"), ""); err != nil {
 		t.Fatal(err)
@@ -42,7 +47,7 @@ func TestQuorumLossKillsNothing(t *testing.T) {
 		t.Fatalf("a says %v, want no quorum (ErrUnavailable)", err)
 	}
 	// Well past the TTL: nobody fenced, nothing killed, the routing caches still route.
-	time.Sleep(4 * ttl)
+	time.Sleep(3 * ttl)
 	if a.Fenced() || b.Fenced() || a.Fences()+b.Fences() != 0 {
 		t.Fatalf("a node fenced during a quorum loss (fences a=%d b=%d)", a.Fences(), b.Fences())
 	}
@@ -86,7 +91,8 @@ func TestCutOffNodeRefusesAndFences(t *testing.T) {
 	e := clustertest.Start(t, 3)
 	p := e.NewProxy(t)
 	la := newLocal("base")
-	a := join(t, p.Endpoints(), "a", 4, la)
+	var fenced atomic.Bool
+	a := join(t, p.Endpoints(), "a", 4, la, func(c *cluster.Config) { c.OnFence = func(string) { fenced.Store(true) } })
 	ctx := context.Background()
 	if err := a.Claim(ctx, la.add("ca1"), ""); err != nil {
 		t.Fatal(err)
@@ -96,7 +102,7 @@ func TestCutOffNodeRefusesAndFences(t *testing.T) {
 	if err := a.Available(); !strings.Contains(err.Error(), "unreachable from node a") {
 		t.Fatalf("a says %v", err)
 	}
-	eventually(t, ttl+2*time.Second, "a fenced", func() bool { return a.Fenced() })
+	eventually(t, ttl+2*time.Second, "a fenced", func() bool { return fenced.Load() })
 	if la.has("ca1") {
 		t.Fatal("a fenced but ca1 still runs")
 	}
