@@ -39,6 +39,8 @@ type Cluster interface {
 	Node(id string) (cluster.NodeView, error)
 	Drain(ctx context.Context, id string, on bool) error
 	LostSandboxes(ctx context.Context) ([]cluster.LostSandbox, error)
+	// Secret signs the requests between nodes (cluster_auth.go).
+	Secret() []byte
 	// Available is nil while the cluster store can commit; else why not (ErrUnavailable).
 	Available() error
 }
@@ -127,6 +129,11 @@ func (s *server) serveCluster(w http.ResponseWriter, r *http.Request) bool {
 // serveForwarded serves a request another edge sent: here, saying "not here" for a sandbox
 // this node does not hold.
 func (s *server) serveForwarded(w http.ResponseWriter, r *http.Request) bool {
+	if err := s.verifyForward(r); err != nil { // cluster_auth.go
+		writeError(w, s.log, r, err)
+		return true
+	}
+	r.Header.Del(HeaderNodeProof)
 	id := r.Header.Get(headerFwdSandbox)
 	if id == "" {
 		segs := splitPath(r.URL.Path)
@@ -242,6 +249,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, loc cluster.Loc
 			}
 			// The client's X-Forwarded-For etc. pass through unchanged.
 			pr.Out.Header["X-Forwarded-For"] = pr.In.Header["X-Forwarded-For"]
+			s.signForward(pr.Out)
 		},
 		Transport:     s.nodeTransport,
 		FlushInterval: -1,
@@ -374,6 +382,7 @@ func (s *server) createOn(r *http.Request, rec *httptest.ResponseRecorder, resv 
 	out.Header = r.Header.Clone()
 	out.Header.Set(HeaderForwarded, s.cl.NodeID())
 	out.Header.Set(HeaderReservation, resv.ID)
+	s.signForward(out)
 	resp, err := s.nodeTransport.RoundTrip(out)
 	if err != nil {
 		s.log.Warn("cluster: node unreachable for a create", "node", resv.Node, "err", err)
@@ -433,6 +442,7 @@ func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
 				}
 				out.Header = r.Header.Clone()
 				out.Header.Set(HeaderForwarded, s.cl.NodeID())
+				s.signForward(out)
 				resp, err := s.nodeTransport.RoundTrip(out)
 				if err != nil {
 					s.log.Warn("cluster: list: node unreachable", "node", n.ID, "err", err)

@@ -66,6 +66,9 @@ type Config struct {
 	// ProbeInterval and ProbeTimeout: how often and how patiently the node checks that etcd
 	// has a leader when nothing else told it lately (defaults 1 s and 1 s).
 	ProbeInterval, ProbeTimeout time.Duration
+	// Secret signs the requests between nodes (16 bytes or more; empty = the cluster's own,
+	// made by the first node and kept in etcd: secret.go).
+	Secret []byte
 	// OpTimeout bounds each etcd round trip of a control call (default 5 s): without a
 	// leader, a write can wait on etcd much longer.
 	OpTimeout time.Duration
@@ -101,6 +104,7 @@ type Cluster struct {
 	fences       atomic.Int64
 
 	health storeHealth
+	secret []byte
 }
 
 type allocEntry struct {
@@ -150,6 +154,9 @@ func New(ctx context.Context, cfg Config) (*Cluster, error) {
 	rev, err := cl.load(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("etcd: %w", err)
+	}
+	if err := cl.loadSecret(ctx); err != nil {
+		return nil, fmt.Errorf("etcd: cluster secret: %w", err)
 	}
 	if err := cl.register(ctx); err != nil {
 		return nil, fmt.Errorf("etcd: register node: %w", err)

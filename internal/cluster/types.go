@@ -17,6 +17,7 @@
 //	down/<id>           the time a node was found dead, under a one-day lease
 //	reaping/<id>/<ep>   the live node marking a dead epoch's sandboxes lost, under its lease
 //	apikeys/<id>        the cluster's API keys (auth.Key), no lease
+//	secret              the key nodes sign their requests to each other with (no lease)
 package cluster
 
 import "time"

@@ -79,6 +79,9 @@ type Config struct {
 	EtcdEndpoints []string
 	AdvertiseURL  string
 	ClusterTTL    time.Duration
+	// ClusterSecretFile holds the secret that signs requests between nodes (empty = the
+	// cluster's own, kept in etcd).
+	ClusterSecretFile string
 	// Network CIDR for sandbox slots.
 	CIDR   string
 	Mirror string
