@@ -42,6 +42,7 @@ func (cl *Cluster) sync(ctx context.Context) {
 		cl.log.Warn("cluster: sync: read reservations", "err", err)
 		return
 	}
+	cl.noteStore(nil) // a linearizable read answered: no probe needed this interval
 	rr, ar := tr.Responses[0].GetResponseRange(), tr.Responses[1].GetResponseRange()
 	var ae allocEntry
 	hasAlloc := len(ar.Kvs) > 0
