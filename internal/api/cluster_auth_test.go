@@ -67,9 +67,16 @@ func TestClusterForwardedNeedsANodeProof(t *testing.T) {
 	if n := count(); n != before {
 		t.Fatalf("refused creates made sandboxes: %d before, %d after", before, n)
 	}
-	// Through the ordinary headers the client reaches b's sandbox as it always could.
-	if r := a.env.do(http.MethodPost, "/echo", "hi", "E2b-Sandbox-Id", onB); r.status != http.StatusOK {
+	// Through the ordinary headers the client reaches b's sandbox as it always could, and the
+	// guest sees none of the nodes' headers.
+	r := a.env.do(http.MethodPost, "/echo", "hi", "E2b-Sandbox-Id", onB)
+	if r.status != http.StatusOK {
 		t.Fatalf("sandbox plane through a: %d %s", r.status, r.body)
+	}
+	var echo guestEcho
+	r.json(t, &echo)
+	if echo.Body != "hi" || echo.Headers[HeaderNodeProof] != "" || echo.Headers[HeaderForwarded] != "" {
+		t.Fatalf("guest saw %+v", echo)
 	}
 	// A proof made with the cluster secret is served (what the nodes send each other).
 	at := time.Now().Unix()

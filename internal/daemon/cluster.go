@@ -62,6 +62,7 @@ func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager, onRetry 
 		LeaseFile:        filepath.Join(cfg.DataDir, "cluster-lease"),
 		Logger:           cfg.Logger,
 		Secret:           secret,
+		QuorumGrace:      cfg.ClusterQuorumGrace,
 		OwnClient:        true,
 		OnPlacementRetry: onRetry,
 		OnFence: func(reason string) {
