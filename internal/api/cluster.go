@@ -38,6 +38,11 @@ type Cluster interface {
 	Nodes() []cluster.NodeView
 	Node(id string) (cluster.NodeView, error)
 	Drain(ctx context.Context, id string, on bool) error
+	LostSandboxes(ctx context.Context) ([]cluster.LostSandbox, error)
+	// Secret signs the requests between nodes (cluster_auth.go).
+	Secret() []byte
+	// Available is nil while the cluster store can commit; else why not (ErrUnavailable).
+	Available() error
 }
 
 // Headers between the nodes of a cluster.
@@ -90,6 +95,9 @@ func (s *server) serveCluster(w http.ResponseWriter, r *http.Request) bool {
 	if r.URL.Path == "/files" {
 		return false
 	}
+	if s.refuseWithoutQuorum(w, r) {
+		return true
+	}
 	segs := splitPath(r.URL.Path)
 	if len(segs) > 0 && segs[0] == "v2" {
 		segs = segs[1:]
@@ -121,6 +129,11 @@ func (s *server) serveCluster(w http.ResponseWriter, r *http.Request) bool {
 // serveForwarded serves a request another edge sent: here, saying "not here" for a sandbox
 // this node does not hold.
 func (s *server) serveForwarded(w http.ResponseWriter, r *http.Request) bool {
+	if err := s.verifyForward(r); err != nil { // cluster_auth.go
+		writeError(w, s.log, r, err)
+		return true
+	}
+	r.Header.Del(HeaderNodeProof)
 	id := r.Header.Get(headerFwdSandbox)
 	if id == "" {
 		segs := splitPath(r.URL.Path)
@@ -239,6 +252,7 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, loc cluster.Loc
 			}
 			// The client's X-Forwarded-For etc. pass through unchanged.
 			pr.Out.Header["X-Forwarded-For"] = pr.In.Header["X-Forwarded-For"]
+			s.signForward(pr.Out)
 		},
 		Transport:     s.nodeTransport,
 		FlushInterval: -1,
@@ -371,6 +385,7 @@ func (s *server) createOn(r *http.Request, rec *httptest.ResponseRecorder, resv 
 	out.Header = r.Header.Clone()
 	out.Header.Set(HeaderForwarded, s.cl.NodeID())
 	out.Header.Set(HeaderReservation, resv.ID)
+	s.signForward(out)
 	resp, err := s.nodeTransport.RoundTrip(out)
 	if err != nil {
 		s.log.Warn("cluster: node unreachable for a create", "node", resv.Node, "err", err)
@@ -388,6 +403,11 @@ func (s *server) createOn(r *http.Request, rec *httptest.ResponseRecorder, resv 
 // listEverywhere gathers a list from every live node (each filters and pages the same way)
 // and merges the pages.
 func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
+	lost, r, ask, err := s.lostForList(r) // ember's state=lost (cluster_lost.go)
+	if err != nil {
+		writeError(w, s.log, r, err)
+		return
+	}
 	v2 := strings.HasPrefix(r.URL.Path, "/v2/")
 	q := r.URL.Query()
 	limit, desc := 0, true
@@ -406,6 +426,9 @@ func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
 		err   []byte
 	}
 	nodes := s.cl.Live()
+	if !ask {
+		nodes = nil
+	}
 	answers := make([]answer, len(nodes))
 	var wg sync.WaitGroup
 	for i, n := range nodes {
@@ -422,6 +445,7 @@ func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
 				}
 				out.Header = r.Header.Clone()
 				out.Header.Set(HeaderForwarded, s.cl.NodeID())
+				s.signForward(out)
 				resp, err := s.nodeTransport.RoundTrip(out)
 				if err != nil {
 					s.log.Warn("cluster: list: node unreachable", "node", n.ID, "err", err)
@@ -443,6 +467,9 @@ func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
 	}
 	wg.Wait()
 	var items []pageItem[listedSandboxJSON]
+	for _, it := range lost {
+		items = append(items, pageItem[listedSandboxJSON]{at: it.StartedAt, id: it.SandboxID, v: it})
+	}
 	more := false
 	for _, a := range answers {
 		if a.code != 0 && a.code != http.StatusOK {

@@ -151,6 +151,15 @@ type PausedMover interface {
 	StoredImage(ctx context.Context, id string) string
 }
 
+// nodesOnly refuses a request that did not come from another node of the cluster (those
+// carry HeaderForwarded, whose node proof serveForwarded checked before any route).
+func nodesOnly(r *http.Request) error {
+	if r.Header.Get(HeaderForwarded) == "" {
+		return &httpError{status: http.StatusForbidden, msg: r.URL.Path + " is for requests between the nodes of the cluster"}
+	}
+	return nil
+}
+
 // moveRoutes: POST /ember/sandboxes/{id}/adopt, which an edge sends to the node it placed a
 // stored paused sandbox on.
 func (s *server) moveRoutes(rt *router) {
@@ -159,6 +168,9 @@ func (s *server) moveRoutes(rt *router) {
 }
 
 func (s *server) adoptSandbox(w http.ResponseWriter, r *http.Request, p params) error {
+	if err := nodesOnly(r); err != nil {
+		return err
+	}
 	if s.cfg.Mover == nil {
 		return errNoCluster
 	}
@@ -225,6 +237,7 @@ func (s *server) adoptOn(r *http.Request, resv *cluster.Reservation, id string) 
 		}
 	}
 	out.Header.Set(HeaderForwarded, s.cl.NodeID())
+	s.signForward(out)
 	resp, err := s.nodeTransport.RoundTrip(out)
 	if err != nil {
 		return fmt.Errorf("node %s did not answer: %w", resv.Node, errdefs.ErrUnavailable)
@@ -379,6 +392,7 @@ func (s *server) forkOn(r *http.Request, rs []*cluster.Reservation, pf *sandbox.
 	}
 	out.Header.Set("Content-Type", "application/json")
 	out.Header.Set(HeaderForwarded, s.cl.NodeID())
+	s.signForward(out)
 	resp, err := s.nodeTransport.RoundTrip(out)
 	if err != nil {
 		return fail("node " + rs[0].Node + " did not answer")
@@ -394,6 +408,9 @@ func (s *server) forkOn(r *http.Request, rs []*cluster.Reservation, pf *sandbox.
 // forkHere restores children of a fork image stored by another node (POST /ember/forks),
 // each consuming one of the reservations the edge made here.
 func (s *server) forkHere(w http.ResponseWriter, r *http.Request, _ params) error {
+	if err := nodesOnly(r); err != nil {
+		return err
+	}
 	if s.cfg.Forker == nil || s.cl == nil {
 		return errNoCluster
 	}

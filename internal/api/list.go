@@ -128,8 +128,13 @@ func metadataFilter(q url.Values) (map[string]string, error) {
 	return out, nil
 }
 
-// stateFilter accepts `state=running,paused` (JS) and `state=running&state=paused` (Python).
-func stateFilter(q url.Values) ([]sandbox.State, error) {
+// stateLost is ember's extension of the state filter: sandboxes lost with their node (cluster
+// mode; a single node never loses one).
+const stateLost = "lost"
+
+// stateFilter accepts `state=running,paused` (JS) and `state=running&state=paused` (Python),
+// and ember's `lost` (reported apart: it is no state of a sandbox a node holds).
+func stateFilter(q url.Values) (_ []sandbox.State, lost bool, _ error) {
 	var out []sandbox.State
 	seen := map[sandbox.State]bool{}
 	for _, v := range q["state"] {
@@ -138,9 +143,13 @@ func stateFilter(q url.Values) ([]sandbox.State, error) {
 			if part == "" {
 				continue
 			}
+			if part == stateLost {
+				lost = true
+				continue
+			}
 			st := sandbox.State(part)
 			if st != sandbox.StateRunning && st != sandbox.StatePaused {
-				return nil, badRequest("state must be running or paused, got %s", quoteID(part))
+				return nil, false, badRequest("state must be running, paused or lost, got %s", quoteID(part))
 			}
 			if !seen[st] {
 				seen[st] = true
@@ -148,7 +157,7 @@ func stateFilter(q url.Values) ([]sandbox.State, error) {
 			}
 		}
 	}
-	return out, nil
+	return out, lost, nil
 }
 
 func matchesMetadata(sb *sandbox.Sandbox, md map[string]string) bool {
@@ -166,11 +175,11 @@ func (s *server) listSandboxesV2(w http.ResponseWriter, r *http.Request, _ param
 	if err != nil {
 		return err
 	}
-	states, err := stateFilter(q)
+	states, lost, err := stateFilter(q)
 	if err != nil {
 		return err
 	}
-	if len(states) == 0 {
+	if len(states) == 0 && !lost {
 		states = []sandbox.State{sandbox.StateRunning, sandbox.StatePaused}
 	}
 	var after time.Time
@@ -196,9 +205,11 @@ func (s *server) listSandboxesV2(w http.ResponseWriter, r *http.Request, _ param
 		return err
 	}
 	f := sandbox.ListFilter{Metadata: md, States: states, TemplateID: q.Get("template"), StartedAfter: after}
-	sbxs, err := s.svc.List(r.Context(), f)
-	if err != nil {
-		return err
+	var sbxs []*sandbox.Sandbox
+	if len(states) > 0 { // only lost ones asked: this node holds none (the edge adds the cluster's)
+		if sbxs, err = s.svc.List(r.Context(), f); err != nil {
+			return err
+		}
 	}
 	items := make([]pageItem[*sandbox.Sandbox], 0, len(sbxs))
 	for _, sb := range sbxs {
@@ -237,16 +248,25 @@ func (s *server) keepListed(sb *sandbox.Sandbox, f sandbox.ListFilter) bool {
 	return f.StartedAfter.IsZero() || sb.StartedAt.After(f.StartedAfter)
 }
 
-// listSandboxesV1 is JS 1.x's list: running sandboxes only, no pagination.
+// listSandboxesV1 is JS 1.x's list: running sandboxes only, no pagination. An explicit state
+// filter (ember's extension, for `state=lost`) is honoured as in v2.
 func (s *server) listSandboxesV1(w http.ResponseWriter, r *http.Request, _ params) error {
-	md, err := metadataFilter(r.URL.Query())
+	q := r.URL.Query()
+	md, err := metadataFilter(q)
 	if err != nil {
 		return err
 	}
 	f := sandbox.ListFilter{Metadata: md, States: []sandbox.State{sandbox.StateRunning}}
-	sbxs, err := s.svc.List(r.Context(), f)
-	if err != nil {
-		return err
+	if _, ok := q["state"]; ok {
+		if f.States, _, err = stateFilter(q); err != nil {
+			return err
+		}
+	}
+	var sbxs []*sandbox.Sandbox
+	if len(f.States) > 0 {
+		if sbxs, err = s.svc.List(r.Context(), f); err != nil {
+			return err
+		}
 	}
 	items := make([]pageItem[*sandbox.Sandbox], 0, len(sbxs))
 	for _, sb := range sbxs {

@@ -55,6 +55,10 @@ type listedSandboxJSON struct {
 	State        string            `json:"state"`
 	Metadata     map[string]string `json:"metadata"`
 	VolumeMounts []volumeMountJSON `json:"volumeMounts"`
+	// ember's, on sandboxes lost with their node (state "lost", listed on request only).
+	Node       string     `json:"node,omitempty"`
+	LostAt     *time.Time `json:"lostAt,omitempty"`
+	LostReason string     `json:"lostReason,omitempty"`
 }
 
 type lifecycleJSON struct {

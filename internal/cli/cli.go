@@ -21,6 +21,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
+	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/daemon"
 )
 
@@ -173,6 +174,8 @@ func serveCmd() *cobra.Command {
 	f.StringSliceVar(&cfg.EtcdEndpoints, "etcd-endpoints", splitList(os.Getenv("EMBER_ETCD_ENDPOINTS")), "cluster mode: etcd client URLs (comma-separated; $EMBER_ETCD_ENDPOINTS); needs --node-id. Empty = a single node")
 	f.StringVar(&cfg.AdvertiseURL, "advertise-url", os.Getenv("EMBER_ADVERTISE_URL"), "cluster mode: the URL other nodes reach this one at (default http://<listen>)")
 	f.DurationVar(&cfg.ClusterTTL, "cluster-ttl", 10*time.Second, "cluster mode: the node's lease; cut off from etcd this long, it fences itself (kills its sandboxes)")
+	f.DurationVar(&cfg.ClusterQuorumGrace, "cluster-quorum-grace", cluster.DefaultQuorumGrace, "cluster mode: while etcd has no quorum (a member answers \"no leader\"), how long past its TTL a node keeps its sandboxes before it fences")
+	f.StringVar(&cfg.ClusterSecretFile, "cluster-secret-file", os.Getenv("EMBER_CLUSTER_SECRET_FILE"), "cluster mode: a file whose contents (16 bytes or more, the same on every node) sign the requests between nodes ($EMBER_CLUSTER_SECRET_FILE); empty = a secret the cluster keeps in etcd")
 	f.StringVar(&cfg.Mirror, "mirror", "", "Debian mirror for template builds")
 	f.StringVar(&cfg.S3.Endpoint, "s3-endpoint", os.Getenv("EMBER_S3_ENDPOINT"), "S3-compatible endpoint for snapshots (host:port); empty = local directory")
 	f.StringVar(&cfg.S3.Bucket, "s3-bucket", envOr("EMBER_S3_BUCKET", "ember"), "S3 bucket")

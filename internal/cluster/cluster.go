@@ -60,6 +60,18 @@ type Config struct {
 	MinDiskFreeMB int64
 	// OwnClient: Close closes Client too.
 	OwnClient bool
+	// QuorumGrace is how long a node keeps its sandboxes past its TTL while an etcd member
+	// answers that it has no leader (no lease can expire then; quorum.go). Default 10 min.
+	QuorumGrace time.Duration
+	// ProbeInterval and ProbeTimeout: how often and how patiently the node checks that etcd
+	// has a leader when nothing else told it lately (defaults 1 s and 1 s).
+	ProbeInterval, ProbeTimeout time.Duration
+	// Secret signs the requests between nodes (16 bytes or more; empty = the cluster's own,
+	// made by the first node and kept in etcd: secret.go).
+	Secret []byte
+	// OpTimeout bounds each etcd round trip of a control call (default 5 s): without a
+	// leader, a write can wait on etcd much longer.
+	OpTimeout time.Duration
 }
 
 // Cluster is this node's membership in the cluster and its caches of the others.
@@ -92,6 +104,9 @@ type Cluster struct {
 
 	placeRetries atomic.Int64
 	fences       atomic.Int64
+
+	health storeHealth
+	secret []byte
 }
 
 type allocEntry struct {
@@ -114,6 +129,18 @@ func New(ctx context.Context, cfg Config) (*Cluster, error) {
 	if cfg.LostTTL <= 0 {
 		cfg.LostTTL = 24 * time.Hour
 	}
+	if cfg.QuorumGrace <= 0 {
+		cfg.QuorumGrace = DefaultQuorumGrace
+	}
+	if cfg.ProbeInterval <= 0 {
+		cfg.ProbeInterval = time.Second
+	}
+	if cfg.OpTimeout <= 0 {
+		cfg.OpTimeout = 5 * time.Second
+	}
+	if cfg.ProbeTimeout <= 0 {
+		cfg.ProbeTimeout = time.Second
+	}
 	if cfg.MinDiskFreeMB == 0 {
 		cfg.MinDiskFreeMB = 256
 	}
@@ -130,16 +157,21 @@ func New(ctx context.Context, cfg Config) (*Cluster, error) {
 	if err != nil {
 		return nil, fmt.Errorf("etcd: %w", err)
 	}
+	if err := cl.loadSecret(ctx); err != nil {
+		return nil, fmt.Errorf("etcd: cluster secret: %w", err)
+	}
 	if err := cl.register(ctx); err != nil {
 		return nil, fmt.Errorf("etcd: register node: %w", err)
 	}
 	bg, cancel := context.WithCancel(context.Background())
 	cl.cancel = cancel
-	cl.wg.Add(3)
+	cl.health.lastOK = time.Now()
+	cl.wg.Add(4)
 	// The watch first: the first reconcile claims routes and waits for the caches to see
 	// them (a node that held unrouted sandboxes once waited here until ctx ended).
 	go func() { defer cl.wg.Done(); cl.watch(bg, rev) }()
 	go func() { defer cl.wg.Done(); cl.renew(bg) }()
+	go func() { defer cl.wg.Done(); cl.probeLoop(bg) }()
 	// The first reconcile before serving: sandboxes the cluster marked lost or moved while this
 	// node was away are killed, not resurrected.
 	cl.sync(ctx)
@@ -269,20 +301,35 @@ func (cl *Cluster) renew(ctx context.Context) {
 			cl.kickSync()
 			continue
 		}
-		lastOK := time.Now()
+		lastOK, holding := time.Now(), false
 		for ctx.Err() == nil {
-			// A slow answer still counts from when it was sent: wait for it up to the deadline.
+			// A slow answer still counts from when it was sent: wait for it up to a quarter TTL
+			// (then try again, up to the deadline).
 			deadline := lastOK.Add(cl.cfg.TTL)
+			if time.Now().After(deadline) && cl.holdWithoutQuorum(lastOK, holding) {
+				// etcd has no leader, so no lease can expire: keep the sandboxes (quorum.go).
+				if !holding {
+					holding = true
+					cl.log.Warn("cluster: lease renewal overdue, but etcd has no leader: keeping this node's sandboxes", "grace", cl.cfg.QuorumGrace)
+				}
+				deadline = time.Now().Add(cl.cfg.ProbeInterval)
+			}
 			step := time.Until(deadline)
 			if step <= 0 {
-				cl.fence(ctx, "the node could not renew its lease for "+cl.cfg.TTL.String())
+				cl.fence(ctx, "the node could not renew its lease for "+time.Since(lastOK).Round(time.Millisecond).String())
 				break
 			}
 			sent := time.Now()
-			kctx, cancel := context.WithTimeout(ctx, step)
+			// Short attempts: one sent to a leader that has just died hangs, and only a fresh
+			// one hears "no leader" from a member that noticed.
+			kctx, cancel := context.WithTimeout(clientv3.WithRequireLeader(ctx), min(step, max(cl.cfg.TTL/4, 100*time.Millisecond)))
 			_, err := cl.c.KeepAliveOnce(kctx, lease)
 			cancel()
+			if ctx.Err() == nil {
+				cl.noteStore(err)
+			}
 			if err == nil {
+				holding = false
 				lastOK = sent
 				if !sleep(ctx, time.Until(sent.Add(cl.cfg.TTL/3))) {
 					return

@@ -20,6 +20,8 @@ func (cl *Cluster) Keys() auth.Backend { return keyStore{cl} }
 type keyStore struct{ cl *Cluster }
 
 func (s keyStore) PutKey(ctx context.Context, k *auth.Key) error {
+	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
+	defer done()
 	b, err := json.Marshal(k)
 	if err != nil {
 		return err
@@ -53,6 +55,8 @@ func (s keyStore) GetKeyByHash(ctx context.Context, hash string) (*auth.Key, err
 }
 
 func (s keyStore) ListKeys(ctx context.Context) ([]*auth.Key, error) {
+	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
+	defer done()
 	r, err := s.cl.c.Get(ctx, s.cl.key("apikeys")+"/", clientv3.WithPrefix())
 	if err != nil {
 		return nil, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
@@ -74,6 +78,8 @@ func (s keyStore) ListKeys(ctx context.Context) ([]*auth.Key, error) {
 }
 
 func (s keyStore) DeleteKey(ctx context.Context, id string) error {
+	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
+	defer done()
 	r, err := s.cl.c.Delete(ctx, s.cl.key("apikeys", id))
 	if err != nil {
 		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)

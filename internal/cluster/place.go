@@ -48,6 +48,8 @@ const maxPlaceTime = 10 * time.Second
 // compares the node's allocation revision, so concurrent edges never overcommit it. Losing a
 // race re-reads that node and tries again (counted in PlacementRetries).
 func (cl *Cluster) Place(ctx context.Context, req PlaceRequest) (*Reservation, error) {
+	ctx, done := cl.opCtx(ctx, maxPlaceTime+cl.cfg.OpTimeout)
+	defer done()
 	edge := cl.epoch.Load()
 	if edge == 0 {
 		return nil, fmt.Errorf("this node is cut off from the cluster: %w", errdefs.ErrUnavailable)
@@ -210,6 +212,8 @@ func room(c Capacity, a Alloc) float64 {
 
 // Cancel gives a reservation's room back (the create failed or was refused).
 func (cl *Cluster) Cancel(ctx context.Context, r *Reservation) {
+	ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
+	defer done()
 	rk, ak := cl.key("resv", r.Node, r.ID), cl.key("alloc", r.Node)
 	for attempt := 0; attempt < 8; attempt++ {
 		resp, err := cl.c.Txn(ctx).Then(clientv3.OpGet(ak), clientv3.OpGet(rk)).Commit()
@@ -237,6 +241,8 @@ func (cl *Cluster) Cancel(ctx context.Context, r *Reservation) {
 
 // HasReservation reports whether reservation id holds room on this node.
 func (cl *Cluster) HasReservation(ctx context.Context, id string) bool {
+	ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
+	defer done()
 	r, err := cl.c.Get(ctx, cl.key("resv", cl.cfg.NodeID, id), clientv3.WithCountOnly())
 	return err == nil && r.Count > 0
 }
@@ -245,6 +251,8 @@ func (cl *Cluster) HasReservation(ctx context.Context, id string) bool {
 // reservation rid if set. It fails for a sandbox the cluster marked lost, and while the node
 // is fenced.
 func (cl *Cluster) Claim(ctx context.Context, s LocalSandbox, rid string) error {
+	ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
+	defer done()
 	err := cl.claim(ctx, s, rid)
 	cl.kickSync()
 	return err
@@ -283,6 +291,8 @@ func (cl *Cluster) claim(ctx context.Context, s LocalSandbox, rid string) error 
 
 // Release drops the route of a sandbox this node ended.
 func (cl *Cluster) Release(ctx context.Context, id string) {
+	ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
+	defer done()
 	if r := cl.route(id); r != nil && r.Node == cl.cfg.NodeID {
 		_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", id)), "=", r.modRev)).
 			Then(clientv3.OpDelete(cl.key("sandboxes", id)), clientv3.OpDelete(cl.key("stored", id))).Commit()
@@ -315,6 +325,8 @@ func (cl *Cluster) Locate(ctx context.Context, id string, fresh bool) (Location,
 	if !fresh {
 		r = cl.route(id)
 	} else {
+		ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
+		defer done()
 		resp, err := cl.c.Txn(ctx).Then(clientv3.OpGet(cl.key("sandboxes", id)), clientv3.OpGet(cl.key("lost", id))).Commit()
 		if err != nil {
 			return Location{}, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
@@ -342,6 +354,8 @@ func (cl *Cluster) Locate(ctx context.Context, id string, fresh bool) (Location,
 
 // Lost returns the record of a sandbox lost with its node, or nil.
 func (cl *Cluster) Lost(ctx context.Context, id string) (*Lost, error) {
+	ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
+	defer done()
 	r, err := cl.c.Get(ctx, cl.key("lost", id))
 	if err != nil {
 		return nil, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
@@ -431,6 +445,8 @@ func (cl *Cluster) Node(id string) (NodeView, error) {
 
 // Drain stops (on) or resumes (off) new placements on node id.
 func (cl *Cluster) Drain(ctx context.Context, id string, on bool) error {
+	ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
+	defer done()
 	if _, err := cl.Node(id); err != nil {
 		return err
 	}

@@ -30,8 +30,8 @@ func (cl *Cluster) syncLoop(ctx context.Context) {
 // what runs here plus the reservations made for it.
 func (cl *Cluster) sync(ctx context.Context) {
 	epoch := cl.epoch.Load()
-	if epoch == 0 {
-		return
+	if epoch == 0 || cl.Available() != nil {
+		return // fenced, or etcd cannot commit: nothing to reconcile against
 	}
 	self := cl.cfg.NodeID
 	// Reservations before the local list: a reservation consumed in between is then counted
@@ -42,6 +42,7 @@ func (cl *Cluster) sync(ctx context.Context) {
 		cl.log.Warn("cluster: sync: read reservations", "err", err)
 		return
 	}
+	cl.noteStore(nil) // a linearizable read answered: no probe needed this interval
 	rr, ar := tr.Responses[0].GetResponseRange(), tr.Responses[1].GetResponseRange()
 	var ae allocEntry
 	hasAlloc := len(ar.Kvs) > 0
@@ -229,7 +230,14 @@ func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, r
 		cl.log.Warn("cluster: mark lost: grant", "err", err)
 		return
 	}
-	b, _ := json.Marshal(Lost{Node: node, At: at.UTC(), Reason: reason})
+	record := func(id string) string {
+		lr := Lost{Node: node, At: at.UTC(), Reason: reason}
+		if r := cl.route(id); r != nil {
+			lr.TemplateID, lr.CPU, lr.MemoryMB, lr.Since = r.TemplateID, r.CPU, r.MemoryMB, r.Since
+		}
+		b, _ := json.Marshal(lr)
+		return string(b)
+	}
 	const batch = 40 // 3 entries each, within etcd's default 128 operations a transaction
 	for len(rs) > 0 {
 		n := min(batch, len(rs))
@@ -237,7 +245,7 @@ func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, r
 		var ops []clientv3.Op
 		for _, r := range rs[:n] {
 			cmps = append(cmps, clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", r.id)), "=", r.modRev))
-			ops = append(ops, clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), string(b), clientv3.WithLease(l.ID)))
+			ops = append(ops, clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), record(r.id), clientv3.WithLease(l.ID)))
 		}
 		resp, err := cl.c.Txn(ctx).If(cmps...).Then(ops...).Commit()
 		if err != nil {
@@ -248,7 +256,7 @@ func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, r
 			// One of them changed: one by one.
 			for _, r := range rs[:n] {
 				_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", r.id)), "=", r.modRev)).
-					Then(clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), string(b), clientv3.WithLease(l.ID))).Commit()
+					Then(clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), record(r.id), clientv3.WithLease(l.ID))).Commit()
 			}
 		}
 		rs = rs[n:]

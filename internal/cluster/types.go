@@ -18,6 +18,7 @@
 //	reaping/<id>/<ep>   the live node marking a dead epoch's sandboxes lost, under its lease
 //	apikeys/<id>        the cluster's API keys (auth.Key), no lease
 //	templates/<id>      SharedTemplate: a template every node can load from the image store, no lease
+//	secret              the key nodes sign their requests to each other with (no lease)
 package cluster
 
 import "time"
@@ -82,6 +83,11 @@ type Lost struct {
 	Node   string    `json:"node"`
 	At     time.Time `json:"at"`
 	Reason string    `json:"reason"`
+	// From the route it replaced (absent in records written before they were kept).
+	TemplateID string    `json:"templateID,omitempty"`
+	CPU        int       `json:"cpu,omitempty"`
+	MemoryMB   int       `json:"memoryMB,omitempty"`
+	Since      time.Time `json:"since,omitzero"`
 }
 
 // Node states in NodeView.

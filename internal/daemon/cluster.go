@@ -35,6 +35,16 @@ func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager, onRetry 
 		}
 		adv = "http://" + cfg.Listen
 	}
+	var secret []byte
+	if cfg.ClusterSecretFile != "" {
+		b, err := os.ReadFile(cfg.ClusterSecretFile)
+		if err != nil {
+			return nil, fmt.Errorf("cluster-secret-file: %w: %w", err, errdefs.ErrInvalid)
+		}
+		if secret = []byte(strings.TrimSpace(string(b))); len(secret) < 16 {
+			return nil, fmt.Errorf("cluster-secret-file: %s holds %d bytes, 16 or more needed: %w", cfg.ClusterSecretFile, len(secret), errdefs.ErrInvalid)
+		}
+	}
 	c, err := clientv3.New(clientv3.Config{Endpoints: cfg.EtcdEndpoints, DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
 		DialKeepAliveTime: 5 * time.Second, DialKeepAliveTimeout: 3 * time.Second})
 	if err != nil {
@@ -51,6 +61,8 @@ func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager, onRetry 
 		Local:            cluster.ManagerLocal(mgr),
 		LeaseFile:        filepath.Join(cfg.DataDir, "cluster-lease"),
 		Logger:           cfg.Logger,
+		Secret:           secret,
+		QuorumGrace:      cfg.ClusterQuorumGrace,
 		OwnClient:        true,
 		OnPlacementRetry: onRetry,
 		OnFence: func(reason string) {

@@ -84,6 +84,12 @@ type Config struct {
 	EtcdEndpoints []string
 	AdvertiseURL  string
 	ClusterTTL    time.Duration
+	// ClusterQuorumGrace: how long a node keeps its sandboxes past its TTL while etcd has no
+	// leader (cluster.Config.QuorumGrace).
+	ClusterQuorumGrace time.Duration
+	// ClusterSecretFile holds the secret that signs requests between nodes (empty = the
+	// cluster's own, kept in etcd).
+	ClusterSecretFile string
 	// Network CIDR for sandbox slots.
 	CIDR   string
 	Mirror string

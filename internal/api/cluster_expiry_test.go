@@ -1,0 +1,63 @@
+package api
+
+import (
+	"context"
+	"net/http"
+	"testing"
+	"time"
+)
+
+// A sandbox that times out on its node leaves the cluster's routing: within a sync interval
+// or two no edge routes to it, GET through any edge is a 404, and /nodes lists it nowhere.
+func TestClusterTimedOutSandboxLeavesRouting(t *testing.T) {
+	nodes := newTestCluster(t, 3)
+	var id string
+	var owner, edge *clusterNode
+	for i := 0; i < 12 && owner == nil; i++ {
+		r := nodes[0].env.ctl(http.MethodPost, "/sandboxes", `{"templateID":"base","timeout":1}`)
+		var sb struct {
+			SandboxID string `json:"sandboxID"`
+		}
+		r.json(t, &sb)
+		for _, n := range nodes[1:] {
+			if n.holds(sb.SandboxID) {
+				id, owner = sb.SandboxID, n
+			}
+		}
+	}
+	if owner == nil {
+		t.Fatal("no create landed off the edge")
+	}
+	edge = nodes[0]
+	ctx := context.Background()
+	if l, _ := edge.cl.Locate(ctx, id, false); l.Node != owner.id {
+		t.Fatalf("edge routes %s to %+v, want %s", id, l, owner.id)
+	}
+	created := time.Now()
+	waitFor(t, 10*time.Second, "the timed-out sandbox leaves every edge's routing", func() bool {
+		for _, n := range nodes {
+			if l, _ := n.cl.Locate(ctx, id, false); l.Known() {
+				return false
+			}
+		}
+		return true
+	})
+	t.Logf("routes gone %v after the create (timeout 1 s)", time.Since(created).Round(time.Millisecond))
+	if owner.holds(id) {
+		t.Fatal("the route went but the sandbox still runs")
+	}
+	if l, err := edge.cl.Locate(ctx, id, true); err != nil || l.Known() {
+		t.Fatalf("etcd still has %s: %+v %v", id, l, err)
+	}
+	if r := edge.env.ctl(http.MethodGet, "/sandboxes/"+id, ""); r.status != http.StatusNotFound {
+		t.Fatalf("GET of the timed-out sandbox through %s: %d %s", edge.id, r.status, r.body)
+	}
+	for _, n := range nodes {
+		v, _ := edge.cl.Node(n.id)
+		for _, s := range v.Sandboxes {
+			if s == id {
+				t.Fatalf("/nodes lists %s on %s", id, n.id)
+			}
+		}
+	}
+}
