@@ -69,6 +69,10 @@ type Config struct {
 	// loaded (needs Compression "none"). The image must then stay in place while the instance runs.
 	RestoreBackground bool
 
+	// SentryGC and GoferGC set the Go GC of each instance's sentry and gofer processes (memory.go;
+	// needs the runsc ember's set-up builds). Zero fields leave runsc's defaults.
+	SentryGC, GoferGC GCConfig
+
 	// Logger receives the driver's logs (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -115,6 +119,9 @@ func New(cfg Config) (*Driver, error) {
 	}
 	if strings.HasPrefix(cfg.CgroupParent, "/") {
 		return nil, fmt.Errorf("gvisor: config cgroup_parent %q: must be relative: %w", cfg.CgroupParent, errdefs.ErrInvalid)
+	}
+	if err := validateGC(cfg.SentryGC, cfg.GoferGC); err != nil {
+		return nil, err
 	}
 	switch cfg.Compression {
 	case "":
