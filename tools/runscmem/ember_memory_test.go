@@ -8,7 +8,8 @@ import (
 	"testing"
 )
 
-// Run with: go test -tags ember_runsc ./tools/runscmem/ (scripts/setup.sh does before it builds runsc).
+// Run with: go test -tags ember_runsc ./tools/runscmem/ (make test does; the file is only compiled
+// with that tag, as runsc's build compiles it).
 
 func TestProcessOf(t *testing.T) {
 	for _, c := range []struct {
