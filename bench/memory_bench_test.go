@@ -49,8 +49,9 @@ import (
 //   - gofer: 3.2 MiB, the same binary's start-up heap. With directfs the sentry opens files
 //     itself, but the gofer serves its lisafs connection (mount-point donation, the few
 //     operations directfs leaves to it) until the sandbox ends. A lower GC percent makes it larger.
-//   - guest: 1.80 MiB of the memory file: envd's and the guest's pages (so envd's own GC or
-//     buffers could save a fraction of that at most).
+//   - guest: 1.80 MiB of the memory file: envd's and the guest's anonymous pages (the guest
+//     sees 3.4 MiB AnonPages, 12.9 MiB Cached: file pages come from the host's page cache,
+//     shared, not the memory file), so envd's own GC or buffers could save a fraction of 1.8.
 //
 // What would move it (upstream gVisor changes): a gofer that exits once directfs mounts are
 // set up (-3.2); restore with bounded parallelism, so the sentry keeps as few threads as after a
@@ -145,6 +146,11 @@ func BenchmarkIdleMemory(b *testing.B) {
 	}
 	for i, s := range sets {
 		report(b, fmt.Sprintf("first command (bash -l), set %c", 'A'+i), s.first)
+	}
+	// The guest side of set A's first sandbox: envd (the sandbox's init) and the guest's own
+	// view of its memory.
+	if out, err := n.run(sets[0].sbs[0], `grep -E '^(VmRSS|RssAnon|RssFile|Threads)' /proc/1/status | tr -s ' \t' ' ' | tr '\n' ' '; echo; grep -E '^(MemTotal|MemFree|Cached|AnonPages|Shmem):' /proc/meminfo | tr -s ' ' | tr '\n' ' '`); err == nil {
+		fmt.Printf("  guest, set A: envd %s  guest /proc/meminfo: %s\n", strings.TrimSpace(strings.SplitN(out, "\n", 2)[0]), strings.TrimSpace(strings.SplitN(out+"\n", "\n", 3)[1]))
 	}
 	if _, ok := n.Driver.(runtime.MemoryReducer); !ok {
 		return
