@@ -25,6 +25,7 @@ run: setup
 # Every test: linters, Go tests (real runsc, netns, S3 server), a short fuzz run, the SDK suite.
 test: setup lint
 	EMBER_REQUIRE_ALL=1 EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -p 1 -count=1 -timeout 40m ./...
+	$(GO) test -count=1 -tags ember_runsc ./tools/runscmem/
 	$(MAKE) fuzz
 	EMBER_REQUIRE_ALL=1 $(MAKE) sdk
 
@@ -33,6 +34,8 @@ lint:
 	$(GO) vet ./...
 	@[ -x .cache/bin/staticcheck ] || GOBIN=$(CURDIR)/.cache/bin $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 	.cache/bin/staticcheck ./...
+	$(GO) vet -tags ember_runsc ./tools/runscmem/
+	.cache/bin/staticcheck -tags ember_runsc ./tools/runscmem/
 	bash scripts/gen-proto.sh --check
 
 fuzz:

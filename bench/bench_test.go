@@ -202,7 +202,7 @@ func BenchmarkLifecycle(b *testing.B) {
 
 	// The named snapshot after 1 GiB written: BenchmarkSnapshot (snapshot_bench_test.go).
 	n.Manager.Kill(ctx, sb.ID)
-	idleMemory(b, n, 50)
+	// Idle memory at N = 50: BenchmarkIdleMemory (memory_bench_test.go).
 }
 
 func ratio(a, b dist) float64 {

@@ -44,14 +44,16 @@ func getNode(b *testing.B, poolSize int) *node {
 	b.Helper()
 	testutil.RequireRoot(b)
 	runsc := testutil.Runsc(b)
-	nodeOnce.Do(func() { theNode, nodeErr = startNode(runsc, poolSize) })
+	nodeOnce.Do(func() { theNode, nodeErr = startNode(runsc, poolSize, nil) })
 	if nodeErr != nil {
 		b.Fatal(nodeErr)
 	}
 	return theNode
 }
 
-func startNode(runsc string, poolSize int) (*node, error) {
+// startNode starts a node; mod, if set, changes its configuration (a second node needs a node id
+// and CIDR of its own).
+func startNode(runsc string, poolSize int, mod func(*daemon.Config)) (*node, error) {
 	root := testutil.RepoRoot()
 	tmp, err := os.MkdirTemp("", "ember-bench-")
 	if err != nil {
@@ -86,7 +88,7 @@ func startNode(runsc string, poolSize int) (*node, error) {
 			layerFS = "btrfs (loop device on " + fsType(tmp) + ")"
 		}
 	}
-	n, err := daemon.Open(context.Background(), daemon.Config{
+	cfg := daemon.Config{
 		DataDir: dataDir, CacheDir: cache, Runsc: runsc, Envd: envd, PoolSize: poolSize, SlotPoolSize: -1,
 		PrestartSize: 1, PrestartMax: 8, // ember serve's defaults
 		// EMBER_BENCH_POOL_REFILL_WEIGHT=-1: refills at the sandboxes' CPU weight (an A/B of it).
@@ -96,7 +98,11 @@ func startNode(runsc string, poolSize int) (*node, error) {
 		Templates: []string{"base"},
 		Logger:    benchLogger(),
 		Out:       os.Stderr,
-	})
+	}
+	if mod != nil {
+		mod(&cfg)
+	}
+	n, err := daemon.Open(context.Background(), cfg)
 	if err != nil {
 		return nil, err
 	}

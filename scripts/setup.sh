@@ -28,10 +28,12 @@ mkdir -p .cache/bin
 # The generator is linked against the same gvisor version (go.mod; it checks) and built with
 # runsc's GOARCH and CGO_ENABLED=0. The go command refuses overlays of module-cache files, so the
 # build runs in a copy of the module's source with the generated files overlaid on its stubs.
-# Rebuilt when the version, the build flags, the generator, the modules it links or the Go
-# toolchain change.
-runsc_flags=(-trimpath -ldflags "-s -w -X gvisor.dev/gvisor/runsc/version.version=${RUNSC_VERSION##*-}")
-runsc_stamp="$RUNSC_VERSION ${runsc_flags[*]} seccompgen=$({ cat tools/seccompgen/*.go; go list -deps -f '{{with .Module}}{{.Path}}@{{.Version}}{{end}}' ./tools/seccompgen | sort -u; } | sha256sum | cut -c1-16) $(go env GOVERSION)"
+# The overlay also adds one file of ember's own to runsc's package main (tools/runscmem, build tag
+# ember_runsc): the sentry and gofer set their Go GC from the bundle's annotations at start.
+# Rebuilt when the version, the build flags, the generator, the added file, the modules the
+# generator links or the Go toolchain change.
+runsc_flags=(-trimpath -tags ember_runsc -ldflags "-s -w -X gvisor.dev/gvisor/runsc/version.version=${RUNSC_VERSION##*-}")
+runsc_stamp="$RUNSC_VERSION ${runsc_flags[*]} seccompgen=$({ cat tools/seccompgen/*.go tools/runscmem/ember_memory.go; go list -deps -f '{{with .Module}}{{.Path}}@{{.Version}}{{end}}' ./tools/seccompgen | sort -u; } | sha256sum | cut -c1-16) $(go env GOVERSION)"
 if [ "$(cat .cache/bin/runsc.version 2>/dev/null)" != "$runsc_stamp" ] || [ ! -x .cache/bin/runsc ]; then
 	echo "setup: building runsc $RUNSC_VERSION with precompiled seccomp filters (about 3-5 minutes)"
 	src=$(go mod download -json "${RUNSC_MODULE%/runsc}@$RUNSC_VERSION" | grep '"Dir":' | cut -d'"' -f4)
@@ -41,7 +43,8 @@ if [ "$(cat .cache/bin/runsc.version 2>/dev/null)" != "$runsc_stamp" ] || [ ! -x
 	cp -r "$src" .cache/src/gvisor
 	chmod -R u+w .cache/src/gvisor
 	CGO_ENABLED=0 go build -o .cache/bin/seccompgen ./tools/seccompgen
-	.cache/bin/seccompgen -gvisor-dir .cache/src/gvisor -gvisor-version "$RUNSC_VERSION" -out .cache/seccomp
+	.cache/bin/seccompgen -gvisor-dir .cache/src/gvisor -gvisor-version "$RUNSC_VERSION" -out .cache/seccomp \
+		-add runsc/ember_memory.go=tools/runscmem/ember_memory.go
 	(cd .cache/src/gvisor && CGO_ENABLED=0 go build -overlay "$OLDPWD/.cache/seccomp/overlay.json" "${runsc_flags[@]}" \
 		-o "$OLDPWD/.cache/bin/runsc" ./runsc)
 	echo "$runsc_stamp" > .cache/bin/runsc.version
@@ -58,6 +61,9 @@ if ! grep -q "Loaded precompiled seccomp instructions" "$check"/*.boot.txt; then
 	rm -rf "$check"; exit 1
 fi
 rm -rf "$check"
+if ! go version -m .cache/bin/runsc | grep -q -- '-tags=ember_runsc'; then
+	echo "setup: .cache/bin/runsc was built without ember's addition (tools/runscmem)"; exit 1
+fi
 echo "setup: $(.cache/bin/runsc --version | head -1) works"
 
 if [ -f scripts/setup-s3.sh ]; then bash scripts/setup-s3.sh; fi

@@ -20,3 +20,10 @@ type Prestarter interface {
 	// RestoreInto of one instance, or of one that is not pre-started, is ErrConflict.
 	RestoreInto(ctx context.Context, id, imageDir string) error
 }
+
+// MemoryReducer is implemented by drivers that can make a running instance give memory back to
+// the host without changing what runs in it (e.g. collect the garbage a restore leaves in
+// gVisor's sentry). Callers use it off the critical path, once an instance is idle.
+type MemoryReducer interface {
+	ReduceMemory(ctx context.Context, id string) error
+}

@@ -54,12 +54,17 @@ func main() {
 	version := flag.String("gvisor-version", "", "version of that module (must be the one this binary links)")
 	outDir := flag.String("out", "", "directory for the generated files and overlay.json")
 	platforms := flag.String("platforms", "systrap", "comma-separated sentry platforms to precompile")
+	var adds addFlag
+	flag.Var(&adds, "add", "REL=FILE: the overlay also adds FILE to the module as REL (a path inside it that must not exist); repeatable")
 	flag.Parse()
 	if *gvisorDir == "" || *version == "" || *outDir == "" || flag.NArg() != 0 {
 		flag.Usage()
 		os.Exit(2)
 	}
 	n, err := run(*gvisorDir, *version, *outDir, strings.Split(*platforms, ","))
+	if err == nil {
+		err = addToOverlay(*gvisorDir, *outDir, adds)
+	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "seccompgen:", err)
 		os.Exit(1)
@@ -115,6 +120,57 @@ func run(gvisorDir, version, outDir string, platforms []string) ([2]int, error) 
 		return n, err
 	}
 	return n, os.WriteFile(filepath.Join(outDir, "overlay.json"), append(js, '\n'), 0o644)
+}
+
+// addFlag collects the -add flags.
+type addFlag []string
+
+func (a *addFlag) String() string     { return strings.Join(*a, ",") }
+func (a *addFlag) Set(v string) error { *a = append(*a, v); return nil }
+
+// addToOverlay adds files of ember's own to the overlay.json in outDir: each of adds is REL=FILE,
+// FILE compiled into the module at gvisorDir as REL (e.g. a new file of runsc's package main).
+// REL must not exist in the module: the overlay adds files, it never replaces gVisor's.
+func addToOverlay(gvisorDir, outDir string, adds []string) error {
+	if len(adds) == 0 {
+		return nil
+	}
+	gvisorDir, err := filepath.Abs(gvisorDir)
+	if err != nil {
+		return err
+	}
+	path := filepath.Join(outDir, "overlay.json")
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	var ov struct{ Replace map[string]string }
+	if err := json.Unmarshal(b, &ov); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	for _, a := range adds {
+		rel, file, ok := strings.Cut(a, "=")
+		if !ok || rel == "" || file == "" || filepath.IsAbs(rel) || strings.HasPrefix(filepath.Clean(rel), "..") {
+			return fmt.Errorf("-add %q: want REL=FILE with REL relative to the module", a)
+		}
+		dst := filepath.Join(gvisorDir, rel)
+		if _, err := os.Stat(dst); err == nil {
+			return fmt.Errorf("-add %q: %s exists in the module (the overlay only adds files)", a, rel)
+		}
+		src, err := filepath.Abs(file)
+		if err != nil {
+			return err
+		}
+		if _, err := os.Stat(src); err != nil {
+			return fmt.Errorf("-add %q: %w", a, err)
+		}
+		ov.Replace[dst] = src
+	}
+	js, err := json.MarshalIndent(ov, "", "\t")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, append(js, '\n'), 0o644)
 }
 
 // checkVersion fails unless this binary links gvisor.dev/gvisor at version.

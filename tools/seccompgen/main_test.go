@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -179,5 +180,46 @@ func TestSourceIsDeterministic(t *testing.T) {
 	}
 	if !strings.Contains(string(a), "const PrecompilationDisabledAtBuildTime = false") {
 		t.Fatal("generated source does not enable precompiled programs")
+	}
+}
+
+// -add puts files of ember's own into the overlay next to the generated ones, and never lets one
+// replace a file of the module.
+func TestAddToOverlay(t *testing.T) {
+	mod, out := t.TempDir(), t.TempDir()
+	if err := os.MkdirAll(filepath.Join(mod, "runsc"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(mod, "runsc", "main.go"), []byte("package main\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ours := filepath.Join(t.TempDir(), "ember_memory.go")
+	if err := os.WriteFile(ours, []byte("package main\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	gen := map[string]string{filepath.Join(mod, "runsc/boot/filter/filter_precompiled.go"): filepath.Join(out, "boot_filter_precompiled.go")}
+	js, _ := json.Marshal(struct{ Replace map[string]string }{gen})
+	if err := os.WriteFile(filepath.Join(out, "overlay.json"), js, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range []string{"runsc/main.go=" + ours, "../x.go=" + ours, "/abs.go=" + ours, "runsc/x.go", "runsc/x.go=" + ours + ".missing"} {
+		if err := addToOverlay(mod, out, []string{bad}); err == nil {
+			t.Errorf("-add %q accepted", bad)
+		}
+	}
+	if err := addToOverlay(mod, out, []string{"runsc/ember_memory.go=" + ours}); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(filepath.Join(out, "overlay.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got struct{ Replace map[string]string }
+	if err := json.Unmarshal(b, &got); err != nil {
+		t.Fatal(err)
+	}
+	gen[filepath.Join(mod, "runsc/ember_memory.go")] = ours
+	if !reflect.DeepEqual(got.Replace, gen) {
+		t.Fatalf("overlay %v, want %v", got.Replace, gen)
 	}
 }

@@ -75,6 +75,9 @@ type Config struct {
 	// these names, and a restore compares them (layers.go). It must map a name it returns to
 	// itself (the names recorded by older images, host paths, go through it too).
 	LayerIdentity func(path string) string
+	// SentryGC and GoferGC set the Go GC of each instance's sentry and gofer processes (memory.go;
+	// needs the runsc ember's set-up builds). Zero fields leave runsc's defaults.
+	SentryGC, GoferGC GCConfig
 
 	// Logger receives the driver's logs (default slog.Default()).
 	Logger *slog.Logger
@@ -122,6 +125,9 @@ func New(cfg Config) (*Driver, error) {
 	}
 	if strings.HasPrefix(cfg.CgroupParent, "/") {
 		return nil, fmt.Errorf("gvisor: config cgroup_parent %q: must be relative: %w", cfg.CgroupParent, errdefs.ErrInvalid)
+	}
+	if err := validateGC(cfg.SentryGC, cfg.GoferGC); err != nil {
+		return nil, err
 	}
 	switch cfg.Compression {
 	case "":

@@ -74,8 +74,9 @@ func (d *Driver) ociSpec(s runtime.Spec) *specs.Spec {
 		// The template rootfs is shared and only ever read: writes go to the instance's own layer,
 		// a host overlayfs upper (OverlayHost, RootFS is then the instance's overlay mount) or
 		// runsc's memory overlay (Config.Overlay "root:memory").
-		Root:     &specs.Root{Path: s.RootFS},
-		Hostname: hostname,
+		Root:        &specs.Root{Path: s.RootFS},
+		Hostname:    hostname,
+		Annotations: d.gcAnnotations(),
 		Mounts: []specs.Mount{
 			{Destination: "/proc", Type: "proc", Source: "proc"},
 			{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
