@@ -118,7 +118,8 @@ func (m *Manager) ListSnapshots(ctx context.Context, sandboxID string) ([]*Templ
 }
 
 // Fork checkpoints a running sandbox once (it keeps running) and restores count children from
-// that image in parallel, each with its own id, access token, network slot and writable layer.
+// that image in parallel, each with its own id, access token, network slot and writable layer
+// (over the source's layer captured read-only, where the driver can: forklayers.go).
 func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]ForkResult, error) {
 	if count < 1 || count > MaxForkCount {
 		return nil, fmt.Errorf("count must be between 1 and %d: %w", MaxForkCount, errdefs.ErrInvalid)
@@ -159,7 +160,20 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 		}()
 	}()
 	start := time.Now()
-	err = m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+	// With a driver that captures layers, the source's layer is captured once as a read-only
+	// layer the children stack (forklayers.go), instead of a copy per child.
+	lc := m.layerCapturer()
+	top := ""
+	if lc != nil {
+		ended := m.buildStarted() // no layer collection until the children are recorded
+		defer ended()
+		forks := filepath.Join(m.cfg.DataDir, forkLayersDir)
+		if err = os.MkdirAll(forks, 0o700); err == nil {
+			top, err = lc.CheckpointToLayer(ctx, parent.Runtime.InstanceID, image, filepath.Join(forks, filepath.Base(image)))
+		}
+	} else {
+		err = m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+	}
 	e.mu.Unlock()
 	if err != nil {
 		m.observe(StageFork, start, err)
@@ -169,6 +183,11 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	tpl, err := m.templateOf(ctx, parent)
 	if err != nil {
 		return nil, err
+	}
+	if top != "" {
+		c := *tpl
+		c.RootFS, c.Lowers = top, append([]string{tpl.RootFS}, tpl.Lowers...)
+		tpl = &c
 	}
 	results := make([]ForkResult, count)
 	sem := make(chan struct{}, forkParallelism)
@@ -193,6 +212,11 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	m.logger(id).Info("sandbox forked", "children", ok, "failed", count-ok,
 		"checkpoint_ms", ckpt.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
 	if ok == 0 {
+		if top != "" {
+			m.gcMu.Lock()
+			m.gcPending = true // the fork layer is unused: removed once the fork has ended
+			m.gcMu.Unlock()
+		}
 		err := fmt.Errorf("fork: every child failed: %w", errors.Join(results[0].Err))
 		m.observe(StageFork, start, err)
 		return results, err
@@ -221,8 +245,8 @@ func (m *Manager) forkChild(ctx context.Context, parent *Sandbox, tpl *Template,
 		AutoResume:       parent.AutoResume,
 		Timeout:          timeout,
 		Network:          parent.Network.ForNew(),
-		RootFS:           parent.RootFS,
-		Lowers:           parent.Lowers,
+		RootFS:           tpl.RootFS,
+		Lowers:           tpl.Lowers,
 		AllowInternet:    parent.AllowInternet,
 	}
 	p, err := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, image: image, init: child, initToken: parent.AccessToken,

@@ -364,6 +364,7 @@ func (m *Manager) Close() {
 	m.wg.Wait()
 	pooled += m.dropAllPre()
 	m.abortFn()
+	m.closeForkLayers()
 	running, paused := 0, 0
 	m.mu.Lock()
 	for _, e := range m.live {

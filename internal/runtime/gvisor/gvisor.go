@@ -577,6 +577,12 @@ func (d *Driver) Exec(ctx context.Context, id string, args []string) ([]byte, in
 // free for the next restore. The stopped instance stays listed until Delete (or until Start or
 // Restore reuse its id).
 func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runtime.CheckpointOptions) error {
+	return d.checkpoint(ctx, id, imageDir, opts, nil)
+}
+
+// checkpoint is Checkpoint; with LeaveRunning and host layers, capture (when not nil) takes the
+// paused instance's layer instead of the clone into the image (CheckpointToLayer).
+func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runtime.CheckpointOptions, capture func(stateDir string) error) error {
 	if err := validateID(id); err != nil {
 		return err
 	}
@@ -637,6 +643,9 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 	d.log.Debug("checkpointed", "instance", id, "leave_running", opts.LeaveRunning, "ms", time.Since(t0).Milliseconds())
 	privateFiles(imageDir)
 	if opts.LeaveRunning {
+		if stateDir != "" && capture != nil {
+			return capture(stateDir)
+		}
 		if stateDir != "" {
 			return d.checkpointLayer(stateDir, imageDir, true)
 		}
