@@ -194,13 +194,14 @@ type Manager struct {
 	opMu     sync.RWMutex
 	closing  bool
 	inflight atomic.Int32
+	ops      sync.WaitGroup
+	abort    context.Context
+	abortFn  context.CancelFunc
+
 	// forkCopies: forks copy the source's layer into each child (ForkCopiesLayers).
 	forkCopies atomic.Bool
 	// forkNoPrestart: fork children are restored into new instances (ForkPrestartsChildren).
 	forkNoPrestart atomic.Bool
-	ops            sync.WaitGroup
-	abort          context.Context
-	abortFn        context.CancelFunc
 }
 
 // entry is the in-memory state of one sandbox; mu serialises lifecycle operations on it.
