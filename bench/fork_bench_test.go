@@ -17,10 +17,9 @@ import (
 const forkRounds = 5
 
 // BenchmarkFork (issue 11): a fork into 16 children whose layers stack over the source's layer
-// captured once, read-only (fork layers), with the children's instances pre-started while the
-// source's memory is written; next to the same without pre-starting, to the same giving each
-// child a copy of the source's layer (the way before), and to the floor, 16 raw runsc restores
-// at once; alternated in one run; the source has 64 MiB written in its layer. Then where a raw
+// captured once, read-only (fork layers), next to the same fork giving each child a copy of the
+// source's layer (the way before) and to the floor, 16 raw runsc restores at once; alternated
+// in one run; the source has 64 MiB written in its layer. Then where a raw
 // restore's time goes (runsc's debug-log timers), and the driver's own capture of the source
 // (pause, checkpoint, layer clone or capture, resume), which every fork waits for.
 func BenchmarkFork(b *testing.B) {
@@ -36,11 +35,9 @@ func BenchmarkFork(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer n.Manager.ForkCopiesLayers(false)
-	defer n.Manager.ForkPrestartsChildren(true)
-	var layered, noPre, copied, floor dist
-	fork := func(copies, prestart bool) time.Duration {
+	var layered, copied, floor dist
+	fork := func(copies bool) time.Duration {
 		n.Manager.ForkCopiesLayers(copies)
-		n.Manager.ForkPrestartsChildren(prestart)
 		time.Sleep(300 * time.Millisecond)
 		t0 := time.Now()
 		res, err := n.Manager.Fork(ctx, sb.ID, 16, time.Minute)
@@ -90,13 +87,11 @@ func BenchmarkFork(b *testing.B) {
 		return el
 	}
 	for i := 0; i < forkRounds; i++ {
-		layered = append(layered, fork(false, true))
-		noPre = append(noPre, fork(false, false))
-		copied = append(copied, fork(true, false))
+		layered = append(layered, fork(false))
+		copied = append(copied, fork(true))
 		floor = append(floor, rawFloor(i))
 	}
-	report(b, "fork into 16, per child: over the captured layer, pre-started", layered)
-	report(b, "fork into 16, per child: over the captured layer, new instances", noPre)
+	report(b, "fork into 16, per child: over the captured layer", layered)
 	report(b, "fork into 16, per child: a copy of the layer each (before)", copied)
 	report(b, "floor: 16 raw runsc restores at once, wall per restore", floor)
 	raw.breakdown(b, tpl.Image)
@@ -123,7 +118,7 @@ func BenchmarkFork(b *testing.B) {
 		os.MkdirAll(img, 0o700)
 		layer := filepath.Join(n.dataDir, "images", fmt.Sprintf("bench-fork-layer-%d", i))
 		t1 := time.Now()
-		if _, err := lc.CheckpointToLayer(ctx, info.Runtime.InstanceID, img, layer, nil); err != nil {
+		if _, err := lc.CheckpointToLayer(ctx, info.Runtime.InstanceID, img, layer); err != nil {
 			b.Fatal(err)
 		}
 		capt = append(capt, time.Since(t1))

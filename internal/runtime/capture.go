@@ -12,13 +12,10 @@ type LayerCapturer interface {
 	// CheckpointToLayer is Checkpoint with LeaveRunning, except that the instance's writable
 	// layer as it was at the checkpoint goes to layerDir (it must not exist; the driver creates
 	// it), not into imageDir. It returns top, the root of that read-only layer: the image
-	// restores (Restore, or RestoreInto an instance pre-started with no image) onto the stack
-	// top, then the instance's own RootFS and Lowers, with an empty writable layer. Nothing
-	// writes layerDir afterwards; the instance keeps running on its own writable layer. The
-	// layer is captured before the memory: captured (when not nil) is called with top as soon
-	// as it is usable, while the image is still being written, so instances can be pre-started
-	// on the stack meanwhile. On error layerDir is absent.
-	CheckpointToLayer(ctx context.Context, id, imageDir, layerDir string, captured func(top string)) (top string, err error)
+	// restores (Restore, Prestart) onto the stack top, then the instance's own RootFS and
+	// Lowers, with an empty writable layer. Nothing writes layerDir afterwards; the instance
+	// keeps running on its own writable layer. On error layerDir is absent.
+	CheckpointToLayer(ctx context.Context, id, imageDir, layerDir string) (top string, err error)
 	// OpenCapturedLayer makes layerDir usable as a layer again where what it needs on the host
 	// is gone (its mount, after a host restart) and returns its top. Idempotent.
 	OpenCapturedLayer(ctx context.Context, layerDir string) (top string, err error)

@@ -165,85 +165,40 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 		return nil, err
 	}
 	start := time.Now()
-	results := make([]ForkResult, count)
-	sem := make(chan struct{}, forkParallelism)
-	var wg sync.WaitGroup
 	// With a driver that captures layers, the source's layer is captured once as a read-only
-	// layer the children stack (forklayers.go), instead of a copy per child; the layer is
-	// captured before the memory, so the children's instances are pre-started on their stack
-	// while the source's memory is being written, and restored into once it is.
+	// layer the children stack (forklayers.go), instead of a copy per child.
 	lc := m.layerCapturer()
-	ps, _ := m.cfg.Driver.(runtime.Prestarter)
-	if m.forkNoPrestart.Load() {
-		ps = nil
-	}
-	ckptDone := make(chan struct{})
-	var ckptErr error
 	top := ""
 	if lc != nil && !m.forkCopies.Load() {
 		ended := m.buildStarted() // no layer collection until the children are recorded
 		defer ended()
 		forks := filepath.Join(m.cfg.DataDir, forkLayersDir)
 		if err = os.MkdirAll(forks, 0o700); err == nil {
-			top, err = lc.CheckpointToLayer(ctx, parent.Runtime.InstanceID, image, filepath.Join(forks, filepath.Base(image)), func(top string) {
-				tpl = childTemplate(tpl, top)
-				if ps == nil {
-					return
-				}
-				for i := range results {
-					wg.Add(1)
-					go func(i int) {
-						defer wg.Done()
-						sem <- struct{}{}
-						defer func() { <-sem }()
-						child := newForkChild(parent, tpl, timeout)
-						p, perr := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, prestart: true,
-							cpu: child.CPUCount, memMB: child.MemoryMB, diskMB: child.DiskSizeMB, egress: child.Egress()})
-						<-ckptDone
-						switch {
-						case ckptErr != nil && perr == nil:
-							m.teardown(context.WithoutCancel(ctx), child.ID, p)
-							m.removeSandboxDir(child.ID)
-							fallthrough
-						case ckptErr != nil:
-							results[i] = ForkResult{Err: ckptErr}
-							return
-						case perr != nil:
-							m.removeSandboxDir(child.ID)
-							m.logger(id).Warn("fork: pre-start a child; restoring it into a new instance", "err", perr)
-							results[i] = m.forkChild(ctx, child, tpl, image, parent.AccessToken, nil)
-						default:
-							results[i] = m.forkChild(ctx, child, tpl, image, parent.AccessToken, &p)
-						}
-					}(i)
-				}
-			})
+			top, err = lc.CheckpointToLayer(ctx, parent.Runtime.InstanceID, image, filepath.Join(forks, filepath.Base(image)))
 		}
 	} else {
 		err = m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
 	}
 	e.mu.Unlock()
 	if err != nil {
-		ckptErr = fmt.Errorf("checkpoint: %w", err)
-	}
-	close(ckptDone)
-	if err != nil {
-		wg.Wait()
 		m.observe(StageFork, start, err)
-		return nil, ckptErr
+		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
 	ckpt := time.Since(start)
-	if top == "" || ps == nil {
-		// Children restored into new instances.
-		for i := range results {
-			wg.Add(1)
-			go func(i int) {
-				defer wg.Done()
-				sem <- struct{}{}
-				defer func() { <-sem }()
-				results[i] = m.forkChild(ctx, newForkChild(parent, tpl, timeout), tpl, image, parent.AccessToken, nil)
-			}(i)
-		}
+	if top != "" {
+		tpl = childTemplate(tpl, top)
+	}
+	results := make([]ForkResult, count)
+	sem := make(chan struct{}, forkParallelism)
+	var wg sync.WaitGroup
+	for i := range results {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			results[i] = m.forkChild(ctx, newForkChild(parent, tpl, timeout), tpl, image, parent.AccessToken)
+		}(i)
 	}
 	wg.Wait()
 	ok := 0
@@ -302,12 +257,11 @@ func newForkChild(parent *Sandbox, tpl *Template, timeout time.Duration) *Sandbo
 	}
 }
 
-// forkChild restores image as child (into the pre-started instance into when not nil, which
-// then was pre-started for child on tpl's stack) and records it.
-func (m *Manager) forkChild(ctx context.Context, child *Sandbox, tpl *Template, image, initToken string, into *Placement) ForkResult {
+// forkChild restores image as child, on tpl's stack, and records it.
+func (m *Manager) forkChild(ctx context.Context, child *Sandbox, tpl *Template, image, initToken string) ForkResult {
 	now := time.Now().UTC()
 	child.StartedAt, child.EndAt = now, now.Add(child.Timeout)
-	p, err := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, image: image, init: child, initToken: initToken, into: into,
+	p, err := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, image: image, init: child, initToken: initToken,
 		cpu: child.CPUCount, memMB: child.MemoryMB, diskMB: child.DiskSizeMB, egress: child.Egress()})
 	if err != nil {
 		m.removeSandboxDir(child.ID)

@@ -40,11 +40,6 @@ func (m *Manager) layerCapturer() runtime.LayerCapturer {
 // measure fork layers against. Fork layers that exist are handled either way.
 func (m *Manager) ForkCopiesLayers(on bool) { m.forkCopies.Store(on) }
 
-// ForkPrestartsChildren, off, makes later forks over a captured layer restore their children
-// into new instances instead of instances pre-started while the source's memory is written:
-// another baseline for benchmarks. On by default.
-func (m *Manager) ForkPrestartsChildren(on bool) { m.forkNoPrestart.Store(!on) }
-
 // stacksForkLayer reports whether sb's stack holds a fork layer of this node.
 func (m *Manager) stacksForkLayer(sb *Sandbox) bool {
 	prefix := filepath.Join(m.cfg.DataDir, forkLayersDir) + string(os.PathSeparator)

@@ -200,8 +200,6 @@ type Manager struct {
 
 	// forkCopies: forks copy the source's layer into each child (ForkCopiesLayers).
 	forkCopies atomic.Bool
-	// forkNoPrestart: fork children are restored into new instances (ForkPrestartsChildren).
-	forkNoPrestart atomic.Bool
 }
 
 // entry is the in-memory state of one sandbox; mu serialises lifecycle operations on it.

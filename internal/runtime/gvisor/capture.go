@@ -25,6 +25,12 @@ import (
 // writable layer of its own (a fresh disk image when limited: its limit bounds what it writes
 // itself, the captured files are not counted), so nothing is copied per instance.
 //
+// The layer is captured after runsc checkpoint, never before it: the sentry's save first flushes
+// the file data it caches to the host (the gofer filesystem's PrepareSave syncs), so only then
+// does the layer hold what the memory image expects. Instances on the captured stack can thus
+// only be created once the image is written (pre-starting them during the checkpoint would
+// need the layer first).
+//
 // Layout: <layerDir>/layer is the clone as CloneUpper makes it; the top (the directory to stack)
 // is <layerDir>/layer/upper, an overlayfs upper directory whose whiteouts and opaque
 // directories overlayfs honours in a lower layer as well.
@@ -34,42 +40,30 @@ var _ runtime.LayerCapturer = (*Driver)(nil)
 // CapturesLayers implements runtime.LayerCapturer: with host layers only.
 func (d *Driver) CapturesLayers() bool { return d.hostLayers() }
 
-// CheckpointToLayer implements runtime.LayerCapturer: pause, capture of the layer (and
-// captured), runsc checkpoint --leave-running, the stack recorded in the image, resume.
-func (d *Driver) CheckpointToLayer(ctx context.Context, id, imageDir, layerDir string, captured func(top string)) (top string, err error) {
+// CheckpointToLayer implements runtime.LayerCapturer.
+func (d *Driver) CheckpointToLayer(ctx context.Context, id, imageDir, layerDir string) (top string, err error) {
 	if !d.hostLayers() {
 		return "", fmt.Errorf("gvisor: checkpoint %s to a layer: needs host layers (overlay %q): %w", id, d.cfg.Overlay, errdefs.ErrInvalid)
 	}
 	if !filepath.IsAbs(layerDir) || strings.ContainsAny(layerDir, ",:\\\n") {
 		return "", fmt.Errorf("gvisor: checkpoint %s to a layer: path %q: must be absolute without , : or \\: %w", id, layerDir, errdefs.ErrInvalid)
 	}
-	err = d.checkpoint(ctx, id, imageDir, runtime.CheckpointOptions{LeaveRunning: true}, func(stateDir string) (func() error, error) {
-		stack, err := os.ReadFile(filepath.Join(stateDir, stackName))
-		if err != nil {
-			return nil, fmt.Errorf("gvisor: capture layer: rootfs stack: %w", err)
-		}
-		if top, err = captureLayer(stateDir, layerDir); err != nil {
-			return nil, err
-		}
-		if captured != nil {
-			captured(top)
-		}
-		return func() error {
-			if err := os.WriteFile(filepath.Join(imageDir, stackName), []byte(top+"\n"+string(stack)), 0o600); err != nil {
-				return fmt.Errorf("gvisor: capture layer: rootfs stack: %w", err)
-			}
-			return nil
-		}, nil
+	err = d.checkpoint(ctx, id, imageDir, runtime.CheckpointOptions{LeaveRunning: true}, func(stateDir string) error {
+		var cerr error
+		top, cerr = captureLayer(stateDir, imageDir, layerDir)
+		return cerr
 	})
-	if err != nil {
-		removeCaptured(layerDir)
-		return "", err
-	}
-	return top, nil
+	return top, err
 }
 
-// captureLayer clones the paused instance's layer in stateDir into layerDir and opens it.
-func captureLayer(stateDir, layerDir string) (top string, err error) {
+// captureLayer clones the paused instance's layer in stateDir into layerDir, opens it, and
+// records in imageDir the stack the image restores onto: the captured top over the
+// instance's own stack.
+func captureLayer(stateDir, imageDir, layerDir string) (top string, err error) {
+	stack, err := os.ReadFile(filepath.Join(stateDir, stackName))
+	if err != nil {
+		return "", fmt.Errorf("gvisor: capture layer: rootfs stack: %w", err)
+	}
 	if err := os.Mkdir(layerDir, 0o700); err != nil {
 		return "", fmt.Errorf("gvisor: capture layer: %w", err)
 	}
@@ -81,7 +75,13 @@ func captureLayer(stateDir, layerDir string) (top string, err error) {
 	if _, err := CloneUpper(stateDir, layerDir); err != nil {
 		return "", err
 	}
-	return openCaptured(layerDir)
+	if top, err = openCaptured(layerDir); err != nil {
+		return "", err
+	}
+	if err := os.WriteFile(filepath.Join(imageDir, stackName), []byte(top+"\n"+string(stack)), 0o600); err != nil {
+		return "", fmt.Errorf("gvisor: capture layer: rootfs stack: %w", err)
+	}
+	return top, nil
 }
 
 // OpenCapturedLayer implements runtime.LayerCapturer.

@@ -581,9 +581,8 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 }
 
 // checkpoint is Checkpoint; with LeaveRunning and host layers, capture (when not nil) takes the
-// paused instance's layer before its memory is written, instead of the clone into the image
-// after it (CheckpointToLayer); the function it returns completes the image once runsc wrote it.
-func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runtime.CheckpointOptions, capture func(stateDir string) (func() error, error)) error {
+// paused instance's layer instead of the clone into the image (CheckpointToLayer).
+func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runtime.CheckpointOptions, capture func(stateDir string) error) error {
 	if err := validateID(id); err != nil {
 		return err
 	}
@@ -610,7 +609,6 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 	}
 
 	stateDir := ""
-	var finish func() error // completes a captured layer's image (capture)
 	if d.hostLayers() {
 		if stateDir = d.instanceDir(ctx, id); stateDir == "" {
 			return fmt.Errorf("gvisor: checkpoint %s: state directory unknown: %w", id, errdefs.ErrNotFound)
@@ -621,12 +619,6 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 				return d.explain(ctx, id, err)
 			}
 			defer d.run(context.WithoutCancel(ctx), d.logDir(id), "resume", id)
-			if capture != nil {
-				var err error
-				if finish, err = capture(stateDir); err != nil {
-					return err
-				}
-			}
 		}
 	}
 	args := []string{"checkpoint", "--image-path", imageDir, "--compression=" + d.cfg.Compression}
@@ -651,8 +643,8 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 	d.log.Debug("checkpointed", "instance", id, "leave_running", opts.LeaveRunning, "ms", time.Since(t0).Milliseconds())
 	privateFiles(imageDir)
 	if opts.LeaveRunning {
-		if finish != nil {
-			return finish()
+		if stateDir != "" && capture != nil {
+			return capture(stateDir)
 		}
 		if stateDir != "" {
 			return d.checkpointLayer(stateDir, imageDir, true)
