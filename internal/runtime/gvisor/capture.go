@@ -48,9 +48,9 @@ func (d *Driver) CheckpointToLayer(ctx context.Context, id, imageDir, layerDir s
 	if !filepath.IsAbs(layerDir) || strings.ContainsAny(layerDir, ",:\\\n") {
 		return "", fmt.Errorf("gvisor: checkpoint %s to a layer: path %q: must be absolute without , : or \\: %w", id, layerDir, errdefs.ErrInvalid)
 	}
-	err = d.checkpoint(ctx, id, imageDir, runtime.CheckpointOptions{LeaveRunning: true}, func(stateDir string) error {
+	err = d.checkpoint(ctx, id, imageDir, runtime.CheckpointOptions{LeaveRunning: true}, func(stateDir string, resume func()) error {
 		var cerr error
-		top, cerr = captureLayer(stateDir, imageDir, layerDir)
+		top, cerr = captureLayer(stateDir, imageDir, layerDir, resume)
 		return cerr
 	})
 	return top, err
@@ -59,7 +59,7 @@ func (d *Driver) CheckpointToLayer(ctx context.Context, id, imageDir, layerDir s
 // captureLayer clones the paused instance's layer in stateDir into layerDir, opens it, and
 // records in imageDir the stack the image restores onto: the captured top over the
 // instance's own stack.
-func captureLayer(stateDir, imageDir, layerDir string) (top string, err error) {
+func captureLayer(stateDir, imageDir, layerDir string, resume func()) (top string, err error) {
 	stack, err := os.ReadFile(filepath.Join(stateDir, stackName))
 	if err != nil {
 		return "", fmt.Errorf("gvisor: capture layer: rootfs stack: %w", err)
@@ -72,7 +72,7 @@ func captureLayer(stateDir, imageDir, layerDir string) (top string, err error) {
 			removeCaptured(layerDir)
 		}
 	}()
-	if _, err := CloneUpper(stateDir, layerDir); err != nil {
+	if _, err := cloneUpper(stateDir, layerDir, resume); err != nil {
 		return "", err
 	}
 	if top, err = openCaptured(layerDir); err != nil {

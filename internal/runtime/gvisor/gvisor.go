@@ -582,7 +582,7 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 
 // checkpoint is Checkpoint; with LeaveRunning and host layers, capture (when not nil) takes the
 // paused instance's layer instead of the clone into the image (CheckpointToLayer).
-func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runtime.CheckpointOptions, capture func(stateDir string) error) error {
+func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runtime.CheckpointOptions, capture func(stateDir string, resume func()) error) error {
 	if err := validateID(id); err != nil {
 		return err
 	}
@@ -609,6 +609,7 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 	}
 
 	stateDir := ""
+	resume := func() {}
 	if d.hostLayers() {
 		if stateDir = d.instanceDir(ctx, id); stateDir == "" {
 			return fmt.Errorf("gvisor: checkpoint %s: state directory unknown: %w", id, errdefs.ErrNotFound)
@@ -618,7 +619,20 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 			if _, err := d.run(ctx, d.logDir(id), "pause", id); err != nil {
 				return d.explain(ctx, id, err)
 			}
-			defer d.run(context.WithoutCancel(ctx), d.logDir(id), "resume", id)
+			// Resumed once its layer can no longer change the clone (cloneUpper's frozen): a
+			// disk-limited layer is copied while the instance runs again, its writes waiting.
+			// Checkpoint returns once it is resumed either way.
+			var once sync.Once
+			resumed := make(chan struct{})
+			resume = func() {
+				once.Do(func() {
+					go func() {
+						defer close(resumed)
+						d.run(context.WithoutCancel(ctx), d.logDir(id), "resume", id)
+					}()
+				})
+			}
+			defer func() { resume(); <-resumed }()
 		}
 	}
 	args := []string{"checkpoint", "--image-path", imageDir, "--compression=" + d.cfg.Compression}
@@ -644,10 +658,10 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 	privateFiles(imageDir)
 	if opts.LeaveRunning {
 		if stateDir != "" && capture != nil {
-			return capture(stateDir)
+			return capture(stateDir, resume)
 		}
 		if stateDir != "" {
-			return d.checkpointLayer(stateDir, imageDir, true)
+			return d.checkpointLayer(stateDir, imageDir, true, resume)
 		}
 		return nil
 	}
@@ -658,7 +672,7 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 	}
 	if stateDir != "" {
 		d.waitGone(ctx, id, 10*time.Second)
-		return d.checkpointLayer(stateDir, imageDir, false)
+		return d.checkpointLayer(stateDir, imageDir, false, nil)
 	}
 	return nil
 }
@@ -701,7 +715,7 @@ func (d *Driver) checkpointFiles(ctx context.Context, id, imageDir string, opts 
 		return err
 	}
 	d.waitGone(ctx, id, 10*time.Second)
-	if err := d.checkpointLayer(stateDir, imageDir, false); err != nil {
+	if err := d.checkpointLayer(stateDir, imageDir, false, nil); err != nil {
 		return err
 	}
 	return os.WriteFile(filepath.Join(imageDir, filesOnlyMarker), nil, 0o600)
