@@ -14,8 +14,9 @@ import (
 // with the template image's layer, disk-limit image and network slot in place) saves on the
 // paths that restore a checkpoint: a create that finds no restored sandbox ready, and the
 // resume of a paused sandbox; each next to the same operation without it, in the same run. Fork
-// children restore into new instances (their layer is the fork's own, made at fork time): their
-// row is the baseline the targets are set against.
+// children restore into new instances (their stack, over the source's layer captured at the
+// fork, exists only once the fork's checkpoint is written): their row is the baseline the
+// targets are set against; BenchmarkFork compares them with a copy of the layer per child.
 func BenchmarkPrestart(b *testing.B) {
 	n := getNode(b, 2)
 	ctx := context.Background()

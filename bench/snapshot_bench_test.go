@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/runtime"
+	"github.com/ember-sandbox/ember/internal/runtime/gvisor"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -30,7 +31,8 @@ func BenchmarkSnapshot(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer n.Manager.Kill(ctx, sb.ID)
-	var capture, answer, stored, again dist
+	var capture, answer, stored, again, pauseResume, clone dist
+	raw := newRawRunsc(b, n)
 	// waitStored waits until snapshot id is stored and returns the time since t.
 	waitStored := func(id string, t time.Time) time.Duration {
 		for {
@@ -66,6 +68,24 @@ func BenchmarkSnapshot(b *testing.B) {
 		}
 		capture = append(capture, time.Since(t0))
 		os.RemoveAll(img)
+		// Its parts besides runsc checkpoint: the pause and resume around it, and the clone of
+		// the layer (of the running sandbox here: only its cost matters).
+		t0 = time.Now()
+		if _, err := raw.run("pause", info.Runtime.InstanceID); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := raw.run("resume", info.Runtime.InstanceID); err != nil {
+			b.Fatal(err)
+		}
+		pauseResume = append(pauseResume, time.Since(t0))
+		dst := filepath.Join(n.dataDir, "images", fmt.Sprintf("bench-clone-%d", i))
+		t0 = time.Now()
+		if _, err := gvisor.CloneUpper(info.Runtime.StateDir, dst); err != nil {
+			b.Fatal(err)
+		}
+		clone = append(clone, time.Since(t0))
+		gvisor.RemoveLayer(dst)
+		os.RemoveAll(dst)
 
 		t1 := time.Now()
 		snap, err := n.Manager.Snapshot(ctx, sb.ID, "")
@@ -88,6 +108,8 @@ func BenchmarkSnapshot(b *testing.B) {
 		}
 	}
 	report(b, "capture after 1 GiB written (ckpt+layer clone)", capture)
+	report(b, "... of which runsc pause + runsc resume", pauseResume)
+	report(b, "... of which the layer clone", clone)
 	report(b, "named snapshot after 1 GiB written: answer", answer)
 	report(b, "... stored (upload done)", stored)
 	report(b, "... stored, nothing written since the last", again)

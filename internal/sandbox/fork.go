@@ -118,7 +118,8 @@ func (m *Manager) ListSnapshots(ctx context.Context, sandboxID string) ([]*Templ
 }
 
 // Fork checkpoints a running sandbox once (it keeps running) and restores count children from
-// that image in parallel, each with its own id, access token, network slot and writable layer.
+// that image in parallel, each with its own id, access token, network slot and writable layer
+// (over the source's layer captured read-only, where the driver can: forklayers.go).
 func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]ForkResult, error) {
 	if count < 1 || count > MaxForkCount {
 		return nil, fmt.Errorf("count must be between 1 and %d: %w", MaxForkCount, errdefs.ErrInvalid)
@@ -158,17 +159,34 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 			removeTree(image)
 		}()
 	}()
+	tpl, err := m.templateOf(ctx, parent)
+	if err != nil {
+		e.mu.Unlock()
+		return nil, err
+	}
 	start := time.Now()
-	err = m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+	// With a driver that captures layers, the source's layer is captured once as a read-only
+	// layer the children stack (forklayers.go), instead of a copy per child.
+	lc := m.layerCapturer()
+	top := ""
+	if lc != nil && !m.forkCopies.Load() {
+		ended := m.buildStarted() // no layer collection until the children are recorded
+		defer ended()
+		forks := filepath.Join(m.cfg.DataDir, forkLayersDir)
+		if err = os.MkdirAll(forks, 0o700); err == nil {
+			top, err = lc.CheckpointToLayer(ctx, parent.Runtime.InstanceID, image, filepath.Join(forks, filepath.Base(image)))
+		}
+	} else {
+		err = m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+	}
 	e.mu.Unlock()
 	if err != nil {
 		m.observe(StageFork, start, err)
 		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
 	ckpt := time.Since(start)
-	tpl, err := m.templateOf(ctx, parent)
-	if err != nil {
-		return nil, err
+	if top != "" {
+		tpl = childTemplate(tpl, top)
 	}
 	results := make([]ForkResult, count)
 	sem := make(chan struct{}, forkParallelism)
@@ -179,8 +197,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			child, err := m.forkChild(ctx, parent, tpl, image, timeout)
-			results[i] = ForkResult{Sandbox: child, Err: err}
+			results[i] = m.forkChild(ctx, newForkChild(parent, tpl, timeout), tpl, image, parent.AccessToken)
 		}(i)
 	}
 	wg.Wait()
@@ -193,6 +210,11 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	m.logger(id).Info("sandbox forked", "children", ok, "failed", count-ok,
 		"checkpoint_ms", ckpt.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
 	if ok == 0 {
+		if top != "" {
+			m.gcMu.Lock()
+			m.gcPending = true // the fork layer is unused: removed once the fork has ended
+			m.gcMu.Unlock()
+		}
 		err := fmt.Errorf("fork: every child failed: %w", errors.Join(results[0].Err))
 		m.observe(StageFork, start, err)
 		return results, err
@@ -201,9 +223,17 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	return results, nil
 }
 
-func (m *Manager) forkChild(ctx context.Context, parent *Sandbox, tpl *Template, image string, timeout time.Duration) (*Sandbox, error) {
+// childTemplate is tpl with the captured layer top stacked over its stack.
+func childTemplate(tpl *Template, top string) *Template {
+	c := *tpl
+	c.RootFS, c.Lowers = top, append([]string{tpl.RootFS}, tpl.Lowers...)
+	return &c
+}
+
+// newForkChild is a child of parent on tpl's stack, not yet launched.
+func newForkChild(parent *Sandbox, tpl *Template, timeout time.Duration) *Sandbox {
 	now := time.Now().UTC()
-	child := &Sandbox{
+	return &Sandbox{
 		ID:               newID(),
 		TemplateID:       parent.TemplateID,
 		Alias:            parent.Alias,
@@ -221,22 +251,28 @@ func (m *Manager) forkChild(ctx context.Context, parent *Sandbox, tpl *Template,
 		AutoResume:       parent.AutoResume,
 		Timeout:          timeout,
 		Network:          parent.Network.ForNew(),
-		RootFS:           parent.RootFS,
-		Lowers:           parent.Lowers,
+		RootFS:           tpl.RootFS,
+		Lowers:           tpl.Lowers,
 		AllowInternet:    parent.AllowInternet,
 	}
-	p, err := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, image: image, init: child, initToken: parent.AccessToken,
+}
+
+// forkChild restores image as child, on tpl's stack, and records it.
+func (m *Manager) forkChild(ctx context.Context, child *Sandbox, tpl *Template, image, initToken string) ForkResult {
+	now := time.Now().UTC()
+	child.StartedAt, child.EndAt = now, now.Add(child.Timeout)
+	p, err := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, image: image, init: child, initToken: initToken,
 		cpu: child.CPUCount, memMB: child.MemoryMB, diskMB: child.DiskSizeMB, egress: child.Egress()})
 	if err != nil {
 		m.removeSandboxDir(child.ID)
-		return nil, err
+		return ForkResult{Err: err}
 	}
 	child.Runtime = p
 	e, err := m.register(ctx, child)
 	if err != nil {
-		return nil, err
+		return ForkResult{Err: err}
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return m.snapshotOf(e), nil
+	return ForkResult{Sandbox: m.snapshotOf(e)}
 }

@@ -58,6 +58,7 @@ func (m *Manager) collectLayers(ctx context.Context, why string) {
 			m.log.Warn("layer gc", "why", why, "err", err)
 		}
 	}
+	m.sweepForkLayersLocked(ctx, keep, why)
 	// Templates' own layers of earlier builds and of deleted templates, and what an
 	// interrupted build left (rootfs-<id>.tmp, its edit mount's scratch directory).
 	used := map[string]bool{}

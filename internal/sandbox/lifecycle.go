@@ -64,6 +64,7 @@ func (m *Manager) endLocked(ctx context.Context, e *entry, reason string) {
 		m.logger(sb.ID).Warn("record end", "err", err)
 	}
 	m.logger(sb.ID).Info("sandbox ended", "reason", reason)
+	m.forkLayerUserEnded(sb)
 }
 
 // SetTimeout sets a running sandbox's end to now + d. Paused sandboxes answer not found, as

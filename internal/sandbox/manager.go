@@ -214,6 +214,9 @@ type Manager struct {
 	ops      sync.WaitGroup
 	abort    context.Context
 	abortFn  context.CancelFunc
+
+	// forkCopies: forks copy the source's layer into each child (ForkCopiesLayers).
+	forkCopies atomic.Bool
 }
 
 // entry is the in-memory state of one sandbox; mu serialises lifecycle operations on it.
@@ -387,6 +390,7 @@ func (m *Manager) Close() {
 	m.wg.Wait()
 	pooled += m.dropAllPre()
 	m.abortFn()
+	m.closeForkLayers()
 	running, paused := 0, 0
 	m.mu.Lock()
 	for _, e := range m.live {

@@ -539,8 +539,7 @@ func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, tim
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			child, err := m.forkChild(ctx, &parent, tpl, image, timeout)
-			results[i] = ForkResult{Sandbox: child, Err: err}
+			results[i] = m.forkChild(ctx, newForkChild(&parent, tpl, timeout), tpl, image, parent.AccessToken)
 		}(i)
 	}
 	wg.Wait()

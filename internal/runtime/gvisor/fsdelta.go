@@ -135,9 +135,23 @@ func PrepareRootFS(lowers []string, sandboxDir string) (merged string, cleanup f
 // instance (runsc pause) across checkpoint and clone, so files and memory image agree.
 // dstSandboxDir must not have a layer yet. It returns the method used (Clone*).
 func CloneUpper(srcSandboxDir, dstSandboxDir string) (method string, err error) {
+	return cloneUpper(srcSandboxDir, dstSandboxDir, nil)
+}
+
+// cloneUpper is CloneUpper; frozen (when not nil) is called once the source can no longer
+// change the clone: a disk-limited layer frozen (its writes wait until the clone is done), a
+// plain layer cloned. A paused source may be resumed from there.
+func cloneUpper(srcSandboxDir, dstSandboxDir string, frozen func()) (method string, err error) {
+	if frozen != nil {
+		defer func() {
+			if method != CloneDiskImage {
+				frozen()
+			}
+		}()
+	}
 	src := filepath.Join(srcSandboxDir, layerDirName)
 	dst := filepath.Join(dstSandboxDir, layerDirName)
-	if ok, err := cloneDiskLayer(srcSandboxDir, dstSandboxDir); ok {
+	if ok, err := cloneDiskLayerFrozen(srcSandboxDir, dstSandboxDir, frozen); ok {
 		return CloneDiskImage, err
 	}
 	if _, err := os.Lstat(filepath.Join(src, upperDirName)); err != nil {

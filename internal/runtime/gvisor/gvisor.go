@@ -595,6 +595,12 @@ func (d *Driver) Exec(ctx context.Context, id string, args []string) ([]byte, in
 // free for the next restore. The stopped instance stays listed until Delete (or until Start or
 // Restore reuse its id).
 func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runtime.CheckpointOptions) error {
+	return d.checkpoint(ctx, id, imageDir, opts, nil)
+}
+
+// checkpoint is Checkpoint; with LeaveRunning and host layers, capture (when not nil) takes the
+// paused instance's layer instead of the clone into the image (CheckpointToLayer).
+func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runtime.CheckpointOptions, capture func(stateDir string, resume func()) error) error {
 	if err := validateID(id); err != nil {
 		return err
 	}
@@ -626,6 +632,7 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 	tl.Mark("pid")
 
 	stateDir := ""
+	resume := func() {}
 	if d.hostLayers() {
 		if stateDir = d.instanceDir(ctx, id); stateDir == "" {
 			return fmt.Errorf("gvisor: checkpoint %s: state directory unknown: %w", id, errdefs.ErrNotFound)
@@ -635,7 +642,20 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 			if _, err := d.run(ctx, d.logDir(id), "pause", id); err != nil {
 				return d.explain(ctx, id, err)
 			}
-			defer d.run(context.WithoutCancel(ctx), d.logDir(id), "resume", id)
+			// Resumed once its layer can no longer change the clone (cloneUpper's frozen): a
+			// disk-limited layer is copied while the instance runs again, its writes waiting.
+			// Checkpoint returns once it is resumed either way.
+			var once sync.Once
+			resumed := make(chan struct{})
+			resume = func() {
+				once.Do(func() {
+					go func() {
+						defer close(resumed)
+						d.run(context.WithoutCancel(ctx), d.logDir(id), "resume", id)
+					}()
+				})
+			}
+			defer func() { resume(); <-resumed }()
 		}
 	}
 	args := []string{"checkpoint", "--image-path", imageDir, "--compression=" + d.cfg.Compression}
@@ -660,9 +680,12 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 	}
 	privateFiles(imageDir)
 	if opts.LeaveRunning {
+		if stateDir != "" && capture != nil {
+			return capture(stateDir, resume)
+		}
 		if stateDir != "" {
 			defer tl.Mark("layer_clone")
-			return d.checkpointLayer(stateDir, imageDir, true)
+			return d.checkpointLayer(stateDir, imageDir, true, resume)
 		}
 		return nil
 	}
@@ -682,7 +705,7 @@ func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runti
 		d.waitGone(ctx, id, 10*time.Second)
 		tl.Mark("gofer_exit")
 		defer tl.Mark("layer_move")
-		return d.checkpointLayer(stateDir, imageDir, false)
+		return d.checkpointLayer(stateDir, imageDir, false, nil)
 	}
 	return nil
 }
@@ -725,7 +748,7 @@ func (d *Driver) checkpointFiles(ctx context.Context, id, imageDir string, opts 
 		return err
 	}
 	d.waitGone(ctx, id, 10*time.Second)
-	if err := d.checkpointLayer(stateDir, imageDir, false); err != nil {
+	if err := d.checkpointLayer(stateDir, imageDir, false, nil); err != nil {
 		return err
 	}
 	return os.WriteFile(filepath.Join(imageDir, filesOnlyMarker), nil, 0o600)

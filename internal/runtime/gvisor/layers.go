@@ -249,14 +249,14 @@ func (d *Driver) instanceDir(ctx context.Context, id string) string {
 }
 
 // checkpointLayer completes a checkpoint of a host-layer instance: with leaveRunning the
-// (paused) instance's layer is cloned into the image; otherwise the stopped instance's layer is
-// moved there.
-func (d *Driver) checkpointLayer(stateDir, imageDir string, leaveRunning bool) error {
+// (paused) instance's layer is cloned into the image, and resume is called once the instance
+// may run again; otherwise the stopped instance's layer is moved there.
+func (d *Driver) checkpointLayer(stateDir, imageDir string, leaveRunning bool, resume func()) error {
 	if err := recordStack(stateDir, imageDir); err != nil {
 		return err
 	}
 	if leaveRunning {
-		_, err := CloneUpper(stateDir, imageDir)
+		_, err := cloneUpper(stateDir, imageDir, resume)
 		return err
 	}
 	layer := filepath.Join(stateDir, layerDirName)

@@ -311,10 +311,13 @@ func hasDiskImage(layer string) bool {
 	return err == nil
 }
 
-// cloneDiskLayer is CloneUpper for a limited layer: dst/layer gets a copy of src's image. A
+// cloneDiskLayerFrozen is CloneUpper for a limited layer: dst/layer gets a copy of src's image. A
 // mounted source (a running, paused instance) is frozen while its image is copied, so the copy
 // is a clean filesystem. ok is false when src is not a limited layer.
-func cloneDiskLayer(srcSandboxDir, dstSandboxDir string) (ok bool, err error) {
+// frozen (when not nil) is called once a mounted source is frozen, before its image is copied:
+// from then on until the copy is done, writes to the layer wait, so the source may run again
+// meanwhile (checkpointLayer resumes it there).
+func cloneDiskLayerFrozen(srcSandboxDir, dstSandboxDir string, frozen func()) (ok bool, err error) {
 	src := filepath.Join(srcSandboxDir, layerDirName)
 	dst := filepath.Join(dstSandboxDir, layerDirName)
 	if !hasDiskImage(src) {
@@ -339,6 +342,9 @@ func cloneDiskLayer(srcSandboxDir, dstSandboxDir string) (ok bool, err error) {
 			return true, fmt.Errorf("gvisor: disk limit: clone: freeze: %w", err)
 		}
 		defer unix.IoctlRetInt(fd, fiThaw)
+		if frozen != nil {
+			frozen()
+		}
 		tree, err := unix.OpenTree(unix.AT_FDCWD, srcSandboxDir, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
 		if err != nil {
 			return true, fmt.Errorf("gvisor: disk limit: clone: open_tree: %w", err)

@@ -176,6 +176,8 @@ type Driver struct {
 	Fail func(op, id string) error
 	// Calls counts calls by method name.
 	calls map[string]int
+	// layers: captured layers (capture.go).
+	layers captureState
 }
 
 var _ runtime.Driver = (*Driver)(nil)
