@@ -189,12 +189,22 @@ func (s *server) adoptSandbox(w http.ResponseWriter, r *http.Request, p params) 
 // chooses (its own node first, if it is a candidate), before its request is served there, and
 // returns where the sandbox is now. Anything else is left where it is.
 func (s *server) relocate(r *http.Request, id string, loc cluster.Location) (cluster.Location, error) {
-	if s.cfg.Mover == nil || !loc.Stored || loc.Lost != nil {
+	if s.cfg.Mover == nil || loc.Lost != nil {
 		return loc, nil
 	}
 	draining := false
 	if v, err := s.cl.Node(loc.Node); err == nil && v.State == cluster.StateDraining {
 		draining = true
+	}
+	if !loc.Stored && draining && !loc.Local {
+		// A draining node is storing its sandboxes: this edge's cache may not have seen the
+		// stored route yet, and the node itself would resume it there.
+		if fresh, err := s.cl.Locate(r.Context(), id, true); err == nil {
+			loc = fresh
+		}
+	}
+	if !loc.Stored {
+		return loc, nil
 	}
 	if !loc.Dead && loc.URL != "" && !draining || loc.Local && !draining {
 		return loc, nil
@@ -282,13 +292,18 @@ func (s *server) forkAcross(w http.ResponseWriter, r *http.Request, id string, c
 	}
 	local := 0
 	groups := map[string][]*cluster.Reservation{}
-	var order []string
+	var order, used []string
 	for i := 0; i < count; i++ {
-		resv, err := s.cl.Place(ctx, cluster.PlaceRequest{TemplateID: sb.TemplateID})
+		// Spread: each child avoids the nodes its siblings went to while others have room.
+		if len(used) > 0 && len(used)%max(1, len(s.cl.Nodes())) == 0 {
+			used = used[:0]
+		}
+		resv, err := s.cl.Place(ctx, cluster.PlaceRequest{TemplateID: sb.TemplateID, Avoid: used})
 		if err != nil {
 			local += count - i // no room elsewhere: here, where the node admits or refuses them
 			break
 		}
+		used = append(used, resv.Node)
 		if resv.Local {
 			s.cl.Cancel(context.WithoutCancel(ctx), resv) // a local child is counted once it runs
 			local++

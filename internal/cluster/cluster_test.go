@@ -411,3 +411,35 @@ func TestJoinWithUnroutedSandboxes(t *testing.T) {
 		}
 	}
 }
+
+// Avoid is soft: the avoided nodes are left out while another has room, and used when none has.
+func TestPlacementAvoids(t *testing.T) {
+	e := clustertest.Start(t, 3)
+	a := join(t, e.Endpoints(), "a", 4, newLocal("base"))
+	join(t, e.Endpoints(), "b", 4, newLocal("base"))
+	join(t, e.Endpoints(), "c", 4, newLocal("base"))
+	ctx := context.Background()
+	eventually(t, 5*time.Second, "a sees b and c", func() bool { return len(a.Live()) == 3 })
+	for i := 0; i < 6; i++ {
+		used := map[string]bool{}
+		var avoid []string
+		for j := 0; j < 3; j++ {
+			r, err := a.Place(ctx, cluster.PlaceRequest{TemplateID: "base", Avoid: avoid})
+			if err != nil {
+				t.Fatalf("place avoiding %v: %v", avoid, err)
+			}
+			if used[r.Node] {
+				t.Fatalf("round %d: placed on %s again while avoiding %v", i, r.Node, avoid)
+			}
+			used[r.Node] = true
+			avoid = append(avoid, r.Node)
+			a.Cancel(ctx, r)
+		}
+		// Every node avoided: placed all the same.
+		r, err := a.Place(ctx, cluster.PlaceRequest{TemplateID: "base", Avoid: avoid})
+		if err != nil {
+			t.Fatalf("place avoiding every node: %v", err)
+		}
+		a.Cancel(ctx, r)
+	}
+}

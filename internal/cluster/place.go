@@ -26,6 +26,9 @@ type PlaceRequest struct {
 	Runsc, CPUClass string
 	// Prefer names the node tried first when it is a candidate (a paused sandbox's own).
 	Prefer string
+	// Avoid names nodes placed on only when no other node has room (a fork's children spread
+	// over the nodes: each child avoids the nodes its siblings went to).
+	Avoid []string
 }
 
 // Reservation is room held on a node for one create, under the edge's lease: the node that
@@ -63,6 +66,11 @@ func (cl *Cluster) Place(ctx context.Context, req PlaceRequest) (*Reservation, e
 			return nil, fmt.Errorf("template %q: %w", req.TemplateID, errdefs.ErrNotFound)
 		}
 		return nil, fmt.Errorf("no node has room for a sandbox of template %q: %w", req.TemplateID, errdefs.ErrExhausted)
+	}
+	if len(req.Avoid) > 0 {
+		if rest := slices.DeleteFunc(slices.Clone(cands), func(c candidate) bool { return slices.Contains(req.Avoid, c.n.ID) }); len(rest) > 0 {
+			cands = rest
+		}
 	}
 	rid := newID()
 	// Lost races are retried while some node has room, within a bound: running out of

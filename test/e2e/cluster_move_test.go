@@ -275,12 +275,17 @@ func TestClusterPausedSandboxesMove(t *testing.T) {
 		holder = c
 	}
 	drain(t, a, holder, true)
-	waitUntil(t, 30*time.Second, "the drained node paused its sandbox", func() bool {
+	waitUntil(t, 30*time.Second, "the drained node paused its sandbox into the store", func() bool {
 		var s sbx
-		return a.api(t, "GET", "/sandboxes/"+paused.SandboxID, nil, &s) == 200 && s.State == "paused"
+		return strings.Contains(holder.logLines(paused.SandboxID, 50), "drain: paused into the image store") &&
+			a.api(t, "GET", "/sandboxes/"+paused.SandboxID, nil, &s) == 200 && s.State == "paused"
 	})
 	if code, body := a.apiBody(t, "POST", "/v2/sandboxes/"+paused.SandboxID+"/connect", map[string]any{"timeout": 600}, nil); code != 201 && code != 200 {
-		t.Fatalf("resume of a drained node's sandbox: %d %s", code, body)
+		var lines []string
+		for _, n := range nodes {
+			lines = append(lines, "--- "+n.nodeID+":\n"+n.logLines(paused.SandboxID, 25))
+		}
+		t.Fatalf("resume of a drained node's sandbox: %d %s\n%s", code, body, strings.Join(lines, "\n"))
 	}
 	if n := nodeOf(t, a, paused.SandboxID); n == holder.nodeID || n == "" {
 		t.Fatalf("resumed on %q, the drained node", n)
