@@ -24,11 +24,8 @@ func (s *server) unheld(loc cluster.Location) bool {
 // serveUnheld answers, without moving it, a GET or a kill of stored sandbox id of a gone node;
 // false (with where it is now) leaves the request to the usual routing, which moves it.
 func (s *server) serveUnheld(w http.ResponseWriter, r *http.Request, id string, loc cluster.Location) (cluster.Location, bool, error) {
-	segs := splitPath(r.URL.Path)
-	if len(segs) > 0 && segs[0] == "v2" {
-		segs = segs[1:]
-	}
-	if !s.unheld(loc) || len(segs) != 2 || (r.Method != http.MethodGet && r.Method != http.MethodDelete) {
+	segs := splitPath(r.URL.Path) // GET and DELETE /sandboxes/{id}
+	if !s.unheld(loc) || len(segs) != 2 || segs[0] != "sandboxes" || (r.Method != http.MethodGet && r.Method != http.MethodDelete) {
 		return loc, false, nil
 	}
 	ctx := r.Context()
