@@ -179,6 +179,12 @@ func (s *server) routeSandbox(w http.ResponseWriter, r *http.Request, id, port s
 	if err == nil && (!loc.Known() || loc.Dead) {
 		loc, err = s.cl.Locate(ctx, id, true)
 	}
+	if err == nil && !sandboxPlane {
+		var done bool
+		if loc, done, err = s.serveUnheld(w, r, id, loc); done { // cluster_stored.go
+			return true
+		}
+	}
 	if err == nil {
 		loc, err = s.relocate(r, id, loc) // a stored paused sandbox of a gone node (cluster_move.go)
 	}
@@ -407,6 +413,14 @@ func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		writeError(w, s.log, r, err)
 		return
+	}
+	if ask {
+		stored, err := s.unheldForList(r) // no node lists them (cluster_stored.go)
+		if err != nil {
+			writeError(w, s.log, r, err)
+			return
+		}
+		lost = append(lost, stored...)
 	}
 	v2 := strings.HasPrefix(r.URL.Path, "/v2/")
 	q := r.URL.Query()

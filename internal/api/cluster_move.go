@@ -149,6 +149,10 @@ type PausedMover interface {
 	Adopt(ctx context.Context, id string) error
 	// StoredImage is the store id of sandbox id's stored pause image ("" if none).
 	StoredImage(ctx context.Context, id string) string
+	// Unheld returns the stored paused sandboxes whose node is gone (of ids, or all).
+	Unheld(ctx context.Context, ids ...string) ([]sandbox.Sandbox, error)
+	// Forget ends stored sandbox id of a gone node without moving it (ErrConflict: it is not).
+	Forget(ctx context.Context, id string) error
 }
 
 // nodesOnly refuses a request that did not come from another node of the cluster (those

@@ -37,7 +37,7 @@ func newClusterNode(t *testing.T, e *clustertest.Etcd, id string, mod func(*sand
 	return newClusterNodeWith(t, e, id, mod, nil, nil)
 }
 
-func newClusterNodeWith(t *testing.T, e *clustertest.Etcd, id string, mod func(*sandbox.Config), cmod func(*cluster.Config), wrap func(http.Handler) http.Handler) *clusterNode {
+func newClusterNodeWith(t *testing.T, e *clustertest.Etcd, id string, mod func(*sandbox.Config), cmod func(*cluster.Config), wrap func(http.Handler) http.Handler, amods ...func(*Config, *cluster.Cluster, *service)) *clusterNode {
 	t.Helper()
 	g := newGuest(t)
 	svc := newServiceWith(t, g.srv.Listener.Addr().String(), mod)
@@ -60,7 +60,11 @@ func newClusterNodeWith(t *testing.T, e *clustertest.Etcd, id string, mod func(*
 		t.Fatal(err)
 	}
 	keys := auth.NewKeys(cl.Keys())
-	var h http.Handler = New(Config{Domain: testDomain, Cluster: cl}, svc, keys, testLogger(t))
+	acfg := Config{Domain: testDomain, Cluster: cl}
+	for _, f := range amods {
+		f(&acfg, cl, svc)
+	}
+	var h http.Handler = New(acfg, svc, keys, testLogger(t))
 	if wrap != nil {
 		h = wrap(h)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strings"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -214,4 +215,102 @@ func (mv *Moves) StoredImage(ctx context.Context, id string) string {
 		return ""
 	}
 	return p.ImageID
+}
+
+// gone reports whether the node of route r no longer serves it (its lease ran out, or it
+// came back under a new lease, holding nothing).
+func (cl *Cluster) gone(r *Route) bool {
+	n := cl.node(r.Node)
+	return n == nil || n.Epoch != r.Epoch
+}
+
+// maxTxnOps bounds the operations of one transaction (etcd's default --max-txn-ops is 128).
+const maxTxnOps = 128
+
+// Unheld returns the stored paused sandboxes whose node is gone, which no node lists: with
+// ids, those of ids; else all of them. Each is its stored record, paused. A sandbox adopted
+// since (its route another node's) is not returned: its node lists it.
+func (mv *Moves) Unheld(ctx context.Context, ids ...string) ([]sandbox.Sandbox, error) {
+	cl := mv.cl
+	ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
+	defer done()
+	recs := map[string][]byte{}
+	if len(ids) == 0 {
+		resp, err := cl.c.Get(ctx, cl.key("stored")+"/", clientv3.WithPrefix())
+		if err != nil {
+			return nil, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+		}
+		for _, kv := range resp.Kvs {
+			id := strings.TrimPrefix(string(kv.Key), cl.key("stored")+"/")
+			if r := cl.route(id); r != nil && !cl.gone(r) {
+				continue // a live node holds it (the fresh read below decides for the others)
+			}
+			recs[id] = kv.Value
+			ids = append(ids, id)
+		}
+	}
+	var out []sandbox.Sandbox
+	for len(ids) > 0 {
+		batch := ids[:min(len(ids), maxTxnOps/3)]
+		ids = ids[len(batch):]
+		ops := make([]clientv3.Op, 0, 3*len(batch))
+		for _, id := range batch {
+			ops = append(ops, clientv3.OpGet(cl.key("sandboxes", id)), clientv3.OpGet(cl.key("lost", id)), clientv3.OpGet(cl.key("stored", id)))
+		}
+		t, err := cl.c.Txn(ctx).Then(ops...).Commit()
+		if err != nil {
+			return nil, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+		}
+		for i, id := range batch {
+			rk := t.Responses[3*i].GetResponseRange().Kvs
+			lk := t.Responses[3*i+1].GetResponseRange().Kvs
+			sk := t.Responses[3*i+2].GetResponseRange().Kvs
+			var r Route
+			if len(rk) == 0 || len(lk) > 0 || len(sk) == 0 || json.Unmarshal(rk[0].Value, &r) != nil || !r.Stored || !cl.gone(&r) {
+				continue
+			}
+			var p sandbox.PortableSandbox
+			if json.Unmarshal(sk[0].Value, &p) != nil || p.Sandbox.ID != id {
+				continue
+			}
+			p.Sandbox.State = sandbox.StatePaused
+			out = append(out, p.Sandbox)
+		}
+	}
+	return out, nil
+}
+
+// Forget ends stored sandbox id whose node is gone, without moving it: its route and stored
+// record go (in a transaction that compares both, so an edge adopting it meanwhile wins),
+// then its pause image. ErrConflict: it is not stored, or its node is not gone.
+func (mv *Moves) Forget(ctx context.Context, id string) error {
+	cl := mv.cl
+	ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
+	defer done()
+	rkey, skey := cl.key("sandboxes", id), cl.key("stored", id)
+	resp, err := cl.c.Txn(ctx).Then(clientv3.OpGet(rkey), clientv3.OpGet(skey)).Commit()
+	if err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	rk, sk := resp.Responses[0].GetResponseRange().Kvs, resp.Responses[1].GetResponseRange().Kvs
+	var r Route
+	var p sandbox.PortableSandbox
+	if len(rk) == 0 || len(sk) == 0 || json.Unmarshal(rk[0].Value, &r) != nil || json.Unmarshal(sk[0].Value, &p) != nil || !r.Stored || !cl.gone(&r) {
+		return fmt.Errorf("sandbox %q is not a stored sandbox of a gone node: %w", id, errdefs.ErrConflict)
+	}
+	t, err := cl.c.Txn(ctx).If(
+		clientv3.Compare(clientv3.ModRevision(rkey), "=", rk[0].ModRevision),
+		clientv3.Compare(clientv3.ModRevision(skey), "=", sk[0].ModRevision),
+	).Then(clientv3.OpDelete(rkey), clientv3.OpDelete(skey)).Commit()
+	if err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	if !t.Succeeded {
+		return fmt.Errorf("sandbox %q moved meanwhile: %w", id, errdefs.ErrConflict)
+	}
+	if p.ImageID != "" {
+		mv.p.DeleteStored(context.WithoutCancel(ctx), p.ImageID)
+	}
+	cl.log.Info("cluster: killed a stored paused sandbox of a gone node", "sandbox_id", id, "node", r.Node)
+	return cl.WaitRevision(ctx, t.Header.Revision)
 }

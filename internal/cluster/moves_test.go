@@ -95,6 +95,9 @@ func TestStoredPausedSandboxOutlivesItsNode(t *testing.T) {
 	if err != nil || l.Lost != nil || !l.Stored || !l.Dead {
 		t.Fatalf("sp after its node died: %+v %v, want stored, its node dead, not lost", l, err)
 	}
+	if u, err := mc.Unheld(ctx); err != nil || len(u) != 1 || u[0].ID != "sp" || u[0].State != sandbox.StatePaused {
+		t.Fatalf("unheld with its node dead: %+v %v, want sp paused", u, err)
+	}
 	errs := make(chan error, 2)
 	go func() { errs <- mb.Adopt(ctx, "sp") }()
 	go func() { errs <- mc.Adopt(ctx, "sp") }()
@@ -112,6 +115,18 @@ func TestStoredPausedSandboxOutlivesItsNode(t *testing.T) {
 	l, _ = winner.Locate(ctx, "sp", true)
 	if !l.Local || !l.Stored {
 		t.Fatalf("sp at the winner: %+v, want local and still stored", l)
+	}
+	// Adopted: its node lists it, no edge from the stored record; and no edge ends it there.
+	for _, m := range []*cluster.Moves{mb, mc} {
+		if u, err := m.Unheld(ctx); err != nil || len(u) != 0 {
+			t.Fatalf("unheld once adopted: %+v %v, want none", u, err)
+		}
+		if u, err := m.Unheld(ctx, "sp"); err != nil || len(u) != 0 {
+			t.Fatalf("unheld sp once adopted: %+v %v, want none", u, err)
+		}
+		if err := m.Forget(ctx, "sp"); !errors.Is(err, errdefs.ErrConflict) {
+			t.Fatalf("forget once adopted: %v, want ErrConflict", err)
+		}
 	}
 	// Running again: no longer stored.
 	if err := winner.Claim(ctx, cluster.LocalSandbox{ID: "sp", TemplateID: "base", Running: true}, ""); err != nil {

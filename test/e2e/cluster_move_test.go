@@ -1,6 +1,8 @@
 package e2e
 
 import (
+	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -168,6 +170,44 @@ func counter(t *testing.T, d *daemon, s sbx) int {
 	return n
 }
 
+// listedTimes counts the items of sandbox id in state state that list path through d.
+func listedTimes(t *testing.T, d *daemon, path, id, state string) int {
+	t.Helper()
+	var l []sbx
+	if code, body := d.apiBody(t, "GET", path, nil, &l); code != 200 {
+		t.Fatalf("GET %s through %s: %d %s", path, d.nodeID, code, body)
+	}
+	n := 0
+	for _, s := range l {
+		if s.SandboxID == id && s.State == state {
+			n++
+		}
+	}
+	return n
+}
+
+// routeOf reads sandbox id's route from etcd: its node, and whether it is stored.
+func routeOf(t *testing.T, e *clustertest.Etcd, id string) (string, bool) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := e.Client(t).Get(ctx, "/ember/sandboxes/"+id)
+	if err != nil {
+		t.Fatalf("route of %s: %v", id, err)
+	}
+	if len(resp.Kvs) == 0 {
+		t.Fatalf("%s has no route", id)
+	}
+	var r struct {
+		Node   string `json:"node"`
+		Stored bool   `json:"stored"`
+	}
+	if err := json.Unmarshal(resp.Kvs[0].Value, &r); err != nil {
+		t.Fatal(err)
+	}
+	return r.Node, r.Stored
+}
+
 func nodeStateOf(t *testing.T, through *daemon, id string) string {
 	t.Helper()
 	var n nodeJSON
@@ -183,7 +223,7 @@ func nodeStateOf(t *testing.T, through *daemon, id string) string {
 // lands on A; A restarted comes back empty and takes new work. A drained node pauses its
 // running sandboxes into the store, and they resume on other nodes.
 func TestClusterPausedSandboxesMove(t *testing.T) {
-	_, nodes := storedCluster(t, 3, []string{"p1", "p2", "p3"}, 53)
+	etcd, nodes := storedCluster(t, 3, []string{"p1", "p2", "p3"}, 53)
 	a, b, c := nodes[0], nodes[1], nodes[2]
 
 	// Two sandboxes on A: one to pause, one left running.
@@ -217,6 +257,21 @@ func TestClusterPausedSandboxesMove(t *testing.T) {
 	waitUntil(t, 5*time.Second+15*time.Second, "A is lost", func() bool { return nodeStateOf(t, b, a.nodeID) == "lost" })
 	t.Logf("A seen lost %v after kill -9 (TTL 5s)", time.Since(killed).Round(time.Millisecond))
 
+	// Held by no node, it is listed paused through B and C (from its stored record), and a GET
+	// through C answers from that record, leaving it stored, A's.
+	for _, edge := range []*daemon{b, c} {
+		if n := listedTimes(t, edge, "/v2/sandboxes?state=paused", paused.SandboxID, "paused"); n != 1 {
+			t.Fatalf("the stored sandbox listed %d times as paused through %s", n, edge.nodeID)
+		}
+	}
+	var got sbx
+	if code, body := c.apiBody(t, "GET", "/sandboxes/"+paused.SandboxID, nil, &got); code != 200 || got.State != "paused" {
+		t.Fatalf("GET of the stored sandbox through %s: %d %s", c.nodeID, code, body)
+	}
+	if node, stored := routeOf(t, etcd, paused.SandboxID); node != a.nodeID || !stored {
+		t.Fatalf("after a GET the route is %q (stored %v), want still %s's, stored", node, stored, a.nodeID)
+	}
+
 	// Resume through C: on B or C, with its files and its process's state.
 	t0 = time.Now()
 	var resumed sbx
@@ -236,6 +291,9 @@ func TestClusterPausedSandboxesMove(t *testing.T) {
 		t.Fatalf("counter went back from %d to %d: the process restarted", before, after)
 	}
 	waitUntil(t, 10*time.Second, "the counter goes on", func() bool { return counter(t, b, paused) > after })
+	if n := listedTimes(t, b, "/v2/sandboxes", paused.SandboxID, "running"); n != 1 {
+		t.Fatalf("the moved sandbox listed %d times as running", n)
+	}
 
 	// A's running sandbox is lost; creates avoid A.
 	waitUntil(t, 15*time.Second, "A's running sandbox reported lost", func() bool {
