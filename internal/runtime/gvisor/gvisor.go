@@ -46,6 +46,10 @@ type Config struct {
 	// CgroupParent is the cgroup, relative to the daemon's own, under which each instance gets
 	// <CgroupParent>/<id> (default "ember").
 	CgroupParent string
+	// FailedLogDir keeps the runsc logs of the last 20 failed starts and restores, one
+	// directory <instance>-<op>-<time> each (default <dir of Root>/logs/failed: the daemon's
+	// <data-dir>/logs/failed).
+	FailedLogDir string
 	// Debug adds --debug and per-command debug logs under <StateDir>/logs/.
 	Debug bool
 	// ExtraFlags are appended to runsc's global flags (e.g. "--net-raw").
@@ -286,7 +290,8 @@ func (d *Driver) launchOnce(ctx context.Context, id, logs string, args []string)
 	defer stderr.Close()
 	errStart, _ := stderr.Seek(0, 1)
 
-	cmd := exec.Command(d.cfg.Runsc, append(d.globalFlags(logs), args...)...)
+	flags := append(d.globalFlags(logs), d.launchLogFlags(logs)...)
+	cmd := exec.Command(d.cfg.Runsc, append(flags, args...)...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = stdin, stdout, stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	t0 := time.Now()
@@ -300,14 +305,13 @@ func (d *Driver) launchOnce(ctx context.Context, id, logs string, args []string)
 	case <-ctx.Done():
 		_ = cmd.Process.Kill()
 		<-done
-		d.cleanupFailed(id)
-		return fmt.Errorf("gvisor: runsc %s %s: %w", args[0], id, ctx.Err())
+		return d.failedLaunch(id, logs, args[0], errStart, fmt.Errorf("gvisor: runsc %s %s: %w", args[0], id, ctx.Err()))
 	}
 	if err != nil {
 		msg := readFrom(filepath.Join(logs, "init.err"), errStart)
 		rerr := runscError(args, msg, err)
 		if !errors.Is(rerr, errdefs.ErrConflict) {
-			d.cleanupFailed(id)
+			rerr = d.failedLaunch(id, logs, args[0], errStart, rerr)
 		}
 		return rerr
 	}
