@@ -20,6 +20,14 @@
 #                        base layer of the image that the local registry serves (below)
 #   EMBER_REQUIRE_ALL    1 = a test whose prerequisite is missing (the local registry) fails
 #                        instead of skipping
+#   EMBER_SDK_PORT       the daemon's HTTP port on 127.0.0.1 (default: a free one)
+#   EMBER_NODE_ID, EMBER_CIDR  read by the daemon itself (as --node-id, --cidr; also accepted in
+#                        EMBER_SERVE_FLAGS): a node id of its own keeps its netns, nftables table
+#                        and cgroups apart from other daemons on the host
+#   EMBER_SERVE_FLAGS    more `ember serve` flags
+#
+# At exit the script deletes the nftables table and network namespaces of its daemon's node id
+# (table inet ember[_<id>], netns e<id>x-* / emb-*) unless they existed before it started.
 #
 # Before the daemon, when it runs the default file list or a *template-image* test, the script
 # starts a local OCI registry on loopback (test/sdk/registry, built
@@ -59,7 +67,8 @@ if [[ -z "${EMBER_DATA_DIR:-}" ]]; then
 fi
 
 # A free loopback port (the kernel picks it; a tiny race with other processes is acceptable).
-PORT="$(node -e 'const s=require("net").createServer();s.listen(0,"127.0.0.1",()=>{console.log(s.address().port);s.close()})')" \
+PORT="${EMBER_SDK_PORT:-}"
+[[ -n "$PORT" ]] || PORT="$(node -e 'const s=require("net").createServer();s.listen(0,"127.0.0.1",()=>{console.log(s.address().port);s.close()})')" \
   || die "could not pick a free port"
 BASE_URL="http://127.0.0.1:$PORT"
 
@@ -73,6 +82,32 @@ if [[ "$MODEB" == 1 ]]; then
   [[ "$TLS_PORT" == 443 ]] || TEST_DOMAIN="ember.test:$TLS_PORT"
   TLS_FLAGS=(--tls-listen "127.0.0.1:$TLS_PORT" --domain "$TEST_DOMAIN")
 fi
+
+# The node-local names of the daemon's node id (internal/daemon NodeNames), for the clean-up at exit.
+NODE_ID="${EMBER_NODE_ID:-}"
+read -r -a SERVE_FLAGS <<<"${EMBER_SERVE_FLAGS:-}"
+for i in "${!SERVE_FLAGS[@]}"; do
+  case "${SERVE_FLAGS[$i]}" in
+    --node-id=*) NODE_ID="${SERVE_FLAGS[$i]#--node-id=}" ;;
+    --node-id) NODE_ID="${SERVE_FLAGS[$((i + 1))]:-}" ;;
+  esac
+done
+if [[ -n "$NODE_ID" ]]; then NFT_TABLE="ember_$NODE_ID" NETNS_PREFIX="e${NODE_ID}x-"; else NFT_TABLE="ember" NETNS_PREFIX="emb-"; fi
+node_netns() { ip netns list 2>/dev/null | awk '{print $1}' | grep -F -- "$NETNS_PREFIX" | grep -E "^${NETNS_PREFIX}[0-9]+$"; }
+# What existed before the daemon (another daemon's, on the same node id) is left alone.
+NFT_TABLE_BEFORE=0
+command -v nft >/dev/null && nft list table inet "$NFT_TABLE" >/dev/null 2>&1 && NFT_TABLE_BEFORE=1
+NETNS_BEFORE="$(node_netns)"
+cleanup_node() {
+  if [[ "$NFT_TABLE_BEFORE" == 0 ]] && command -v nft >/dev/null && nft list table inet "$NFT_TABLE" >/dev/null 2>&1; then
+    nft delete table inet "$NFT_TABLE" 2>/dev/null || log "could not delete nftables table inet $NFT_TABLE"
+  fi
+  local ns
+  for ns in $(node_netns); do
+    grep -qxF -- "$ns" <<<"$NETNS_BEFORE" && continue
+    ip netns delete "$ns" 2>/dev/null || log "could not delete netns $ns"
+  done
+}
 
 DAEMON_PID=""
 TEST_PID=""
@@ -107,6 +142,7 @@ finish() {
     wait "$TEST_PID" 2>/dev/null
   fi
   stop_daemon
+  cleanup_node
   stop_registry
   rm -rf "$WORK/registry" "$WORK/registry-blobs"
   # runsc keeps a namespace bind mount in its root dir; it would pin the data dir.
