@@ -32,9 +32,15 @@ const failedLogsKept = 20
 // processes write Go's runtime messages (a panic, a fatal error).
 const panicLogName = "panic.log"
 
+// launchLogs turns the sandbox's logs off, for benchmarks to measure what they cost.
+var launchLogs = true
+
 // launchLogFlags are the flags that make runsc write the sandbox's logs into logDir. With
 // Config.Debug, globalFlags already logs every command at debug level there.
 func (d *Driver) launchLogFlags(logDir string) []string {
+	if !launchLogs {
+		return nil
+	}
 	f := []string{"--panic-log=" + filepath.Join(logDir, panicLogName)}
 	if !d.cfg.Debug {
 		f = append(f, "--debug-log="+logDir+string(filepath.Separator), "--debug-command=boot,gofer")
@@ -51,20 +57,32 @@ func (d *Driver) failedLogDir() string {
 
 // failedLaunch cleans up after id's failed launch and keeps its logs (keepFailedLogs), once
 // its sandbox process, which may still be writing them, is gone. runsc's stderr of this launch
-// starts at errStart in init.err.
-func (d *Driver) failedLaunch(id, logs, op string, errStart int64, err error) error {
+// starts at errStart in init.err; the launch started at since (CLOCK_MONOTONIC).
+func (d *Driver) failedLaunch(id, logs, op string, errStart int64, since time.Duration, err error) error {
 	pid, _ := readStatePid(d.cfg.Root, id)
 	d.cleanupFailed(id)
 	for deadline := time.Now().Add(2 * time.Second); pid > 0 && alive(pid) && time.Now().Before(deadline); {
 		time.Sleep(20 * time.Millisecond)
 	}
-	return d.keepFailedLogs(id, logs, op, errStart, err)
+	q := kmsgQuery{since: since - time.Second, pid: pid, runsc: d.cfg.Runsc}
+	if !d.cfg.IgnoreCgroups {
+		q.cgroup = d.cgroupPath(id)
+	}
+	return d.keepFailedLogs(id, logs, op, errStart, kernelSays(q), err)
 }
 
 // keepFailedLogs moves the log directory of id's failed launch (op: run, create, restore)
-// into the failed logs and returns err with their path and the reason found in them.
-func (d *Driver) keepFailedLogs(id, logs, op string, errStart int64, err error) error {
-	why := failureReason(logs)
+// into the failed logs and returns err with their path and the reason found in them, or in
+// what the kernel logged about its sandbox process (kernel).
+func (d *Driver) keepFailedLogs(id, logs, op string, errStart int64, kernel []string, err error) error {
+	why := ""
+	if len(kernel) > 0 {
+		why = trimReason("kernel: " + kernel[len(kernel)-1])
+		_ = keepKernelSays(logs, kernel)
+	}
+	if why == "" {
+		why = failureReason(logs)
+	}
 	if why == "" {
 		// The sandbox said nothing (or was stopped before it did): runsc's own error.
 		why = trimReason(firstLineFrom(filepath.Join(logs, "init.err"), errStart))
@@ -79,6 +97,7 @@ func (d *Driver) keepFailedLogs(id, logs, op string, errStart int64, err error) 
 		d.log.Warn("keep the logs of a failed launch", "instance", id, "err", merr)
 		return withReason(err, why)
 	}
+	privateFiles(dst)
 	// Later runsc commands on id (a delete) still log there.
 	_ = os.MkdirAll(logs, 0o700)
 	pruneFailedLogs(parent, failedLogsKept)

@@ -92,3 +92,40 @@ func TestFailedRestoreKeepsLogs(t *testing.T) {
 		t.Errorf("Start error %v: want a LaunchError of op run with logs under %s", err, failed)
 	}
 }
+
+// TestRestoreOOMKilledSaysSo: a sandbox the host kernel kills as it restores (here the OOM
+// killer: its memory image is larger than the memory limit it is restored with) writes no log;
+// the error says what the kernel logged about it.
+func TestRestoreOOMKilledSaysSo(t *testing.T) {
+	failed := filepath.Join(t.TempDir(), "failed")
+	d := newDriver(t, func(c *gvisor.Config) { c.FailedLogDir = failed })
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	rootfs := drivertest.BusyboxRootFS(t)
+	sp := runtime.Spec{ID: "gv-foom01", RootFS: rootfs, StateDir: filepath.Join(t.TempDir(), "a"), Args: []string{"/bin/sleep", "1000"}, Cwd: "/", MemoryMB: 512, CPUCount: 1}
+	if err := d.Start(ctx, sp); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Delete(context.Background(), sp.ID) })
+	if out, code, err := d.Exec(ctx, sp.ID, []string{"sh", "-c", "dd if=/dev/urandom of=/dev/shm/fill bs=1M count=60 2>&1"}); err != nil || code != 0 {
+		t.Fatalf("fill: %d %v %s", code, err, out)
+	}
+	img := t.TempDir()
+	if err := d.Checkpoint(ctx, sp.ID, img, runtime.CheckpointOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	r := sp
+	r.ID, r.StateDir, r.MemoryMB = "gv-foom02", filepath.Join(t.TempDir(), "b"), 40
+	err := d.Restore(ctx, r, img)
+	if err == nil {
+		_ = d.Delete(context.Background(), r.ID)
+		t.Skip("the restore with a limit below its image's memory succeeded")
+	}
+	var le *runtime.LaunchError
+	if !errors.As(err, &le) || !strings.Contains(le.Reason, "kernel: ") || !strings.Contains(le.Reason, "Killed process") {
+		t.Fatalf("Restore error %v: want the OOM killer's record as the reason", err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(le.Logs, "kernel.log")); !strings.Contains(string(b), "gv-foom02") {
+		t.Errorf("kernel.log of the kept logs: %q, want the OOM records naming the instance's cgroup", b)
+	}
+}

@@ -294,7 +294,7 @@ func (d *Driver) launchOnce(ctx context.Context, id, logs string, args []string)
 	cmd := exec.Command(d.cfg.Runsc, append(flags, args...)...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = stdin, stdout, stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	t0 := time.Now()
+	t0, since := time.Now(), monotonicNow()
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("gvisor: runsc %s: %w", args[0], err)
 	}
@@ -305,13 +305,13 @@ func (d *Driver) launchOnce(ctx context.Context, id, logs string, args []string)
 	case <-ctx.Done():
 		_ = cmd.Process.Kill()
 		<-done
-		return d.failedLaunch(id, logs, args[0], errStart, fmt.Errorf("gvisor: runsc %s %s: %w", args[0], id, ctx.Err()))
+		return d.failedLaunch(id, logs, args[0], errStart, since, fmt.Errorf("gvisor: runsc %s %s: %w", args[0], id, ctx.Err()))
 	}
 	if err != nil {
 		msg := readFrom(filepath.Join(logs, "init.err"), errStart)
 		rerr := runscError(args, msg, err)
 		if !errors.Is(rerr, errdefs.ErrConflict) {
-			rerr = d.failedLaunch(id, logs, args[0], errStart, rerr)
+			rerr = d.failedLaunch(id, logs, args[0], errStart, since, rerr)
 		}
 		return rerr
 	}
