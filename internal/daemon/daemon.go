@@ -148,7 +148,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	drv, err := gvisor.New(gvisor.Config{Runsc: cfg.Runsc, Root: filepath.Join(cfg.DataDir, "runsc"), CgroupParent: names.CgroupParent,
-		ExtraFlags: []string{"--allow-suid"}, Logger: cfg.Logger})
+		ExtraFlags: []string{"--allow-suid"}, SandboxLogs: os.Getenv("EMBER_RUNSC_LOGS") == "1", Logger: cfg.Logger})
 	if err != nil {
 		return nil, err
 	}

@@ -7,6 +7,3 @@ func SetMaxImportEntries(n int) (restore func()) {
 	maxImportEntries = n
 	return func() { maxImportEntries = old }
 }
-
-// SetLaunchLogs turns the sandbox's and gofer's logs of launches on or off.
-func SetLaunchLogs(on bool) { launchLogs = on }

@@ -18,12 +18,13 @@ import (
 
 // The runsc logs of a failed start or restore. Without them a sentry that dies while it
 // restores says only "containerManager.Restore failed: EOF": the sandbox process's stderr
-// (where Go writes a panic) is /dev/null unless runsc is given a panic or debug log, and the
-// instance's log directory goes with its state dir. So every launch (run, create, restore)
-// writes the sandbox's and gofer's log (info level, a few lines per instance unless
-// Config.Debug) and Go's runtime messages into the instance's log directory, and a failed
-// launch moves that directory to <FailedLogDir>/<instance>-<time>, whose path and the line
-// that says why go into the error.
+// (where Go writes a panic) is /dev/null unless runsc is given a panic or debug log, a kill by
+// the host kernel (OOM, seccomp) leaves no log at all, and the instance's log directory goes
+// with its state dir. So every launch (run, create, restore) writes Go's runtime messages of
+// the sandbox and gofer processes into the instance's log directory (panic.log, written only
+// when they panic), with Config.SandboxLogs their logs too, and a failed launch moves that
+// directory to <FailedLogDir>/<instance>-<op>-<time> with what the kernel logged about the
+// instance (kernel.log, kmsg.go); the error names it and the line that says why.
 
 // failedLogsKept bounds the failed launches' log directories kept (the newest).
 const failedLogsKept = 20
@@ -32,17 +33,11 @@ const failedLogsKept = 20
 // processes write Go's runtime messages (a panic, a fatal error).
 const panicLogName = "panic.log"
 
-// launchLogs turns the sandbox's logs off, for benchmarks to measure what they cost.
-var launchLogs = true
-
 // launchLogFlags are the flags that make runsc write the sandbox's logs into logDir. With
 // Config.Debug, globalFlags already logs every command at debug level there.
 func (d *Driver) launchLogFlags(logDir string) []string {
-	if !launchLogs {
-		return nil
-	}
 	f := []string{"--panic-log=" + filepath.Join(logDir, panicLogName)}
-	if !d.cfg.Debug {
+	if d.cfg.SandboxLogs && !d.cfg.Debug {
 		f = append(f, "--debug-log="+logDir+string(filepath.Separator), "--debug-command=boot,gofer")
 	}
 	return f

@@ -14,12 +14,15 @@ import (
 	"github.com/ember-sandbox/ember/internal/runtime/gvisor"
 )
 
-// BenchmarkLaunchLogs: what the sandbox's and gofer's logs of every launch (failedlogs.go)
+// BenchmarkLaunchLogs: what the sandbox's and gofer's logs of every launch (Config.SandboxLogs)
 // cost a start and a restore, with and without them taking turns in every round, and the bytes
 // they hold after a restore and 20 commands. Prints p50/p99 per variant.
 func BenchmarkLaunchLogs(b *testing.B) {
-	defer gvisor.SetLaunchLogs(true)
-	d := newDriver(b, nil)
+	drivers := map[bool]*gvisor.Driver{
+		false: newDriver(b, nil),
+		true:  newDriver(b, func(c *gvisor.Config) { c.SandboxLogs = true }),
+	}
+	d := drivers[false]
 	rootfs := drivertest.BusyboxRootFS(b)
 	ctx := context.Background()
 	sp := benchSpec(b, rootfs, 99999999)
@@ -41,7 +44,7 @@ func BenchmarkLaunchLogs(b *testing.B) {
 	b.ResetTimer()
 	for n := 0; n < b.N; n++ {
 		for _, v := range vs {
-			gvisor.SetLaunchLogs(v.on)
+			d := drivers[v.on]
 			s := next()
 			t0 := time.Now()
 			if err := d.Start(ctx, s); err != nil {

@@ -14,11 +14,12 @@ import (
 	"github.com/ember-sandbox/ember/internal/runtime/gvisor"
 )
 
-// TestFailedRestoreKeepsLogs: a restore of a corrupt image fails, and its runsc logs are kept
-// under Config.FailedLogDir, named in the error with the line that says why.
+// TestFailedRestoreKeepsLogs: a restore of a corrupt image fails, and its runsc logs (with
+// Config.SandboxLogs, the sandbox's too) are kept under Config.FailedLogDir, named in the error
+// with the line that says why.
 func TestFailedRestoreKeepsLogs(t *testing.T) {
 	failed := filepath.Join(t.TempDir(), "failed")
-	d := newDriver(t, func(c *gvisor.Config) { c.FailedLogDir = failed })
+	d := newDriver(t, func(c *gvisor.Config) { c.FailedLogDir, c.SandboxLogs = failed, true })
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	rootfs := drivertest.BusyboxRootFS(t)

@@ -50,6 +50,10 @@ type Config struct {
 	// directory <instance>-<op>-<time> each (default <dir of Root>/logs/failed: the daemon's
 	// <data-dir>/logs/failed).
 	FailedLogDir string
+	// SandboxLogs makes every start and restore write the sandbox's and gofer's logs (info
+	// level) into <StateDir>/logs, kept with a failed launch: about 70 KB an instance and, on
+	// 2 busy cores, 8-16 ms a start or restore (BenchmarkLaunchLogs), so off by default.
+	SandboxLogs bool
 	// Debug adds --debug and per-command debug logs under <StateDir>/logs/.
 	Debug bool
 	// ExtraFlags are appended to runsc's global flags (e.g. "--net-raw").
