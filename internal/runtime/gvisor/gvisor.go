@@ -309,7 +309,12 @@ func (d *Driver) launchOnce(ctx context.Context, id, logs string, args []string)
 	case <-ctx.Done():
 		_ = cmd.Process.Kill()
 		<-done
-		return d.failedLaunch(id, logs, args[0], errStart, since, fmt.Errorf("gvisor: runsc %s %s: %w", args[0], id, ctx.Err()))
+		err := fmt.Errorf("gvisor: runsc %s %s: %w", args[0], id, ctx.Err())
+		if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			d.cleanupFailed(id) // cancelled: nothing to explain
+			return err
+		}
+		return d.failedLaunch(id, logs, args[0], errStart, since, err)
 	}
 	if err != nil {
 		msg := readFrom(filepath.Join(logs, "init.err"), errStart)
