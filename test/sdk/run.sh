@@ -152,6 +152,10 @@ finish() {
       log "daemon log tail ($DAEMON_LOG):"
       tail -n 80 "$DAEMON_LOG" | sed 's/^/  | /' >&2
     fi
+    if [[ -d "$EMBER_DATA_DIR/logs/failed" ]]; then
+      log "runsc logs of failed starts/restores (the errors in the daemon log name them):"
+      ls -1t "$EMBER_DATA_DIR/logs/failed" | head -n 5 | sed "s|^|  | $EMBER_DATA_DIR/logs/failed/|" >&2
+    fi
     log "kept $WORK for inspection"
   elif [[ "${EMBER_SDK_KEEP_LOG:-0}" == 1 ]]; then
     log "daemon log: $DAEMON_LOG"
