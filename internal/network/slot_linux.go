@@ -44,8 +44,23 @@ func (l linkOps) exists(name string) bool {
 	return err == nil
 }
 
-func (l linkOps) names() ([]string, error) {
-	links, err := l.h.LinkList()
+func (l linkOps) names() ([]string, error) { return linkNames(l.h.LinkList) }
+
+// dumpTries bounds the link dumps linkNames makes.
+const dumpTries = 10
+
+// linkNames lists the names of the links list returns. A dump that a link change on the host
+// interrupted (another daemon's or container's veth coming or going) has incomplete results:
+// it is made again.
+func linkNames(list func() ([]netlink.Link, error)) ([]string, error) {
+	var links []netlink.Link
+	var err error
+	for i := 0; i < dumpTries; i++ {
+		if links, err = list(); !errors.Is(err, netlink.ErrDumpInterrupted) {
+			break
+		}
+		time.Sleep(time.Duration(i+1) * 5 * time.Millisecond)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("list links: %w", err)
 	}
