@@ -26,8 +26,10 @@
 #                        and cgroups apart from other daemons on the host
 #   EMBER_SERVE_FLAGS    more `ember serve` flags
 #
-# At exit the script deletes the nftables table and network namespaces of its daemon's node id
-# (table inet ember[_<id>], netns e<id>x-* / emb-*) unless they existed before it started.
+# At exit the script deletes the nftables table, network namespaces and (empty) cgroup parents of
+# its daemon's node id (table inet ember[_<id>], netns e<id>x-* / emb-*, cgroup ember[-<id>])
+# unless they existed before it started, or sandboxes of a data dir it was given still run
+# (the daemon leaves its warm pool running for the next daemon on that data dir to adopt).
 #
 # Before the daemon, when it runs the default file list or a *template-image* test, the script
 # starts a local OCI registry on loopback (test/sdk/registry, built
@@ -98,7 +100,16 @@ node_netns() { ip netns list 2>/dev/null | awk '{print $1}' | grep -F -- "$NETNS
 NFT_TABLE_BEFORE=0
 command -v nft >/dev/null && nft list table inet "$NFT_TABLE" >/dev/null 2>&1 && NFT_TABLE_BEFORE=1
 NETNS_BEFORE="$(node_netns)"
+# Its cgroup parent (<hierarchy>/ember[-<id>]), removed at exit when empty and new.
+CGROUP_NAME="ember${NODE_ID:+-$NODE_ID}"
+CGROUPS_BEFORE="$(ls -d /sys/fs/cgroup/"$CGROUP_NAME" /sys/fs/cgroup/*/"$CGROUP_NAME" 2>/dev/null)"
 cleanup_node() {
+  # Sandboxes the daemon left running (its warm pool) stay for the next daemon on this data
+  # dir to adopt, in their netns: then nothing is deleted, unless the data dir is this script's.
+  if [[ -z "$CREATED_DATA_DIR" ]] && pgrep -f -- "--root=$EMBER_DATA_DIR/runsc " >/dev/null; then
+    log "sandboxes of $EMBER_DATA_DIR still run: their node's netns and nftables table stay"
+    return 0
+  fi
   if [[ "$NFT_TABLE_BEFORE" == 0 ]] && command -v nft >/dev/null && nft list table inet "$NFT_TABLE" >/dev/null 2>&1; then
     nft delete table inet "$NFT_TABLE" 2>/dev/null || log "could not delete nftables table inet $NFT_TABLE"
   fi
@@ -106,6 +117,13 @@ cleanup_node() {
   for ns in $(node_netns); do
     grep -qxF -- "$ns" <<<"$NETNS_BEFORE" && continue
     ip netns delete "$ns" 2>/dev/null || log "could not delete netns $ns"
+  done
+  local cg
+  for cg in /sys/fs/cgroup/"$CGROUP_NAME" /sys/fs/cgroup/*/"$CGROUP_NAME"; do
+    [[ -d "$cg" ]] || continue
+    grep -qxF -- "$cg" <<<"$CGROUPS_BEFORE" && continue
+    # Deepest first; rmdir fails on a cgroup that still holds a process.
+    find "$cg" -depth -type d -exec rmdir {} \; 2>/dev/null
   done
 }
 
