@@ -44,8 +44,9 @@ fuzz:
 # The SDK suite runs on the default configuration (warm pool on), then Mode B (TLS, host
 # routing), then its create and lifecycle files once more with the pool off (every create
 # restores the template's checkpoint). The three daemons share one data directory, so the base
-# template is built once and each start adopts what the one before left.
-SDK_ENV = EMBER_SDK_LIFECYCLE=1 EMBER_READY_TIMEOUT=900 EMBER_BIN=$(CURDIR)/bin/ember EMBER_CACHE_DIR=$(CURDIR)/.cache
+# template is built once and each start adopts what the one before left. EMBER_RUNSC_LOGS=1: a
+# sandbox that fails to start or restore keeps its sandbox's log too (<data-dir>/logs/failed).
+SDK_ENV = EMBER_SDK_LIFECYCLE=1 EMBER_RUNSC_LOGS=1 EMBER_READY_TIMEOUT=900 EMBER_BIN=$(CURDIR)/bin/ember EMBER_CACHE_DIR=$(CURDIR)/.cache
 sdk: build
 	@d=$$(mktemp -d /tmp/ember-sdk-data.XXXXXX); st=0; \
 	$(SDK_ENV) EMBER_DATA_DIR=$$d bash test/sdk/run.sh || st=$$?; \

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -104,6 +105,11 @@ func writeError(w http.ResponseWriter, log *slog.Logger, r *http.Request, err er
 	case status == http.StatusInternalServerError:
 		log.Error("api error", "method", r.Method, "path", r.URL.Path, "err", err)
 		msg = "internal error"
+		// A sandbox that died as it started: say why, and where its logs are kept.
+		var le *runtime.LaunchError
+		if errors.As(err, &le) {
+			msg += ": " + le.Summary()
+		}
 	case status >= 500:
 		log.Warn("api error", "method", r.Method, "path", r.URL.Path, "status", status, "err", err)
 	case status == http.StatusTooManyRequests:

@@ -166,8 +166,9 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	drv, err := gvisor.New(gvisor.Config{Runsc: cfg.Runsc, Root: filepath.Join(cfg.DataDir, "runsc"), CgroupParent: names.CgroupParent,
-		ExtraFlags: []string{"--allow-suid"}, Logger: cfg.Logger, LayerIdentity: sandbox.LayerIdentity(cfg.DataDir),
-		SentryGC: gvisor.GCConfig{Percent: cfg.SentryGCPercent}, GoferGC: gvisor.GCConfig{Percent: cfg.GoferGCPercent}})
+		ExtraFlags: []string{"--allow-suid"}, SandboxLogs: os.Getenv("EMBER_RUNSC_LOGS") == "1", Logger: cfg.Logger,
+		LayerIdentity: sandbox.LayerIdentity(cfg.DataDir),
+		SentryGC:      gvisor.GCConfig{Percent: cfg.SentryGCPercent}, GoferGC: gvisor.GCConfig{Percent: cfg.GoferGCPercent}})
 	if err != nil {
 		return nil, err
 	}

@@ -2,6 +2,7 @@ package network
 
 import (
 	"errors"
+	"time"
 
 	"github.com/vishvananda/netlink"
 )
@@ -19,6 +20,8 @@ func retryDump[T any](dump func() (T, error)) (T, error) {
 		if v, err = dump(); !errors.Is(err, netlink.ErrDumpInterrupted) {
 			return v, err
 		}
+		// Backing off gives a burst of link changes (a daemon starting its slots) time to end.
+		time.Sleep(time.Duration(i+1) * 5 * time.Millisecond)
 	}
 	return v, err
 }

@@ -44,8 +44,12 @@ func (l linkOps) exists(name string) bool {
 	return err == nil
 }
 
-func (l linkOps) names() ([]string, error) {
-	links, err := retryDump(l.h.LinkList)
+func (l linkOps) names() ([]string, error) { return linkNames(l.h.LinkList) }
+
+// linkNames lists the names of the links list returns; a dump that a link change on the host
+// interrupted is made again (retryDump).
+func linkNames(list func() ([]netlink.Link, error)) ([]string, error) {
+	links, err := retryDump(list)
 	if err != nil {
 		return nil, fmt.Errorf("list links: %w", err)
 	}

@@ -2,8 +2,11 @@ package e2e
 
 import (
 	"fmt"
+	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -44,6 +47,38 @@ func (d *daemon) stepBuild(t *testing.T, name string, body map[string]any) (stri
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
+}
+
+// tryStepBuild is stepBuild for goroutines: no t.
+func (d *daemon) tryStepBuild(name string, body map[string]any) (string, string, error) {
+	var req struct{ TemplateID, BuildID string }
+	if code, b, err := d.call(time.Minute, "POST", "/v3/templates", map[string]any{"name": name}, &req); err != nil || code != 202 {
+		return "", "", fmt.Errorf("request build: %d %s %v", code, b, err)
+	}
+	if code, b, err := d.call(time.Minute, "POST", "/v2/templates/"+req.TemplateID+"/builds/"+req.BuildID, body, nil); err != nil || code != 202 {
+		return "", "", fmt.Errorf("start build: %d %s %v", code, b, err)
+	}
+	var logs []string
+	for deadline := time.Now().Add(5 * time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		var st struct {
+			Status     string
+			LogEntries []struct{ Message string }
+			Reason     *struct{ Message, Step string }
+		}
+		if _, _, err := d.call(time.Minute, "GET", fmt.Sprintf("/templates/%s/builds/%s/status?logsOffset=%d", req.TemplateID, req.BuildID, len(logs)), nil, &st); err != nil {
+			return "", "", err
+		}
+		for _, e := range st.LogEntries {
+			logs = append(logs, e.Message)
+		}
+		if st.Status != "building" && st.Status != "waiting" && len(st.LogEntries) == 0 {
+			if st.Reason != nil {
+				logs = append(logs, "REASON step "+st.Reason.Step+": "+st.Reason.Message)
+			}
+			return st.Status, strings.Join(logs, "\n"), nil
+		}
+	}
+	return "", strings.Join(logs, "\n"), fmt.Errorf("build of %s still running after 5 minutes", name)
 }
 
 // A step build from an image in a local registry (E2B's fromImage): the image's env, workdir and
@@ -99,5 +134,82 @@ func TestStepBuildFromImage(t *testing.T) {
 	}
 	if m, _ := filepath.Glob(filepath.Join(d.dataDir, "templates", "steps-bad*")); len(m) != 0 {
 		t.Fatalf("the failed build left %v", m)
+	}
+}
+
+// TestStepBuildFromBaseImageRestores: E2B's fromBaseImage() (e2bdev/base, ember's base) with a
+// step, as the SDK test that once got a 500 because every restore of the built template died
+// (issue 10): sandboxes of the result restore, while the previous round's templates are
+// deleted and one is rebuilt with force (layer collections), and the warm pool refills.
+// EMBER_E2E_STEPBUILD_ROUNDS repeats it (default 1); EMBER_E2E_STEPBUILD_FLAGS runs it on a
+// daemon of its own with these `ember serve` flags (e.g. "--pool-size 0 --prestart-max 0").
+func TestStepBuildFromBaseImageRestores(t *testing.T) {
+	var d *daemon
+	if f := strings.Fields(os.Getenv("EMBER_E2E_STEPBUILD_FLAGS")); len(f) > 0 {
+		d = newDaemonWith(t, daemonOpts{Flags: f})
+	} else {
+		d = need(t)
+	}
+	rounds := 1
+	if n, err := strconv.Atoi(os.Getenv("EMBER_E2E_STEPBUILD_ROUNDS")); err == nil && n > 0 {
+		rounds = n
+	}
+	for i := 0; i < rounds; i++ {
+		nonce := fmt.Sprintf("r%d-%d", i, time.Now().UnixNano())
+		other, name := fmt.Sprintf("fbi-other-%d", i), fmt.Sprintf("fbi-%d", i)
+		if status, logs := d.stepBuild(t, other, map[string]any{"fromTemplate": "base", "steps": []map[string]any{
+			{"type": "RUN", "args": []string{"echo " + nonce + " > /tmp/nonce"}},
+			{"type": "RUN", "args": []string{"rm /etc/motd && rm -rf /etc/skel && mkdir /etc/skel && touch /etc/skel/only", "root"}},
+		}}); status != "ready" {
+			t.Fatalf("round %d: build %s: %s\n%s", i, other, status, logs)
+		}
+		// A forced rebuild of it (a collection after the rebuild) while the fromBaseImage
+		// build runs.
+		rebuilt := make(chan error, 1)
+		go func() {
+			status, logs, err := d.tryStepBuild(other, map[string]any{"fromTemplate": "base", "force": true, "steps": []map[string]any{
+				{"type": "RUN", "args": []string{"echo " + nonce + " > /tmp/nonce"}}}})
+			if err == nil && status != "ready" {
+				err = fmt.Errorf("%s\n%s", status, logs)
+			}
+			rebuilt <- err
+		}()
+		status, logs := d.stepBuild(t, name, map[string]any{"fromImage": "e2bdev/base", "force": i%2 == 1,
+			"steps": []map[string]any{{"type": "RUN", "args": []string{"echo " + nonce + " > marker.txt"}}}})
+		if err := <-rebuilt; err != nil {
+			t.Errorf("round %d: forced rebuild of %s: %v", i, other, err)
+		}
+		if status != "ready" {
+			t.Fatalf("round %d: build %s: %s\n%s\n%s", i, name, status, logs, d.logs())
+		}
+		var wg sync.WaitGroup
+		errs := make(chan error, 3)
+		for k := 0; k < 3; k++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				var s sbx
+				code, body, err := d.call(2*time.Minute, "POST", "/v2/sandboxes", map[string]any{"templateID": name}, &s)
+				if err != nil || code != 201 {
+					errs <- fmt.Errorf("create from %s: %d %s %v", name, code, body, err)
+					return
+				}
+				defer d.call(time.Minute, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil)
+				r, err := d.tryRun(s, "pwd; whoami; cat marker.txt", "")
+				if want := "/home/user\nuser\n" + nonce + "\n"; err != nil || r.stdout != want {
+					errs <- fmt.Errorf("sandbox of %s: %q %v, want %q", name, r.stdout, err, want)
+				}
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Errorf("round %d: %v", i, err)
+		}
+		if t.Failed() {
+			t.Fatalf("daemon log:\n%s", d.logs())
+		}
+		d.api(t, "DELETE", "/templates/"+name, nil, nil)
+		d.api(t, "DELETE", "/templates/"+other, nil, nil)
 	}
 }

@@ -20,6 +20,16 @@
 #                        base layer of the image that the local registry serves (below)
 #   EMBER_REQUIRE_ALL    1 = a test whose prerequisite is missing (the local registry) fails
 #                        instead of skipping
+#   EMBER_SDK_PORT       the daemon's HTTP port on 127.0.0.1 (default: a free one)
+#   EMBER_NODE_ID, EMBER_CIDR  read by the daemon itself (as --node-id, --cidr; also accepted in
+#                        EMBER_SERVE_FLAGS): a node id of its own keeps its netns, nftables table
+#                        and cgroups apart from other daemons on the host
+#   EMBER_SERVE_FLAGS    more `ember serve` flags
+#
+# At exit the script deletes the nftables table, network namespaces and (empty) cgroup parents of
+# its daemon's node id (table inet ember[_<id>], netns e<id>x-* / emb-*, cgroup ember[-<id>])
+# unless they existed before it started, or sandboxes of a data dir it was given still run
+# (the daemon leaves its warm pool running for the next daemon on that data dir to adopt).
 #
 # Before the daemon, when it runs the default file list or a *template-image* test, the script
 # starts a local OCI registry on loopback (test/sdk/registry, built
@@ -59,7 +69,8 @@ if [[ -z "${EMBER_DATA_DIR:-}" ]]; then
 fi
 
 # A free loopback port (the kernel picks it; a tiny race with other processes is acceptable).
-PORT="$(node -e 'const s=require("net").createServer();s.listen(0,"127.0.0.1",()=>{console.log(s.address().port);s.close()})')" \
+PORT="${EMBER_SDK_PORT:-}"
+[[ -n "$PORT" ]] || PORT="$(node -e 'const s=require("net").createServer();s.listen(0,"127.0.0.1",()=>{console.log(s.address().port);s.close()})')" \
   || die "could not pick a free port"
 BASE_URL="http://127.0.0.1:$PORT"
 
@@ -73,6 +84,48 @@ if [[ "$MODEB" == 1 ]]; then
   [[ "$TLS_PORT" == 443 ]] || TEST_DOMAIN="ember.test:$TLS_PORT"
   TLS_FLAGS=(--tls-listen "127.0.0.1:$TLS_PORT" --domain "$TEST_DOMAIN")
 fi
+
+# The node-local names of the daemon's node id (internal/daemon NodeNames), for the clean-up at exit.
+NODE_ID="${EMBER_NODE_ID:-}"
+read -r -a SERVE_FLAGS <<<"${EMBER_SERVE_FLAGS:-}"
+for i in "${!SERVE_FLAGS[@]}"; do
+  case "${SERVE_FLAGS[$i]}" in
+    --node-id=*) NODE_ID="${SERVE_FLAGS[$i]#--node-id=}" ;;
+    --node-id) NODE_ID="${SERVE_FLAGS[$((i + 1))]:-}" ;;
+  esac
+done
+if [[ -n "$NODE_ID" ]]; then NFT_TABLE="ember_$NODE_ID" NETNS_PREFIX="e${NODE_ID}x-"; else NFT_TABLE="ember" NETNS_PREFIX="emb-"; fi
+node_netns() { ip netns list 2>/dev/null | awk '{print $1}' | grep -F -- "$NETNS_PREFIX" | grep -E "^${NETNS_PREFIX}[0-9]+$"; }
+# What existed before the daemon (another daemon's, on the same node id) is left alone.
+NFT_TABLE_BEFORE=0
+command -v nft >/dev/null && nft list table inet "$NFT_TABLE" >/dev/null 2>&1 && NFT_TABLE_BEFORE=1
+NETNS_BEFORE="$(node_netns)"
+# Its cgroup parent (<hierarchy>/ember[-<id>]), removed at exit when empty and new.
+CGROUP_NAME="ember${NODE_ID:+-$NODE_ID}"
+CGROUPS_BEFORE="$(ls -d /sys/fs/cgroup/"$CGROUP_NAME" /sys/fs/cgroup/*/"$CGROUP_NAME" 2>/dev/null)"
+cleanup_node() {
+  # Sandboxes the daemon left running (its warm pool) stay for the next daemon on this data
+  # dir to adopt, in their netns: then nothing is deleted, unless the data dir is this script's.
+  if [[ -z "$CREATED_DATA_DIR" ]] && pgrep -f -- "--root=$EMBER_DATA_DIR/runsc " >/dev/null; then
+    log "sandboxes of $EMBER_DATA_DIR still run: their node's netns and nftables table stay"
+    return 0
+  fi
+  if [[ "$NFT_TABLE_BEFORE" == 0 ]] && command -v nft >/dev/null && nft list table inet "$NFT_TABLE" >/dev/null 2>&1; then
+    nft delete table inet "$NFT_TABLE" 2>/dev/null || log "could not delete nftables table inet $NFT_TABLE"
+  fi
+  local ns
+  for ns in $(node_netns); do
+    grep -qxF -- "$ns" <<<"$NETNS_BEFORE" && continue
+    ip netns delete "$ns" 2>/dev/null || log "could not delete netns $ns"
+  done
+  local cg
+  for cg in /sys/fs/cgroup/"$CGROUP_NAME" /sys/fs/cgroup/*/"$CGROUP_NAME"; do
+    [[ -d "$cg" ]] || continue
+    grep -qxF -- "$cg" <<<"$CGROUPS_BEFORE" && continue
+    # Deepest first; rmdir fails on a cgroup that still holds a process.
+    find "$cg" -depth -type d -exec rmdir {} \; 2>/dev/null
+  done
+}
 
 DAEMON_PID=""
 TEST_PID=""
@@ -107,6 +160,7 @@ finish() {
     wait "$TEST_PID" 2>/dev/null
   fi
   stop_daemon
+  cleanup_node
   stop_registry
   rm -rf "$WORK/registry" "$WORK/registry-blobs"
   # runsc keeps a namespace bind mount in its root dir; it would pin the data dir.
@@ -115,6 +169,10 @@ finish() {
     if [[ -s "$DAEMON_LOG" ]]; then
       log "daemon log tail ($DAEMON_LOG):"
       tail -n 80 "$DAEMON_LOG" | sed 's/^/  | /' >&2
+    fi
+    if [[ -d "$EMBER_DATA_DIR/logs/failed" ]]; then
+      log "runsc logs of failed starts/restores (the errors in the daemon log name them):"
+      ls -1t "$EMBER_DATA_DIR/logs/failed" | head -n 5 | sed "s|^|  | $EMBER_DATA_DIR/logs/failed/|" >&2
     fi
     log "kept $WORK for inspection"
   elif [[ "${EMBER_SDK_KEEP_LOG:-0}" == 1 ]]; then
