@@ -134,6 +134,12 @@ func (s *server) serveForwarded(w http.ResponseWriter, r *http.Request) bool {
 		return true
 	}
 	r.Header.Del(HeaderNodeProof)
+	if r.URL.Path == signedOwnerPath && r.Method == http.MethodPost { // cluster_signed.go
+		if err := s.signedOwnerHere(w, r); err != nil {
+			writeError(w, s.log, r, err)
+		}
+		return true
+	}
 	id := r.Header.Get(headerFwdSandbox)
 	if id == "" {
 		segs := splitPath(r.URL.Path)

@@ -200,6 +200,13 @@ func (s *server) serveSignedFiles(w http.ResponseWriter, r *http.Request, sig st
 		s.serveSandbox(w, r, sbx.ID, sandbox.EnvdPort)
 		return
 	}
+	// In a cluster, the sandbox may be another node's (cluster_signed.go).
+	if id := s.signedOwnerElsewhere(r, signedQuery{Path: path, Operation: op, User: user, Exp: exp, Signature: sig}); id != "" {
+		if !s.routeSandbox(w, r, id, "", true) {
+			s.serveSandbox(w, r, id, sandbox.EnvdPort)
+		}
+		return
+	}
 	writeError(w, s.log, r, &httpError{status: http.StatusUnauthorized, msg: "invalid signature"})
 }
 
