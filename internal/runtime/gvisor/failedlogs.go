@@ -36,7 +36,13 @@ const panicLogName = "panic.log"
 // launchLogFlags are the flags that make runsc write the sandbox's logs into logDir. With
 // Config.Debug, globalFlags already logs every command at debug level there.
 func (d *Driver) launchLogFlags(logDir string) []string {
-	f := []string{"--panic-log=" + filepath.Join(logDir, panicLogName)}
+	// runsc creates the panic log world-readable: made here first, it stays the daemon's own
+	// (0600, like every file ember keeps).
+	panicLog := filepath.Join(logDir, panicLogName)
+	if f, err := os.OpenFile(panicLog, os.O_WRONLY|os.O_CREATE, 0o600); err == nil {
+		f.Close()
+	}
+	f := []string{"--panic-log=" + panicLog}
 	if d.cfg.SandboxLogs && !d.cfg.Debug {
 		f = append(f, "--debug-log="+logDir+string(filepath.Separator), "--debug-command=boot,gofer")
 	}
