@@ -190,6 +190,9 @@ func (d *daemon) unowned(t *testing.T) ([]instance, []error) {
 func TestPooledSandboxSurvivesDaemonCrash(t *testing.T) {
 	d := lostNode(t)
 	d.waitInstances(t, 2, 90*time.Second)
+	// A refill's instance runs (restored at a low CPU weight) a moment before the pool counts it
+	// ready (after its warm-up): wait for the pool itself.
+	waitUntil(t, 60*time.Second, "a ready instance in the restored pool", func() bool { return d.restoredPool(t).Ready >= 1 })
 	s := d.create(t, nil)
 	how := d.createdHow(s.SandboxID)
 	t.Logf("sandbox %s created (how=%q)", s.SandboxID, how)
