@@ -111,8 +111,16 @@ func TestPrestartedPoolFollowsMissesWithinBudget(t *testing.T) {
 	}
 	eventually(t, 5*time.Second, "pre-started pool grew", func() bool { return len(n.rig.Driver.Prestarted()) > 1 })
 	time.Sleep(1500 * time.Millisecond)
-	if got := len(n.rig.Driver.Prestarted()); got > 4 {
-		t.Fatalf("%d pre-started instances with a budget for 4 beside the restored pool", got)
+	// The two pools share the budget: 4 pre-started beside a full restored pool, more while the
+	// restored pool is empty (a create took it and its refill waits for room).
+	restored := 0
+	for _, p := range n.m.Pools(context.Background()) {
+		if p.Kind == "restored" {
+			restored += p.Ready
+		}
+	}
+	if got := len(n.rig.Driver.Prestarted()); got*16+restored*32 > 32+4*16 {
+		t.Fatalf("%d pre-started instances (16 MiB each) beside %d restored (32 MiB each): over the budget of %d MiB", got, restored, 32+4*16)
 	}
 }
 
