@@ -125,9 +125,7 @@ func BenchmarkImage(b *testing.B) {
 		cache = filepath.Join(testutil.RepoRoot(), ".cache")
 	}
 	tarballs, _ := filepath.Glob(filepath.Join(cache, "debootstrap", "debootstrap-bookworm-*.tar"))
-	if len(tarballs) == 0 {
-		b.Skip("no debootstrap tarball")
-	}
+	testutil.Need(b, len(tarballs) > 0, "no debootstrap tarball in the cache (the base template build makes it)")
 	work := filepath.Join(n.dataDir, "bench-image")
 	os.MkdirAll(work, 0o700)
 	defer os.RemoveAll(work)

@@ -18,7 +18,7 @@ type buildRequest struct {
 	From     string `json:"from"`
 	StartCmd string `json:"startCmd"`
 	ReadyCmd string `json:"readyCmd"`
-	Force    bool   `json:"force"`
+	Force    bool   `json:"force"` // accepted and ignored: every build rebuilds the template
 	CPUCount int    `json:"cpuCount"`
 	MemoryMB int    `json:"memoryMB"`
 }
@@ -74,7 +74,6 @@ func (s *server) buildTemplate(w http.ResponseWriter, r *http.Request, p params)
 		ReadyCmd: req.ReadyCmd,
 		CPUCount: req.CPUCount,
 		MemoryMB: req.MemoryMB,
-		Force:    req.Force,
 	}
 	// A bad source (an `archive:` outside the import directory among them) is a 400 before
 	// anything streams.

@@ -449,7 +449,7 @@ func TestBuildStreamsNDJSON(t *testing.T) {
 			progress("step 1")
 			return nil, fmt.Errorf("readyCmd never succeeded: %w", errdefs.ErrInvalid)
 		}
-		if req.From != "debian:bookworm" || req.StartCmd != "sleep inf" || !req.Force || req.CPUCount != 2 || req.MemoryMB != 1024 {
+		if req.From != "debian:bookworm" || req.StartCmd != "sleep inf" || req.CPUCount != 2 || req.MemoryMB != 1024 {
 			t.Errorf("build request %+v", req)
 		}
 		progress("step 1")

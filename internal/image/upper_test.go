@@ -2,6 +2,8 @@ package image
 
 import (
 	"context"
+	"fmt"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"os"
 	"path/filepath"
 	"sort"
@@ -18,9 +20,7 @@ import (
 // tree is what the first mount showed (deleted files gone, a re-created directory without its
 // old contents), and no overlay xattr but the opaque mark is left in the layer.
 func TestFromUpperOfARealOverlay(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root (overlay mount, whiteouts)")
-	}
+	testutil.RequireRoot(t)
 	dir := t.TempDir()
 	lower, upper, work, merged := filepath.Join(dir, "lower"), filepath.Join(dir, "upper"), filepath.Join(dir, "work"), filepath.Join(dir, "merged")
 	for _, d := range []string{lower, upper, work, merged, filepath.Join(lower, "d"), filepath.Join(lower, "keep")} {
@@ -33,9 +33,8 @@ func TestFromUpperOfARealOverlay(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if err := unix.Mount("overlay", merged, "overlay", 0, "lowerdir="+lower+",upperdir="+upper+",workdir="+work); err != nil {
-		t.Skipf("overlay mount: %v", err)
-	}
+	err := unix.Mount("overlay", merged, "overlay", 0, "lowerdir="+lower+",upperdir="+upper+",workdir="+work)
+	testutil.Need(t, err == nil, fmt.Sprintf("overlay mount: %v", err))
 	mounted := true
 	defer func() {
 		if mounted {
@@ -111,18 +110,15 @@ func TestFromUpperOfARealOverlay(t *testing.T) {
 // A metacopy file (data still in the lower layer) or a redirected directory cannot be stacked
 // elsewhere: FromUpper refuses the layer instead of composing an empty file.
 func TestFromUpperRefusesLowerDependentEntries(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root (trusted xattrs)")
-	}
+	testutil.RequireRoot(t)
 	for _, x := range []string{overlayMetacopy, overlayRedirect} {
 		upper := t.TempDir()
 		f := filepath.Join(upper, "f")
 		if err := os.WriteFile(f, nil, 0o644); err != nil {
 			t.Fatal(err)
 		}
-		if err := unix.Lsetxattr(f, x, []byte("x"), 0); err != nil {
-			t.Skipf("trusted xattrs: %v", err)
-		}
+		err := unix.Lsetxattr(f, x, []byte("x"), 0)
+		testutil.Need(t, err == nil, fmt.Sprintf("trusted xattrs: %v", err))
 		if _, err := FromUpper(upper); err == nil || !strings.Contains(err.Error(), x) {
 			t.Errorf("%s: err = %v, want a refusal naming it", x, err)
 		}

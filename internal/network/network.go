@@ -88,11 +88,6 @@ type Slot struct {
 	Options SlotOptions
 }
 
-// EnvdAddr is the host:port at which the daemon reaches envd inside the slot.
-func (s *Slot) EnvdAddr() string {
-	return netip.AddrPortFrom(s.GuestIP, EnvdPort).String()
-}
-
 // Manager allocates, creates, adopts and deletes slots. It is safe for concurrent use.
 type Manager struct {
 	cfg     Config

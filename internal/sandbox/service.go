@@ -62,7 +62,6 @@ type BuildRequest struct {
 	StartUser string
 	CPUCount  int
 	MemoryMB  int
-	Force     bool // rebuild the rootfs even if cached
 
 	// FromImage builds from an OCI/Docker image in a registry; FromArchive from a `docker save`
 	// or OCI layout tarball in the node's import directory (its name there). Insecure reaches FromImage's registry over plain HTTP.

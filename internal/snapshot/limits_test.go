@@ -7,6 +7,8 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"io"
 	"io/fs"
 	"os"
@@ -389,9 +391,7 @@ func TestGCWaitsForSave(t *testing.T) {
 // Fetch removes an incomplete destination before loading it again, but never descends into a
 // filesystem mounted beneath it.
 func TestFetchKeepsMountsBeneathIncompleteDestination(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to mount a tmpfs")
-	}
+	testutil.RequireRoot(t)
 	ctx := context.Background()
 	b := newLocal(t)
 	src := t.TempDir()
@@ -407,9 +407,8 @@ func TestFetchKeepsMountsBeneathIncompleteDestination(t *testing.T) {
 	if err := os.MkdirAll(mnt, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if err := syscall.Mount("tmpfs", mnt, "tmpfs", 0, "size=1m"); err != nil {
-		t.Skipf("mount tmpfs: %v", err)
-	}
+	err := syscall.Mount("tmpfs", mnt, "tmpfs", 0, "size=1m")
+	testutil.Need(t, err == nil, fmt.Sprintf("mount tmpfs: %v", err))
 	t.Cleanup(func() { syscall.Unmount(mnt, syscall.MNT_DETACH) })
 	if err := os.WriteFile(filepath.Join(mnt, "precious"), []byte("keep"), 0o600); err != nil {
 		t.Fatal(err)

@@ -7,7 +7,6 @@ package store
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"sort"
 	"time"
@@ -175,6 +174,3 @@ func (s *Store) ListKeys(_ context.Context) ([]*auth.Key, error) {
 
 // DeleteKey removes an API key record (auth.Backend).
 func (s *Store) DeleteKey(_ context.Context, id string) error { return del(s.db, bucketKeys, id) }
-
-// IsNotFound reports whether err means a missing record.
-func IsNotFound(err error) bool { return errors.Is(err, errdefs.ErrNotFound) }

@@ -40,9 +40,8 @@ mesg n 2> /dev/null || true
 // mesg only on a terminal. The files are new inodes, not writes into the cached layer.
 func TestBuildDebianLeanLoginShell(t *testing.T) {
 	testutil.RequireRoot(t)
-	if _, err := exec.LookPath("bash"); err != nil {
-		t.Skip("no bash")
-	}
+	_, err := exec.LookPath("bash")
+	testutil.Need(t, err == nil, "no bash")
 	_, cfg, dir := newImageBuilder(t)
 	b := &Builder{CacheDir: filepath.Join(dir, "cache"), EnvdPath: filepath.Join(dir, "envd"), Suite: "bookworm", Mirror: "http://example.invalid/debian"}
 	os.MkdirAll(b.CacheDir, 0o755)

@@ -50,3 +50,13 @@ func Runsc(t testing.TB) string {
 	Need(t, err == nil, "runsc not found (run `make setup`)")
 	return p
 }
+
+// SkipShort skips the test under `go test -short`: for tests that are slow or only measure.
+// -short is an explicit request, so EMBER_REQUIRE_ALL does not turn this skip into a failure
+// (CI runs without -short, so there they run).
+func SkipShort(t testing.TB, reason string) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("skipping in -short mode: " + reason)
+	}
+}

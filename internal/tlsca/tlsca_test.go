@@ -10,6 +10,8 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"errors"
+	"fmt"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"io"
 	"math/big"
 	"net"
@@ -343,9 +345,7 @@ func TestServeHTTPSWithLocalCA(t *testing.T) {
 		t.Fatal(err)
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Skipf("no loopback listener: %v", err)
-	}
+	testutil.Need(t, err == nil, fmt.Sprintf("no loopback listener: %v", err))
 	srv := &http.Server{
 		TLSConfig: ServerConfig(l),
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

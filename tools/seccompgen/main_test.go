@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -33,9 +34,7 @@ func TestMain(m *testing.M) {
 // values (before the pid was made a variable, systrap's rt_tgsigqueueinfo rule kept the child's
 // pid and this test failed).
 func TestSentryProgramsEqualRunTimeCompilation(t *testing.T) {
-	if testing.Short() {
-		t.Skip("compiles gVisor's several hundred sentry programs twice (~1 min)")
-	}
+	testutil.SkipShort(t, "compiles gVisor's several hundred sentry programs twice (~1 min)")
 	platforms := []string{"systrap"}
 	own, err := sentryPrograms(platforms)
 	if err != nil {

@@ -39,9 +39,7 @@ func backendDir(t *testing.T, b layerBackend) string {
 		return t.TempDir()
 	}
 	mkfs, err := exec.LookPath("mkfs." + b.mkfs)
-	if err != nil {
-		t.Skipf("optional backend %s: mkfs.%s not installed", b.name, b.mkfs)
-	}
+	testutil.Need(t, err == nil, "backend "+b.name+": mkfs."+b.mkfs+" not installed (make setup installs it)")
 	dir := t.TempDir()
 	img := filepath.Join(dir, "fs.img")
 	mnt := filepath.Join(dir, "mnt")

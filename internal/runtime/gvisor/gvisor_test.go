@@ -42,9 +42,7 @@ func TestConformance(t *testing.T) {
 }
 
 func TestConformanceIgnoreCgroups(t *testing.T) {
-	if testing.Short() {
-		t.Skip("short")
-	}
+	testutil.SkipShort(t, "a second conformance run")
 	drivertest.Run(t, func(t *testing.T) runtime.Driver {
 		return newDriver(t, func(c *gvisor.Config) { c.IgnoreCgroups = true })
 	}, nil)

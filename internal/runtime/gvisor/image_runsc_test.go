@@ -2,6 +2,7 @@ package gvisor_test
 
 import (
 	"context"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"os"
 	"path/filepath"
 	"strings"
@@ -32,8 +33,8 @@ func TestImageOnHost(t *testing.T) {
 	}
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			if tc.big && testing.Short() {
-				t.Skip("short")
+			if tc.big {
+				testutil.SkipShort(t, "writes 1 GiB")
 			}
 			id := "gv-imghost" + string(rune('a'+i))
 			sp := runtime.Spec{ID: id, RootFS: rootfs, StateDir: filepath.Join(t.TempDir(), "a"), Args: args, MemoryMB: 256}

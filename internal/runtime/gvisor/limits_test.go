@@ -3,6 +3,7 @@ package gvisor_test
 import (
 	"context"
 	"errors"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -338,9 +339,7 @@ func TestPidsHostBackstop(t *testing.T) {
 // TestCPULimit: two busy loops in a 1-vCPU sandbox get about one core of this host; with 2
 // vCPUs about two (on a 2-core host shared with others: logged, only a loose bound asserted).
 func TestCPULimit(t *testing.T) {
-	if testing.Short() {
-		t.Skip("loads the host for 2 x 3 s")
-	}
+	testutil.SkipShort(t, "loads the host for 2 x 3 s")
 	d := newDriver(t, nil)
 	rootfs := drivertest.BusyboxRootFS(t)
 	for _, cpus := range []int{1, 2} {
@@ -387,9 +386,7 @@ func loadavg() string {
 // layer), resume (consuming restore) and fork (leave-running checkpoint + restore of a clone),
 // with 64 MiB written to the layer, against an unlimited layer. Medians of 3; no assertions.
 func TestDiskLimitCosts(t *testing.T) {
-	if testing.Short() {
-		t.Skip("measurement")
-	}
+	testutil.SkipShort(t, "measurement")
 	d := newDriver(t, nil)
 	rootfs := drivertest.BusyboxRootFS(t)
 	args := []string{"/bin/sleep", "100000"}
