@@ -1,7 +1,7 @@
 // Package drivertest is the conformance suite every runtime.Driver passes: exec, isolation
-// between instances and from the host, kill/delete without leftovers, checkpoint, restore, fork
-// pause/resume, and freeze/thaw. A driver's own test calls Run with a factory. The suite owns no production
-// code and only ever touches the instances it created.
+// between instances and from the host, kill/delete without leftovers, checkpoint, restore, fork,
+// pause/resume and freeze/thaw. A driver's own test calls Run with a factory. The suite owns no
+// production code and only ever touches the instances it created.
 package drivertest
 
 import (

@@ -46,7 +46,8 @@ const (
 
 // saveOpts is the argument of containerManager.Checkpoint (pkg/sentry/control SaveOpts; uRPC
 // encodes it as JSON and passes FilePayload's files as SCM_RIGHTS). Mirrored rather than
-// imported: pkg/sentry/control links the sentry. TestControlArgsMatchGVisor compares the two.
+// imported: pkg/sentry/control links the sentry. The conformance suite's checkpoints against the
+// runsc built from the same gVisor version exercise every field the driver sets.
 type saveOpts struct {
 	Key                            []byte            `json:"key"`
 	Metadata                       map[string]string `json:"metadata"`
