@@ -206,7 +206,7 @@ func (s *suite) testFrozenCheckpoint(t *testing.T) {
 		}
 		AssertNoProcesses(t, sp.ID)
 		resumed := sp
-		resumed.StateDir = filepath.Join(t.TempDir(), "resumed")
+		resumed.StateDir = filepath.Join(e.t.TempDir(), "resumed") // outlives the subtest (track)
 		e.restore(resumed, img)
 		if got := e.sh(sp.ID, 0, "cat /dev/shm/f; kill -0 "+pid+" && echo same-process"); got != "kept-in-memory\nsame-process\n" {
 			t.Errorf("resumed from a frozen instance's checkpoint: %q", got)
