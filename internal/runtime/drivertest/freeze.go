@@ -129,6 +129,9 @@ func (s *suite) testFreezeThaw(t *testing.T) {
 		if _, _, err := e.d.Exec(c, sp.ID, []string{"true"}); !errors.Is(err, errdefs.ErrConflict) {
 			t.Errorf("Exec in a frozen instance: %v, want ErrConflict", err)
 		}
+		if st, err := e.d.Stats(c, sp.ID); err != nil || st.MemoryBytes == 0 {
+			t.Errorf("Stats of a frozen instance: %+v, %v", st, err)
+		}
 		if err := e.d.Thaw(c, sp.ID); err != nil {
 			t.Fatalf("Thaw: %v", err)
 		}
