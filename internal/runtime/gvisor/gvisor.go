@@ -538,6 +538,7 @@ func (d *Driver) Delete(ctx context.Context, id string) error {
 	}
 	d.forgetExit(id)
 	d.setLogDir(id, "")
+	os.Remove(d.statePath(id) + ".tmp") // a state write a crash cut short (writeStatus)
 	if err := releaseLayer(stateDir); err != nil {
 		return err
 	}
