@@ -167,6 +167,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	drv, err := gvisor.New(gvisor.Config{Runsc: cfg.Runsc, Root: filepath.Join(cfg.DataDir, "runsc"), CgroupParent: names.CgroupParent,
 		ExtraFlags: []string{"--allow-suid"}, SandboxLogs: os.Getenv("EMBER_RUNSC_LOGS") == "1", Logger: cfg.Logger,
+		RunscCLI:      os.Getenv("EMBER_RUNSC_CLI") == "1",
 		LayerIdentity: sandbox.LayerIdentity(cfg.DataDir),
 		SentryGC:      gvisor.GCConfig{Percent: cfg.SentryGCPercent}, GoferGC: gvisor.GCConfig{Percent: cfg.GoferGCPercent}})
 	if err != nil {

@@ -105,6 +105,9 @@ type Status struct {
 	State State
 	// Pid of the instance's host-side process (the runsc sandbox process), 0 if none.
 	Pid int
+	// Frozen: the instance is StateRunning but frozen in place (Freeze): its processes, memory
+	// and files are kept and none of its tasks runs until Thaw.
+	Frozen bool
 }
 
 // Stats are resource usage figures of a running instance.
@@ -153,8 +156,20 @@ type Driver interface {
 	State(ctx context.Context, id string) (Status, error)
 	// Stats reports resource usage.
 	Stats(ctx context.Context, id string) (Stats, error)
-	// Kill stops every process of the instance. Killing a stopped instance is not an error.
+	// Kill stops every process of the instance (frozen or not). Killing a stopped instance is
+	// not an error.
 	Kill(ctx context.Context, id string) error
+	// Freeze stops every task of a running instance in place: nothing of it runs (no CPU used)
+	// and everything is kept — processes, memory, files, network namespace, host processes — so
+	// that Thaw continues it where it stopped. State then reports it running with Frozen, also to
+	// a later process of the daemon (reconcile after a restart). A frozen instance can be
+	// Checkpointed (with LeaveRunning it stays frozen; without, it stops as a running one does),
+	// Killed and Deleted; Exec into it is ErrConflict. Freezing a frozen instance does nothing;
+	// a stopped one is ErrConflict.
+	Freeze(ctx context.Context, id string) error
+	// Thaw continues a frozen instance: its processes run again from where they stopped. Thawing
+	// a running instance that is not frozen does nothing; a stopped one is ErrConflict.
+	Thaw(ctx context.Context, id string) error
 	// Delete removes the instance's runtime state; it kills it first if needed. Idempotent:
 	// deleting an unknown id returns nil.
 	Delete(ctx context.Context, id string) error
@@ -187,7 +202,7 @@ type Driver interface {
 	// outside imageDir, never follows a symlink while writing, creates no device nodes (overlay
 	// whiteouts excepted), and refuses input over opts.MaxBytes. On error imageDir is absent.
 	ImportImage(ctx context.Context, srcDir, imageDir string, opts ImportOptions) error
-	// Exec runs a command inside a running instance out of band (not through envd) and returns
+	// Exec runs a command inside a running (not frozen) instance out of band (not through envd) and returns
 	// its combined output and exit code. For diagnostics, tests and template builds. Processes
 	// it leaves in the background may not survive Restore (gVisor kills them): long-lived
 	// processes belong to the init process (envd).

@@ -1,7 +1,7 @@
 // Package drivertest is the conformance suite every runtime.Driver passes: exec, isolation
-// between instances and from the host, kill/delete without leftovers, checkpoint, restore, fork
-// and pause/resume. A driver's own test calls Run with a factory. The suite owns no production
-// code and only ever touches the instances it created.
+// between instances and from the host, kill/delete without leftovers, checkpoint, restore, fork,
+// pause/resume and freeze/thaw. A driver's own test calls Run with a factory. The suite owns no
+// production code and only ever touches the instances it created.
 package drivertest
 
 import (
@@ -67,6 +67,9 @@ func Run(t *testing.T, newDriver func(t *testing.T) runtime.Driver, rootfs func(
 		{"ExportImport", s.testExportImport},
 		{"LayeredRootFS", s.testLayeredRootFS},
 		{"Prestart", s.testPrestart},
+		{"FreezeThaw", s.testFreezeThaw},
+		{"FrozenCheckpoint", s.testFrozenCheckpoint},
+		{"KillFrozen", s.testKillFrozen},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, tc.fn)

@@ -58,6 +58,10 @@ type Config struct {
 	Debug bool
 	// ExtraFlags are appended to runsc's global flags (e.g. "--net-raw").
 	ExtraFlags []string
+	// RunscCLI makes Freeze, Thaw and Checkpoint run runsc's CLI (runsc pause, resume,
+	// checkpoint: a process each, ~15-20 ms of CPU) instead of calling the sandbox's control
+	// socket (ctlsock.go). For benchmarks that compare the two.
+	RunscCLI bool
 
 	// Restore flags, measured (issue 11 lever 4; bench BenchmarkBaselines, 2 shared cores): a sandbox's
 	// memory image is small (2 MiB of pages for `base`: files live in host layers), so loading
@@ -391,7 +395,10 @@ func (d *Driver) State(ctx context.Context, id string) (runtime.Status, error) {
 	if s.Status == "running" && alive(s.Pid) {
 		return runtime.Status{State: runtime.StateRunning, Pid: s.Pid}, nil
 	}
-	// created, paused (not used by ember) and stopped: nothing runs.
+	if s.Status == statusPaused && alive(s.Pid) {
+		return runtime.Status{State: runtime.StateRunning, Pid: s.Pid, Frozen: true}, nil
+	}
+	// created and stopped: nothing runs.
 	return runtime.Status{State: runtime.StateStopped}, nil
 }
 
@@ -448,12 +455,18 @@ func (d *Driver) Stats(ctx context.Context, id string) (runtime.Stats, error) {
 }
 
 // Kill implements runtime.Driver: SIGKILL to every process (`runsc kill --all`), then it waits
-// until the instance is stopped.
+// until the instance is stopped. A frozen instance is thawed first (runsc signals only running
+// containers; a frozen sentry's tasks could not act on the signal anyway).
 func (d *Driver) Kill(ctx context.Context, id string) error {
 	if err := validateID(id); err != nil {
 		return err
 	}
 	d.setStopping(id, "killed by the driver (Kill)")
+	if d.frozen(id) {
+		if err := d.Thaw(ctx, id); err != nil && !errors.Is(err, errdefs.ErrConflict) {
+			return err
+		}
+	}
 	if _, err := d.run(ctx, d.logDir(id), "kill", "--all", id, "KILL"); err != nil {
 		st, serr := d.State(ctx, id)
 		switch {
@@ -525,6 +538,7 @@ func (d *Driver) Delete(ctx context.Context, id string) error {
 	}
 	d.forgetExit(id)
 	d.setLogDir(id, "")
+	os.Remove(d.statePath(id) + ".tmp") // a state write a crash cut short (writeStatus)
 	if err := releaseLayer(stateDir); err != nil {
 		return err
 	}
@@ -558,6 +572,10 @@ func (d *Driver) Exec(ctx context.Context, id string, args []string) ([]byte, in
 	}
 	if len(args) == 0 {
 		return nil, -1, fmt.Errorf("gvisor: exec: no args: %w", errdefs.ErrInvalid)
+	}
+	if d.frozen(id) {
+		// runsc would create the process and wait for it forever.
+		return nil, -1, fmt.Errorf("gvisor: exec %s: frozen: %w", id, errdefs.ErrConflict)
 	}
 	out, err := os.CreateTemp("", "ember-exec-*")
 	if err != nil {
@@ -602,7 +620,8 @@ func (d *Driver) Exec(ctx context.Context, id string, args []string) ([]byte, in
 	return output, code, nil
 }
 
-// Checkpoint implements runtime.Driver via `runsc checkpoint`. Without LeaveRunning the sandbox
+// Checkpoint implements runtime.Driver: the sentry's checkpoint over the control socket
+// (checkpointImage; `runsc checkpoint` with Config.RunscCLI). Without LeaveRunning the sandbox
 // would linger about a second after runsc returns; the driver kills it at once (the image is
 // complete when runsc returns) and waits for it to exit, so its memory and network namespace are
 // free for the next restore. The stopped instance stays listed until Delete (or until Start or
@@ -651,8 +670,10 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 			return fmt.Errorf("gvisor: checkpoint %s: state directory unknown: %w", id, errdefs.ErrNotFound)
 		}
 		if opts.LeaveRunning {
-			// Files and memory must agree: nothing runs between the checkpoint and the layer clone.
-			if _, err := d.run(ctx, d.logDir(id), "pause", id); err != nil {
+			// Files and memory must agree: nothing runs between the checkpoint and the layer
+			// clone. A frozen instance stays frozen throughout and after.
+			thaw, err := d.holdFrozen(ctx, id)
+			if err != nil {
 				return d.explain(ctx, id, err)
 			}
 			// Resumed once its layer can no longer change the clone (cloneUpper's frozen): a
@@ -664,26 +685,21 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 				once.Do(func() {
 					go func() {
 						defer close(resumed)
-						d.run(context.WithoutCancel(ctx), d.logDir(id), "resume", id)
+						if err := thaw(context.WithoutCancel(ctx)); err != nil {
+							d.log.Warn("thaw after checkpoint", "instance", id, "err", err)
+						}
 					}()
 				})
 			}
 			defer func() { resume(); <-resumed }()
 		}
 	}
-	args := []string{"checkpoint", "--image-path", imageDir, "--compression=" + d.cfg.Compression}
-	if opts.LeaveRunning {
-		args = append(args, "--leave-running")
-	}
-	if d.cfg.ExcludeZeroPages {
-		args = append(args, "--exclude-committed-zero-pages")
-	}
 	if !opts.LeaveRunning {
 		// Set before runsc runs: the sandbox may exit on its own as soon as its image is written.
 		d.setStopping(id, "stopped by the driver (Checkpoint)")
 	}
 	tl.Mark("prepare")
-	_, cerr := d.run(ctx, d.logDir(id), append(args, id)...)
+	cerr := d.checkpointImage(ctx, id, imageDir, opts.LeaveRunning)
 	tl.Mark("runsc_checkpoint")
 	if cerr != nil {
 		if !opts.LeaveRunning {
@@ -749,6 +765,12 @@ func (d *Driver) checkpointFiles(ctx context.Context, id, imageDir string, opts 
 		return fmt.Errorf("gvisor: checkpoint %s: pidfd: %w", id, err)
 	}
 	defer unix.Close(pidfd)
+	if d.frozen(id) {
+		// The sync below runs inside it.
+		if err := d.Thaw(ctx, id); err != nil {
+			return err
+		}
+	}
 	// Data the sandbox wrote may still sit in its kernel's page cache: flush it to the layer.
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	if out, code, err := d.Exec(sctx, id, []string{"/bin/sync"}); err != nil || code != 0 {

@@ -48,6 +48,17 @@ func TestConformanceIgnoreCgroups(t *testing.T) {
 	}, nil)
 }
 
+// TestConformanceRunscCLI: the suite with freeze, thaw and checkpoint through runsc's CLI (the
+// fallback benchmarks compare the control socket with).
+func TestConformanceRunscCLI(t *testing.T) {
+	if testing.Short() {
+		t.Skip("short")
+	}
+	drivertest.Run(t, func(t *testing.T) runtime.Driver {
+		return newDriver(t, func(c *gvisor.Config) { c.RunscCLI = true })
+	}, nil)
+}
+
 func TestNewValidatesConfig(t *testing.T) {
 	tests := []struct {
 		name string

@@ -59,6 +59,16 @@ func (d *Driver) Prestart(ctx context.Context, spec runtime.Spec, imageDir strin
 
 // RestoreInto implements runtime.Prestarter. On failure the instance is deleted (it cannot be
 // used again); the caller still releases its state dir.
+//
+// It runs `runsc restore`, not the sentry's containerManager.Restore over the control socket
+// (ctlsock.go): before that one call, runsc's restore of a created container applies its host
+// settings, enters the sandbox's network namespace to scrape its links, addresses and routes,
+// opens a packet socket per link there and hands them to the sentry
+// (containerManager.SetNetworkArgs; runsc/sandbox/network.go, dependent on runsc's network
+// configuration and version), and afterwards moves the container to "running" in its state file
+// and sets the sandbox's and gofer's OOM scores. Doing that in the daemon means importing
+// runsc/sandbox and runsc/container, which link the whole sentry (some 460 packages) into it, or
+// re-implementing runsc's network set-up; neither stays safely in step with runsc.
 func (d *Driver) RestoreInto(ctx context.Context, id, imageDir string) error {
 	if err := validateID(id); err != nil {
 		return err

@@ -2,15 +2,8 @@ package gvisor
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
-	"os"
-	"path/filepath"
-	"strconv"
 	"time"
-
-	"golang.org/x/sys/unix"
-	"gvisor.dev/gvisor/pkg/control/client"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
@@ -37,36 +30,8 @@ func (d *Driver) ReduceMemory(ctx context.Context, id string) error {
 	if err := validateID(id); err != nil {
 		return err
 	}
-	path, err := d.controlSocket(id)
-	if err != nil {
-		return err
-	}
-	// Paths longer than a sockaddr_un holds are reached through an O_PATH descriptor, as runsc
-	// does itself.
-	if len(path) >= len(unix.RawSockaddrUnix{}.Path) {
-		fd, err := unix.Open(path, unix.O_PATH|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return fmt.Errorf("gvisor: reduce memory of %s: control socket: %w", id, err)
-		}
-		defer unix.Close(fd)
-		path = "/proc/self/fd/" + strconv.Itoa(fd)
-	}
-	conn, err := client.ConnectTo(path)
-	if err != nil {
-		return fmt.Errorf("gvisor: reduce memory of %s: connect to its control socket: %v: %w", id, err, errdefs.ErrConflict)
-	}
-	defer conn.Close()
-	done := make(chan error, 1)
 	t0 := time.Now()
-	go func() { done <- conn.Call("Usage.Reduce", &usageReduceOpts{Wait: true}, &struct{}{}) }()
-	select {
-	case err = <-done:
-	case <-ctx.Done():
-		conn.Close() // unblocks the call
-		<-done
-		err = ctx.Err()
-	}
-	if err != nil {
+	if err := d.ctlCall(ctx, id, "", "Usage.Reduce", &usageReduceOpts{Wait: true}, &struct{}{}); err != nil {
 		return fmt.Errorf("gvisor: reduce memory of %s: %w", id, err)
 	}
 	d.log.Debug("sentry memory reduced", "instance", id, "ms", time.Since(t0).Milliseconds())
@@ -75,17 +40,12 @@ func (d *Driver) ReduceMemory(ctx context.Context, id string) error {
 
 // controlSocket is the path of instance id's sentry control socket, from runsc's state file.
 func (d *Driver) controlSocket(id string) (string, error) {
-	b, err := os.ReadFile(filepath.Join(d.cfg.Root, id+"_sandbox:"+id+".state"))
+	st, err := d.readState(id)
 	if err != nil {
-		return "", fmt.Errorf("gvisor: instance %s: %v: %w", id, err, errdefs.ErrNotFound)
+		return "", err
 	}
-	var st struct {
-		Sandbox struct {
-			ControlSocketPath string `json:"controlSocketPath"`
-		} `json:"sandbox"`
+	if st.Socket == "" {
+		return "", fmt.Errorf("gvisor: instance %s: no control socket in its state file: %w", id, errdefs.ErrNotFound)
 	}
-	if err := json.Unmarshal(b, &st); err != nil || st.Sandbox.ControlSocketPath == "" {
-		return "", fmt.Errorf("gvisor: instance %s: no control socket in its state file (%v): %w", id, err, errdefs.ErrNotFound)
-	}
-	return st.Sandbox.ControlSocketPath, nil
+	return st.Socket, nil
 }

@@ -197,6 +197,8 @@ type Instance struct {
 	srv    *http.Server
 	done   chan struct{}
 	exit   runtime.Exit
+	// frozen: Freeze was called and Thaw not yet (the fake's instance keeps serving).
+	frozen bool
 	// prestarted: made by Prestart for preImage and not restored into yet.
 	prestarted bool
 	preImage   string
@@ -482,7 +484,34 @@ func (d *Driver) State(ctx context.Context, id string) (runtime.Status, error) {
 	}
 	in.mu.Lock()
 	defer in.mu.Unlock()
-	return runtime.Status{State: in.state}, nil
+	return runtime.Status{State: in.state, Frozen: in.frozen && in.state == runtime.StateRunning}, nil
+}
+
+// Freeze implements runtime.Driver: the instance is marked frozen (it keeps serving).
+func (d *Driver) Freeze(ctx context.Context, id string) error {
+	return d.setFrozen("Freeze", id, true)
+}
+
+// Thaw implements runtime.Driver.
+func (d *Driver) Thaw(ctx context.Context, id string) error {
+	return d.setFrozen("Thaw", id, false)
+}
+
+func (d *Driver) setFrozen(op, id string, frozen bool) error {
+	if err := d.fail(op, id); err != nil {
+		return err
+	}
+	in, err := d.get(id)
+	if err != nil {
+		return err
+	}
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.state != runtime.StateRunning {
+		return fmt.Errorf("fake: %s %s: not running: %w", op, id, errdefs.ErrConflict)
+	}
+	in.frozen = frozen
+	return nil
 }
 
 // Stats implements runtime.Driver.
