@@ -42,7 +42,7 @@ func newClusterNodeWith(t *testing.T, e *clustertest.Etcd, id string, mod func(*
 	g := newGuest(t)
 	svc := newServiceWith(t, g.srv.Listener.Addr().String(), mod)
 	srv := httptest.NewUnstartedServer(nil)
-	c, err := clientv3.New(clientv3.Config{Endpoints: e.Endpoints(), DialTimeout: 2 * time.Second, Logger: zap.NewNop()})
+	c, err := clientv3.New(clustertest.ClientConfig(e.Endpoints()))
 	if err != nil {
 		t.Fatal(err)
 	}
