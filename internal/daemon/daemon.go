@@ -215,10 +215,8 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 				etcd.Close()
 			}
 		}()
-		if cfg.SnapshotKeyFile == "" {
-			if snapKey, err = sharedSnapshotKey(ctx, cfg, etcd, seal); err != nil {
-				return nil, err
-			}
+		if snapKey, err = clusterSnapshotKey(ctx, cfg, etcd, seal); err != nil {
+			return nil, err
 		}
 	}
 	images, err := openImages(cfg, snapKey)

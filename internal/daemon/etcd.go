@@ -46,10 +46,14 @@ func dialEtcd(ctx context.Context, cfg Config) (*clientv3.Client, *cluster.SealK
 	return c, seal, nil
 }
 
-// sharedSnapshotKey is the cluster's snapshot signing key, kept sealed in etcd: the first node
-// to join puts its own there (<data-dir>/snapshot-key if it has one, so that what it stored
-// before stays valid), every other node uses that one. --snapshot-key overrides it.
-func sharedSnapshotKey(ctx context.Context, cfg Config, c *clientv3.Client, seal *cluster.SealKey) ([]byte, error) {
+// clusterSnapshotKey is the cluster's snapshot signing key, kept sealed in etcd: the first
+// node to join puts its own there (<data-dir>/snapshot-key if it has one, so that what it
+// stored before stays valid), every other node uses that one. nil with --snapshot-key (the
+// operator's file, which every node must then share).
+func clusterSnapshotKey(ctx context.Context, cfg Config, c *clientv3.Client, seal *cluster.SealKey) ([]byte, error) {
+	if cfg.SnapshotKeyFile != "" {
+		return nil, nil
+	}
 	var offer []byte
 	local := filepath.Join(cfg.DataDir, "snapshot-key")
 	if _, err := os.Lstat(local); err == nil {

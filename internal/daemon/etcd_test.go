@@ -1,8 +1,11 @@
 package daemon
 
 import (
+	"bytes"
 	"context"
+	"encoding/hex"
 	"errors"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -12,6 +15,8 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/snapshot"
+	"github.com/ember-sandbox/ember/internal/snapshot/local"
 	"github.com/ember-sandbox/ember/internal/tlsca"
 )
 
@@ -86,5 +91,67 @@ func TestEtcdJoinNeedsAuthentication(t *testing.T) {
 	defer pcancel()
 	if _, err := anon.Put(pctx, "/ember/nodes/evil", `{"url":"http://evil"}`); err == nil {
 		t.Fatal("etcd took a write from a client without a certificate")
+	}
+}
+
+// The README's one-host cluster with S3 and no --snapshot-key: every node signs and checks
+// stored images with the cluster's key (the first node's own key, kept sealed in etcd), so an
+// image one node stored loads on every other. Each node with its own <data-dir>/snapshot-key
+// answered "manifest signature invalid: corrupt data".
+func TestClusterSharesSnapshotKey(t *testing.T) {
+	e := clustertest.Start(t, 1)
+	f := e.Files()
+	cfgA := Config{EtcdEndpoints: e.Endpoints(), EtcdCA: f.CA, EtcdCert: f.Cert, EtcdKey: f.Key, ClusterKeyFile: e.KeyFile(), DataDir: t.TempDir()}
+	cfgB := cfgA
+	cfgB.DataDir = t.TempDir()
+	// Node a ran alone before: its key signs what it stored then.
+	own, err := snapshot.LoadOrCreateKey(filepath.Join(cfgA.DataDir, "snapshot-key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	keys := map[string][]byte{}
+	for _, n := range []struct {
+		name string
+		cfg  Config
+	}{{"a", cfgA}, {"b", cfgB}} { // a joins first
+		c, seal, err := dialEtcd(ctx, n.cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if keys[n.name], err = clusterSnapshotKey(ctx, n.cfg, c, seal); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !bytes.Equal(keys["a"], own) || !bytes.Equal(keys["b"], own) {
+		t.Fatalf("keys: a %x, b %x, a's own %x", keys["a"], keys["b"], own)
+	}
+
+	// An image stored by a loads on b.
+	bucket, err := local.New(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := t.TempDir()
+	if err := os.WriteFile(filepath.Join(src, "pages"), []byte("memory"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := snapshot.New(bucket, snapshot.WithSigningKey(keys["a"])).Save(ctx, "snap-1", src); err != nil {
+		t.Fatal(err)
+	}
+	if err := snapshot.New(bucket, snapshot.WithSigningKey(keys["b"])).Load(ctx, "snap-1", filepath.Join(t.TempDir(), "out")); err != nil {
+		t.Fatalf("b loads a's image: %v", err)
+	}
+
+	// The key in etcd is sealed: not there in plain text, nor hex.
+	resp, err := e.Client(t).Get(ctx, "/ember/snapshot-key")
+	if err != nil || len(resp.Kvs) != 1 {
+		t.Fatalf("etcd: %v %v", resp, err)
+	}
+	v := resp.Kvs[0].Value
+	if bytes.Contains(v, own) || bytes.Contains(v, []byte(hex.EncodeToString(own))) {
+		t.Fatal("the snapshot key is readable in etcd")
 	}
 }
