@@ -9,7 +9,6 @@ import (
 	"strings"
 	"sync"
 	"time"
-
 )
 
 // A signed uploadUrl()/downloadUrl() request names no sandbox: only the signature, made with
