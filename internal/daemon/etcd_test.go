@@ -12,6 +12,7 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -46,7 +47,8 @@ func TestEtcdJoinNeedsAuthentication(t *testing.T) {
 		}, "refused this node's client certificate"},
 		{"foreign CA", func(c *Config) { c.EtcdCA = filepath.Join(other, tlsca.ClusterCAFile) }, "not signed by --etcd-ca"},
 		{"no sealing key", func(c *Config) { c.ClusterKeyFile = "" }, "cluster-key-file"},
-		{"a sealing key of another cluster's size", func(c *Config) { c.ClusterKeyFile = good.CA }, "64 hex digits"},
+		{"not a sealing key", func(c *Config) { c.ClusterKeyFile = filepath.Join(e.CertDir(), tlsca.ClusterCAKeyFile) }, "64 hex digits"},
+		{"a sealing key others can read", func(c *Config) { c.ClusterKeyFile = good.CA }, "readable by others"},
 	}
 	for _, tc := range cases {
 		cfg := base
@@ -59,6 +61,7 @@ func TestEtcdJoinNeedsAuthentication(t *testing.T) {
 			t.Errorf("%s: joined", tc.name)
 			continue
 		}
+		t.Logf("%s: %v", tc.name, err)
 		if !errors.Is(err, errdefs.ErrInvalid) || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: %v, want invalid saying %q", tc.name, err, tc.want)
 		}
@@ -82,7 +85,7 @@ func TestEtcdJoinNeedsAuthentication(t *testing.T) {
 	// And etcd itself refuses a client that skips the checks and has no certificate.
 	tc := e.TLS()
 	tc.Certificates = nil
-	anon, err := clientv3.New(clientv3.Config{Endpoints: e.Endpoints(), DialTimeout: 2 * time.Second, TLS: tc})
+	anon, err := clientv3.New(clientv3.Config{Endpoints: e.Endpoints(), DialTimeout: 2 * time.Second, TLS: tc, Logger: zap.NewNop()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -154,4 +157,26 @@ func TestClusterSharesSnapshotKey(t *testing.T) {
 	if bytes.Contains(v, own) || bytes.Contains(v, []byte(hex.EncodeToString(own))) {
 		t.Fatal("the snapshot key is readable in etcd")
 	}
+}
+
+// An etcd that takes clients without a certificate is one anyone on its network can write to:
+// a node refuses to join it, unless --etcd-insecure.
+func TestEtcdWithoutClientAuthRefused(t *testing.T) {
+	e := clustertest.StartOpen(t, 1)
+	f := e.Files()
+	cfg := Config{EtcdEndpoints: e.Endpoints(), EtcdCA: f.CA, EtcdCert: f.Cert, EtcdKey: f.Key, ClusterKeyFile: e.KeyFile()}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if c, _, err := dialEtcd(ctx, cfg); err == nil || !strings.Contains(err.Error(), "accepts clients without a certificate") {
+		if c != nil {
+			c.Close()
+		}
+		t.Fatalf("joined an etcd without client certificate auth: %v", err)
+	}
+	cfg.EtcdInsecure = true
+	c, _, err := dialEtcd(ctx, cfg)
+	if err != nil {
+		t.Fatalf("with --etcd-insecure: %v", err)
+	}
+	c.Close()
 }

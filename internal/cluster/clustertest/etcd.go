@@ -60,6 +60,8 @@ type Etcd struct {
 	initial string
 	certs   string      // tlsca.MakeCluster's directory
 	tls     *tls.Config // a client's, with the node certificate
+	// anyClient: etcd takes clients without a certificate (StartOpen).
+	anyClient bool
 }
 
 // NodeName is the node the certificate of ClientConfig and ServeFlags is issued to.
@@ -78,11 +80,23 @@ type member struct {
 // binary the test skips (fails in CI).
 func Start(t testing.TB, n int) *Etcd {
 	t.Helper()
+	return startWith(t, n, false)
+}
+
+// StartOpen is Start with etcd taking clients without a certificate (TLS still): what ember
+// refuses to join.
+func StartOpen(t testing.TB, n int) *Etcd {
+	t.Helper()
+	return startWith(t, n, true)
+}
+
+func startWith(t testing.TB, n int, anyClient bool) *Etcd {
+	t.Helper()
 	bin, ok := Binary()
 	testutil.Need(t, ok, "etcd "+bin+" not installed: run scripts/setup.sh")
 	var last error
 	for attempt := 0; attempt < 4; attempt++ {
-		e, err := start(t, bin, n)
+		e, err := start(t, bin, n, anyClient)
 		if err == nil {
 			return e
 		}
@@ -92,12 +106,12 @@ func Start(t testing.TB, n int) *Etcd {
 	return nil
 }
 
-func start(t testing.TB, bin string, n int) (*Etcd, error) {
+func start(t testing.TB, bin string, n int, anyClient bool) (*Etcd, error) {
 	ports, err := freePorts(2 * n)
 	if err != nil {
 		return nil, err
 	}
-	e := &Etcd{t: t, bin: bin, certs: t.TempDir()}
+	e := &Etcd{t: t, bin: bin, certs: t.TempDir(), anyClient: anyClient}
 	if _, err := tlsca.MakeCluster(tlsca.ClusterOptions{Dir: e.certs, Hosts: []string{"localhost", "127.0.0.1"}, Nodes: []string{NodeName}}); err != nil {
 		return nil, err
 	}
@@ -150,17 +164,22 @@ func (e *Etcd) run(m *member, state string) error {
 	peer := fmt.Sprintf("https://127.0.0.1:%d", m.peer)
 	ca, cert, key := filepath.Join(e.certs, tlsca.ClusterCAFile), filepath.Join(e.certs, tlsca.EtcdCertFile), filepath.Join(e.certs, tlsca.EtcdKeyFile)
 	m.logs = &testutil.LogBuffer{}
+	clientAuth := []string{"--client-cert-auth", "--trusted-ca-file", ca}
+	if e.anyClient {
+		clientAuth = nil
+	}
 	cmd := exec.Command(e.bin,
 		"--name", m.name, "--data-dir", filepath.Join(m.dir, "data"),
 		"--listen-client-urls", client, "--advertise-client-urls", client,
 		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
 		"--initial-cluster", e.initial, "--initial-cluster-state", state,
 		"--initial-cluster-token", "clustertest",
-		"--client-cert-auth", "--trusted-ca-file", ca, "--cert-file", cert, "--key-file", key,
+		"--cert-file", cert, "--key-file", key,
 		"--peer-client-cert-auth", "--peer-trusted-ca-file", ca, "--peer-cert-file", cert, "--peer-key-file", key,
 		// Fast elections: loopback round trips are well under a millisecond.
 		"--heartbeat-interval", "50", "--election-timeout", "500",
 		"--log-level", "warn", "--quota-backend-bytes", strconv.Itoa(2<<30))
+	cmd.Args = append(cmd.Args, clientAuth...)
 	cmd.Stdout, cmd.Stderr = m.logs, m.logs
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
