@@ -260,14 +260,12 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, loc cluster.Loc
 			pr.SetURL(target)
 			pr.Out.Host = pr.In.Host
 			pr.Out.Header.Set(HeaderForwarded, s.cl.NodeID())
-			if !sandboxPlane {
-				dropClientKey(pr.Out.Header) // cluster_auth.go
-			} else {
-				pr.Out.Header.Del(HeaderAPIKey)
-			}
 			if sandboxPlane {
+				pr.Out.Header.Del(HeaderAPIKey) // the guest never gets it either
 				pr.Out.Header.Set(headerFwdSandbox, id)
 				pr.Out.Header.Set(headerFwdPort, port)
+			} else {
+				dropClientKey(pr.Out.Header) // cluster_auth.go
 			}
 			// The client's X-Forwarded-For etc. pass through unchanged.
 			pr.Out.Header["X-Forwarded-For"] = pr.In.Header["X-Forwarded-For"]

@@ -524,7 +524,7 @@ func openImages(cfg Config, key []byte) (sandbox.ImageStore, error) {
 	}
 	// Manifests are signed with a key kept outside the bucket, so that write access to the
 	// bucket alone cannot inject a snapshot. Nodes of one cluster share the key file.
-	// A cluster shares one through etcd (sharedSnapshotKey) unless --snapshot-key says.
+	// A cluster shares one through etcd (clusterSnapshotKey) unless --snapshot-key says.
 	if key == nil {
 		keyFile := cfg.SnapshotKeyFile
 		if keyFile == "" {

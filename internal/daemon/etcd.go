@@ -21,6 +21,9 @@ import (
 // (plain http, no client certificate, an etcd that takes clients without one) unless
 // --etcd-insecure, and loads the cluster sealing key (required unless --etcd-insecure).
 func dialEtcd(ctx context.Context, cfg Config) (*clientv3.Client, *cluster.SealKey, error) {
+	if cfg.NodeID == "" {
+		return nil, nil, fmt.Errorf("etcd-endpoints: cluster mode needs --node-id: %w", errdefs.ErrInvalid)
+	}
 	files := cluster.TLSFiles{CA: cfg.EtcdCA, Cert: cfg.EtcdCert, Key: cfg.EtcdKey, Insecure: cfg.EtcdInsecure}
 	tc, err := cluster.ClientTLS(cfg.EtcdEndpoints, files)
 	if err != nil {

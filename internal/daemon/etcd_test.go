@@ -32,7 +32,7 @@ func TestEtcdJoinNeedsAuthentication(t *testing.T) {
 	if _, err := tlsca.MakeCluster(tlsca.ClusterOptions{Dir: other, Nodes: []string{"n1"}}); err != nil {
 		t.Fatal(err)
 	}
-	base := Config{EtcdEndpoints: e.Endpoints(), EtcdCA: good.CA, EtcdCert: good.Cert, EtcdKey: good.Key, ClusterKeyFile: e.KeyFile()}
+	base := Config{NodeID: "n1", EtcdEndpoints: e.Endpoints(), EtcdCA: good.CA, EtcdCert: good.Cert, EtcdKey: good.Key, ClusterKeyFile: e.KeyFile()}
 	plain := strings.Replace(e.Endpoints()[0], "https://", "http://", 1)
 	cases := []struct {
 		name string
@@ -104,7 +104,7 @@ func TestEtcdJoinNeedsAuthentication(t *testing.T) {
 func TestClusterSharesSnapshotKey(t *testing.T) {
 	e := clustertest.Start(t, 1)
 	f := e.Files()
-	cfgA := Config{EtcdEndpoints: e.Endpoints(), EtcdCA: f.CA, EtcdCert: f.Cert, EtcdKey: f.Key, ClusterKeyFile: e.KeyFile(), DataDir: t.TempDir()}
+	cfgA := Config{NodeID: "a", EtcdEndpoints: e.Endpoints(), EtcdCA: f.CA, EtcdCert: f.Cert, EtcdKey: f.Key, ClusterKeyFile: e.KeyFile(), DataDir: t.TempDir()}
 	cfgB := cfgA
 	cfgB.DataDir = t.TempDir()
 	// Node a ran alone before: its key signs what it stored then.
@@ -164,7 +164,7 @@ func TestClusterSharesSnapshotKey(t *testing.T) {
 func TestEtcdWithoutClientAuthRefused(t *testing.T) {
 	e := clustertest.StartOpen(t, 1)
 	f := e.Files()
-	cfg := Config{EtcdEndpoints: e.Endpoints(), EtcdCA: f.CA, EtcdCert: f.Cert, EtcdKey: f.Key, ClusterKeyFile: e.KeyFile()}
+	cfg := Config{NodeID: "n1", EtcdEndpoints: e.Endpoints(), EtcdCA: f.CA, EtcdCert: f.Cert, EtcdKey: f.Key, ClusterKeyFile: e.KeyFile()}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if c, _, err := dialEtcd(ctx, cfg); err == nil || !strings.Contains(err.Error(), "accepts clients without a certificate") {
