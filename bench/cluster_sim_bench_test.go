@@ -23,7 +23,6 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
@@ -751,7 +750,7 @@ func runSim(b *testing.B, cfg simConfig) {
 		sem <- struct{}{}
 		go func() {
 			defer func() { <-sem; wg.Done() }()
-			cli, err := clientv3.New(clientv3.Config{Endpoints: e.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+			cli, err := clientv3.New(clustertest.ClientConfig(e.Endpoints()))
 			if err != nil {
 				joinErr.Store(err)
 				return
@@ -887,7 +886,7 @@ func runSim(b *testing.B, cfg simConfig) {
 	// Memory, quiet: the whole process per node, and one more edge joining the loaded cluster.
 	time.Sleep(2 * time.Second) // a sync round
 	heapLoaded := heapInuse()
-	probeCli, err := clientv3.New(clientv3.Config{Endpoints: e.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	probeCli, err := clientv3.New(clustertest.ClientConfig(e.Endpoints()))
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -93,6 +93,10 @@ type server struct {
 	// Cluster mode (nil: one node).
 	cl            Cluster
 	nodeTransport *http.Transport
+	// signer finds a signed URL's sandbox without its lock; fanout limits the signed-URL
+	// lookups this edge sends to the other nodes (signed_files.go).
+	signer signer
+	fanout fanoutLimit
 }
 
 // New returns the daemon's HTTP handler. Serve it on one port; enabling h2c on the server is
@@ -103,6 +107,7 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 		logger = slog.Default()
 	}
 	s := &server{cfg: cfg, svc: svc, keys: keys, log: logger}
+	s.signer, _ = svc.(signer) // signed_files.go
 	if cfg.Cluster != nil {
 		s.cl = cfg.Cluster
 		s.svc = &clusterService{Service: svc, cl: cfg.Cluster}
@@ -224,6 +229,9 @@ func (s *server) serveControl(w http.ResponseWriter, r *http.Request) {
 // is absent (an Authorization header carrying E2B_ACCESS_TOKEN next to a valid X-API-Key is
 // ignored).
 func (s *server) authenticate(r *http.Request) error {
+	if fromNode, _ := r.Context().Value(nodeAuthenticated{}).(bool); fromNode {
+		return nil // an edge's, with a valid node proof: it checked the client's key (cluster_auth.go)
+	}
 	key := r.Header.Get(HeaderAPIKey)
 	if key == "" {
 		if v := r.Header.Get("Authorization"); len(v) > 7 && strings.EqualFold(v[:7], "bearer ") {

@@ -170,6 +170,8 @@ func (s *server) serveForwarded(w http.ResponseWriter, r *http.Request) bool {
 	if rid := r.Header.Get(HeaderReservation); rid != "" && s.cl.HasReservation(r.Context(), rid) {
 		r = r.WithContext(context.WithValue(r.Context(), reservationKey{}, rid))
 	}
+	// The edge authenticated the client; the node proof authenticates the edge.
+	r = r.WithContext(context.WithValue(r.Context(), nodeAuthenticated{}, true))
 	s.serveControl(w, r)
 	return true
 }
@@ -259,8 +261,11 @@ func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, loc cluster.Loc
 			pr.Out.Host = pr.In.Host
 			pr.Out.Header.Set(HeaderForwarded, s.cl.NodeID())
 			if sandboxPlane {
+				pr.Out.Header.Del(HeaderAPIKey) // the guest never gets it either
 				pr.Out.Header.Set(headerFwdSandbox, id)
 				pr.Out.Header.Set(headerFwdPort, port)
+			} else {
+				dropClientKey(pr.Out.Header) // cluster_auth.go
 			}
 			// The client's X-Forwarded-For etc. pass through unchanged.
 			pr.Out.Header["X-Forwarded-For"] = pr.In.Header["X-Forwarded-For"]
@@ -395,6 +400,7 @@ func (s *server) createOn(r *http.Request, rec *httptest.ResponseRecorder, resv 
 		return
 	}
 	out.Header = r.Header.Clone()
+	dropClientKey(out.Header) // cluster_auth.go
 	out.Header.Set(HeaderForwarded, s.cl.NodeID())
 	out.Header.Set(HeaderReservation, resv.ID)
 	s.signForward(out)
@@ -464,6 +470,7 @@ func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
 					return
 				}
 				out.Header = r.Header.Clone()
+				dropClientKey(out.Header) // cluster_auth.go
 				out.Header.Set(HeaderForwarded, s.cl.NodeID())
 				s.signForward(out)
 				resp, err := s.nodeTransport.RoundTrip(out)

@@ -69,3 +69,20 @@ func (s *server) verifyForward(r *http.Request) error {
 	}
 	return nil
 }
+
+// Forwarded requests do not carry the client's API key: the edge checked it, and the node
+// proof says so. A node's URL comes from etcd, so a URL someone wrote there must receive no
+// client's key (it would be a key harvester); and the receiving node serves a request with a
+// valid proof as authenticated (nodeAuthenticated, set by serveForwarded only).
+
+// nodeAuthenticated marks, in a request's context, a forwarded request whose proof checked.
+type nodeAuthenticated struct{}
+
+// dropClientKey removes the client's API key (X-API-Key, or Authorization: Bearer) from the
+// headers of a control request sent to another node.
+func dropClientKey(h http.Header) {
+	h.Del(HeaderAPIKey)
+	if v := h.Get("Authorization"); len(v) > 7 && strings.EqualFold(v[:7], "bearer ") {
+		h.Del("Authorization")
+	}
+}

@@ -245,11 +245,6 @@ func (s *server) adoptOn(r *http.Request, resv *cluster.Reservation, id string) 
 	if err != nil {
 		return err
 	}
-	for _, h := range []string{"X-API-Key", "Authorization"} {
-		if v := r.Header.Get(h); v != "" {
-			out.Header.Set(h, v)
-		}
-	}
 	out.Header.Set(HeaderForwarded, s.cl.NodeID())
 	s.signForward(out)
 	resp, err := s.nodeTransport.RoundTrip(out)
@@ -403,11 +398,6 @@ func (s *server) forkOn(r *http.Request, rs []*cluster.Reservation, pf *sandbox.
 	out, err := http.NewRequestWithContext(r.Context(), http.MethodPost, strings.TrimSuffix(rs[0].URL, "/")+"/ember/forks", bytes.NewReader(body))
 	if err != nil {
 		return fail(err.Error())
-	}
-	for _, h := range []string{"X-API-Key", "Authorization"} {
-		if v := r.Header.Get(h); v != "" {
-			out.Header.Set(h, v)
-		}
 	}
 	out.Header.Set("Content-Type", "application/json")
 	out.Header.Set(HeaderForwarded, s.cl.NodeID())

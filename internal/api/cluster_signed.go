@@ -3,16 +3,12 @@ package api
 import (
 	"bytes"
 	"context"
-	"crypto/subtle"
 	"encoding/json"
 	"io"
 	"net/http"
 	"strings"
 	"sync"
 	"time"
-
-	"github.com/ember-sandbox/ember/internal/auth"
-	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
 // A signed uploadUrl()/downloadUrl() request names no sandbox: only the signature, made with
@@ -33,20 +29,11 @@ type signedQuery struct {
 // signedOwner returns the id of the local sandbox (running or paused) whose access token made
 // q's signature, or "".
 func (s *server) signedOwner(ctx context.Context, q signedQuery) (string, error) {
-	sbxs, err := s.svc.List(ctx, sandbox.ListFilter{States: []sandbox.State{sandbox.StateRunning, sandbox.StatePaused}})
-	if err != nil {
+	sbx, err := s.signedSandbox(ctx, q)
+	if err != nil || sbx == nil {
 		return "", err
 	}
-	for _, sbx := range sbxs {
-		if sbx.AccessToken == "" {
-			continue
-		}
-		want := auth.FileSignature(q.Path, q.Operation, q.User, sbx.AccessToken, q.Exp)
-		if subtle.ConstantTimeCompare([]byte(want), []byte(q.Signature)) == 1 {
-			return sbx.ID, nil
-		}
-	}
-	return "", nil
+	return sbx.ID, nil
 }
 
 // signedOwnerPath is the request an edge sends the other nodes. It carries no API key (a
@@ -70,10 +57,14 @@ func (s *server) signedOwnerHere(w http.ResponseWriter, r *http.Request) error {
 }
 
 // signedOwnerElsewhere asks every other live node which of its sandboxes signed q; "" when
-// none did (or none answered within a few seconds).
+// none did (or none answered within a few seconds), errFanoutLimited when this edge asked too
+// often lately (signed_files.go).
 func (s *server) signedOwnerElsewhere(r *http.Request, q signedQuery) string {
 	if s.cl == nil || r.Header.Get(HeaderForwarded) != "" {
 		return ""
+	}
+	if !s.fanout.allow() { // signed_files.go
+		return errFanoutLimited
 	}
 	body, _ := json.Marshal(q)
 	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)

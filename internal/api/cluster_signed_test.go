@@ -56,3 +56,55 @@ func TestClusterSignedFilesReachAnyNode(t *testing.T) {
 		t.Fatalf("a client's owner lookup: %d %s", r.status, r.body)
 	}
 }
+
+// Signed URLs need no key, and each one for a sandbox the edge does not hold costs a lookup on
+// every other node: an edge sends at most a burst of fanoutBurst of them, then answers 429 with
+// Retry-After; a signed URL of one of its own sandboxes still works meanwhile.
+func TestClusterSignedFilesFanoutLimited(t *testing.T) {
+	nodes := newTestCluster(t, 2)
+	a := nodes[0]
+	exp := time.Now().Unix() + 60
+	bad := auth.FileSignature("/a.txt", auth.OpRead, "user", "not-a-token", exp)
+	q := "/files?path=%2Fa.txt&username=user&signature=" + url.QueryEscape(bad) + "&signature_expiration=" + strconv.FormatInt(exp, 10)
+	// The burst goes through (401: no sandbox made it); then the limit answers, once requests
+	// come faster than fanoutRate a second (they do on loopback).
+	first := -1
+	for i := 0; i < 50*fanoutBurst && first < 0; i++ {
+		r := a.env.do(http.MethodGet, q, "")
+		switch r.status {
+		case http.StatusUnauthorized:
+		case http.StatusTooManyRequests:
+			if r.header.Get("Retry-After") == "" {
+				t.Fatal("429 without Retry-After")
+			}
+			first = i
+		default:
+			t.Fatalf("request %d: %d %s", i, r.status, r.body)
+		}
+	}
+	if first < fanoutBurst {
+		t.Fatalf("first 429 at request %d, want none before the burst of %d is spent", first, fanoutBurst)
+	}
+	// a's own sandbox is found without any fan-out.
+	var sb struct {
+		SandboxID string `json:"sandboxID"`
+	}
+	var own string
+	for i := 0; i < 12 && own == ""; i++ {
+		a.env.ctl(http.MethodPost, "/sandboxes", `{"templateID":"base"}`).json(t, &sb)
+		if a.holds(sb.SandboxID) {
+			own = sb.SandboxID
+		}
+	}
+	if own == "" {
+		t.Fatal("nothing placed on a")
+	}
+	sbx, err := a.svc.Manager.Get(context.Background(), own)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sig := auth.FileSignature("/a.txt", auth.OpRead, "user", sbx.AccessToken, exp)
+	if r := a.env.do(http.MethodGet, "/files?path=%2Fa.txt&username=user&signature="+url.QueryEscape(sig)+"&signature_expiration="+strconv.FormatInt(exp, 10), ""); r.status != http.StatusOK {
+		t.Fatalf("a signed URL of the edge's own sandbox while limited: %d %s", r.status, r.body)
+	}
+}

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster"
@@ -42,7 +41,7 @@ func newClusterNodeWith(t *testing.T, e *clustertest.Etcd, id string, mod func(*
 	g := newGuest(t)
 	svc := newServiceWith(t, g.srv.Listener.Addr().String(), mod)
 	srv := httptest.NewUnstartedServer(nil)
-	c, err := clientv3.New(clientv3.Config{Endpoints: e.Endpoints(), DialTimeout: 2 * time.Second, Logger: zap.NewNop()})
+	c, err := clientv3.New(clustertest.ClientConfig(e.Endpoints()))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,7 +2,6 @@ package api
 
 import (
 	"context"
-	"crypto/subtle"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -174,21 +173,10 @@ func (s *server) serveSignedFiles(w http.ResponseWriter, r *http.Request, sig st
 		return
 	}
 	path, user := q.Get("path"), q.Get("username")
-	sbxs, err := s.svc.List(r.Context(), sandbox.ListFilter{
-		States: []sandbox.State{sandbox.StateRunning, sandbox.StatePaused},
-	})
-	if err != nil {
+	if sbx, err := s.signedSandbox(r.Context(), signedQuery{Path: path, Operation: op, User: user, Exp: exp, Signature: sig}); err != nil {
 		writeError(w, s.log, r, err)
 		return
-	}
-	for _, sbx := range sbxs {
-		if sbx.AccessToken == "" {
-			continue
-		}
-		want := auth.FileSignature(path, op, user, sbx.AccessToken, exp)
-		if subtle.ConstantTimeCompare([]byte(want), []byte(sig)) != 1 {
-			continue
-		}
+	} else if sbx != nil {
 		if err := auth.VerifyFileSignature(sig, path, op, user, sbx.AccessToken, exp); err != nil {
 			writeJSONError(w, http.StatusUnauthorized, "signature is already expired") // E2B envd's words
 			return
@@ -201,7 +189,13 @@ func (s *server) serveSignedFiles(w http.ResponseWriter, r *http.Request, sig st
 		return
 	}
 	// In a cluster, the sandbox may be another node's (cluster_signed.go).
-	if id := s.signedOwnerElsewhere(r, signedQuery{Path: path, Operation: op, User: user, Exp: exp, Signature: sig}); id != "" {
+	id := s.signedOwnerElsewhere(r, signedQuery{Path: path, Operation: op, User: user, Exp: exp, Signature: sig})
+	if id == errFanoutLimited {
+		w.Header().Set("Retry-After", "1")
+		writeJSONError(w, http.StatusTooManyRequests, "too many signed file requests for sandboxes on other nodes: retry shortly")
+		return
+	}
+	if id != "" {
 		if !s.routeSandbox(w, r, id, "", true) {
 			s.serveSandbox(w, r, id, sandbox.EnvdPort)
 		}

@@ -69,6 +69,8 @@ type Config struct {
 	// Secret signs the requests between nodes (16 bytes or more; empty = the cluster's own,
 	// made by the first node and kept in etcd: secret.go).
 	Secret []byte
+	// SealKey seals the records that hold secrets (seal.go); nil = plain (--etcd-insecure).
+	SealKey *SealKey
 	// OpTimeout bounds each etcd round trip of a control call (default 5 s): without a
 	// leader, a write can wait on etcd much longer.
 	OpTimeout time.Duration

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster"
@@ -81,7 +80,7 @@ const ttl = 2 * time.Second
 
 func join(t *testing.T, endpoints []string, id string, slots int, local *fakeLocal, mod ...func(*cluster.Config)) *cluster.Cluster {
 	t.Helper()
-	c, err := clientv3.New(clientv3.Config{Endpoints: endpoints, DialTimeout: 2 * time.Second, Logger: zap.NewNop()})
+	c, err := clientv3.New(clustertest.ClientConfig(endpoints))
 	if err != nil {
 		t.Fatal(err)
 	}

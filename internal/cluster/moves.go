@@ -78,7 +78,7 @@ func (mv *Moves) Stored(ctx context.Context, p *sandbox.PortableSandbox) error {
 	if epoch == 0 || r == nil || r.Node != cl.cfg.NodeID || r.Epoch != epoch {
 		return fmt.Errorf("sandbox %q is not this node's in the cluster: %w", id, errdefs.ErrConflict)
 	}
-	b, err := json.Marshal(p)
+	sv, err := cl.sealJSON(cl.key("stored", id), p) // its envd token and env vars (seal.go)
 	if err != nil {
 		return err
 	}
@@ -88,7 +88,7 @@ func (mv *Moves) Stored(ctx context.Context, p *sandbox.PortableSandbox) error {
 	resp, err := cl.c.Txn(ctx).If(
 		clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", id)), "=", r.modRev),
 		clientv3.Compare(clientv3.LeaseValue(cl.key("nodes", cl.cfg.NodeID)), "=", epoch),
-	).Then(clientv3.OpPut(cl.key("stored", id), string(b), clientv3.WithPrevKV()), clientv3.OpPut(cl.key("sandboxes", id), string(rb))).Commit()
+	).Then(clientv3.OpPut(cl.key("stored", id), sv, clientv3.WithPrevKV()), clientv3.OpPut(cl.key("sandboxes", id), string(rb))).Commit()
 	if err != nil {
 		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
 	}
@@ -98,7 +98,7 @@ func (mv *Moves) Stored(ctx context.Context, p *sandbox.PortableSandbox) error {
 	// The image of an earlier pause that no resume consumed is nobody's now.
 	if prev := resp.Responses[0].GetResponsePut().GetPrevKv(); prev != nil {
 		var old sandbox.PortableSandbox
-		if json.Unmarshal(prev.Value, &old) == nil && old.ImageID != "" && old.ImageID != p.ImageID {
+		if cl.openJSON(string(prev.Key), prev.Value, &old) == nil && old.ImageID != "" && old.ImageID != p.ImageID {
 			mv.p.DeleteStored(context.WithoutCancel(ctx), old.ImageID)
 		}
 	}
@@ -137,7 +137,7 @@ func (mv *Moves) Adopt(ctx context.Context, id string) error {
 		return fmt.Errorf("sandbox %q: its node %s serves it: %w", id, r.Node, errdefs.ErrConflict)
 	}
 	var p sandbox.PortableSandbox
-	if err := json.Unmarshal(sk[0].Value, &p); err != nil || p.Sandbox.ID != id {
+	if err := cl.openJSON(string(sk[0].Key), sk[0].Value, &p); err != nil || p.Sandbox.ID != id {
 		return fmt.Errorf("sandbox %q: bad stored record: %w", id, errdefs.ErrCorrupt)
 	}
 	start := time.Now()
@@ -211,7 +211,7 @@ func (mv *Moves) StoredImage(ctx context.Context, id string) string {
 		return ""
 	}
 	var p sandbox.PortableSandbox
-	if json.Unmarshal(resp.Kvs[0].Value, &p) != nil {
+	if mv.cl.openJSON(string(resp.Kvs[0].Key), resp.Kvs[0].Value, &p) != nil {
 		return ""
 	}
 	return p.ImageID
@@ -270,7 +270,7 @@ func (mv *Moves) Unheld(ctx context.Context, ids ...string) ([]sandbox.Sandbox, 
 				continue
 			}
 			var p sandbox.PortableSandbox
-			if json.Unmarshal(sk[0].Value, &p) != nil || p.Sandbox.ID != id {
+			if cl.openJSON(string(sk[0].Key), sk[0].Value, &p) != nil || p.Sandbox.ID != id {
 				continue
 			}
 			p.Sandbox.State = sandbox.StatePaused
@@ -295,7 +295,7 @@ func (mv *Moves) Forget(ctx context.Context, id string) error {
 	rk, sk := resp.Responses[0].GetResponseRange().Kvs, resp.Responses[1].GetResponseRange().Kvs
 	var r Route
 	var p sandbox.PortableSandbox
-	if len(rk) == 0 || len(sk) == 0 || json.Unmarshal(rk[0].Value, &r) != nil || json.Unmarshal(sk[0].Value, &p) != nil || !r.Stored || !cl.gone(&r) {
+	if len(rk) == 0 || len(sk) == 0 || json.Unmarshal(rk[0].Value, &r) != nil || cl.openJSON(skey, sk[0].Value, &p) != nil || !r.Stored || !cl.gone(&r) {
 		return fmt.Errorf("sandbox %q is not a stored sandbox of a gone node: %w", id, errdefs.ErrConflict)
 	}
 	t, err := cl.c.Txn(ctx).If(

@@ -14,7 +14,8 @@ import (
 // The cluster secret proves that a request between two nodes comes from a node (the API signs
 // forwarded requests with it). It is the operator's (Config.Secret, from --cluster-secret-file)
 // or else the cluster's own: 32 random bytes the first node to join puts under secret, read by
-// every node that joins after. Whoever can read etcd can read it; etcd is trusted anyway.
+// every node that joins after. It is sealed with the cluster key (seal.go): reading etcd alone
+// does not give it.
 func (cl *Cluster) loadSecret(ctx context.Context) error {
 	if len(cl.cfg.Secret) > 0 {
 		if len(cl.cfg.Secret) < 16 {
@@ -23,23 +24,9 @@ func (cl *Cluster) loadSecret(ctx context.Context) error {
 		cl.secret = cl.cfg.Secret
 		return nil
 	}
-	b := make([]byte, 32)
-	if _, err := rand.Read(b); err != nil {
-		return err
-	}
-	k := cl.key("secret")
-	resp, err := cl.c.Txn(ctx).If(clientv3.Compare(clientv3.Version(k), "=", 0)).Then(clientv3.OpPut(k, hex.EncodeToString(b))).Else(clientv3.OpGet(k)).Commit()
+	b, err := SharedKey(ctx, cl.c, cl.p, "secret", cl.cfg.SealKey, nil, 32)
 	if err != nil {
 		return err
-	}
-	if !resp.Succeeded {
-		kvs := resp.Responses[0].GetResponseRange().Kvs
-		if len(kvs) == 0 {
-			return fmt.Errorf("cluster secret vanished")
-		}
-		if b, err = hex.DecodeString(string(kvs[0].Value)); err != nil || len(b) < 16 {
-			return fmt.Errorf("cluster secret under %s is not 16 or more hex-encoded bytes", k)
-		}
 	}
 	cl.secret = b
 	return nil
@@ -47,3 +34,41 @@ func (cl *Cluster) loadSecret(ctx context.Context) error {
 
 // Secret is the key nodes sign their requests to each other with.
 func (cl *Cluster) Secret() []byte { return cl.secret }
+
+// SharedKey returns the cluster's key under <prefix><name>: the one there, or else offer (or n
+// random bytes when offer is empty), put there if no other node was first. The value is sealed
+// with seal (hex-encoded plain without one, only with --etcd-insecure).
+func SharedKey(ctx context.Context, c *clientv3.Client, prefix, name string, seal *SealKey, offer []byte, n int) ([]byte, error) {
+	if prefix == "" {
+		prefix = "/ember/"
+	}
+	cl := &Cluster{c: c, p: prefix, cfg: Config{SealKey: seal}}
+	b := offer
+	if len(b) == 0 {
+		b = make([]byte, n)
+		if _, err := rand.Read(b); err != nil {
+			return nil, err
+		}
+	}
+	k := cl.key(name)
+	v := cl.seal(k, []byte(hex.EncodeToString(b)))
+	resp, err := c.Txn(ctx).If(clientv3.Compare(clientv3.Version(k), "=", 0)).Then(clientv3.OpPut(k, v)).Else(clientv3.OpGet(k)).Commit()
+	if err != nil {
+		return nil, err
+	}
+	if resp.Succeeded {
+		return b, nil
+	}
+	kvs := resp.Responses[0].GetResponseRange().Kvs
+	if len(kvs) == 0 {
+		return nil, fmt.Errorf("%s vanished", k)
+	}
+	plain, err := cl.open(k, kvs[0].Value)
+	if err != nil {
+		return nil, err
+	}
+	if b, err = hex.DecodeString(string(plain)); err != nil || len(b) < 16 {
+		return nil, fmt.Errorf("%s is not 16 or more hex-encoded bytes: %w", k, errdefs.ErrCorrupt)
+	}
+	return b, nil
+}

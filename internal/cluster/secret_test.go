@@ -7,7 +7,6 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
@@ -27,7 +26,7 @@ func TestClusterSecret(t *testing.T) {
 	if !bytes.Equal(c.Secret(), own) {
 		t.Fatalf("c signs with %q, want the operator's", c.Secret())
 	}
-	cli, err := clientv3.New(clientv3.Config{Endpoints: e.Endpoints(), DialTimeout: 2 * time.Second, Logger: zap.NewNop()})
+	cli, err := clientv3.New(clustertest.ClientConfig(e.Endpoints()))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,7 +2,6 @@ package cluster
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -53,8 +52,10 @@ func (cl *Cluster) applyTemplate(id string, b []byte) {
 		return
 	}
 	var t SharedTemplate
-	if json.Unmarshal(b, &t) == nil && t.ID == id {
+	if err := cl.openJSON(cl.key("templates", id), b, &t); err == nil && t.ID == id {
 		cl.templates[id] = &t
+	} else if err != nil {
+		cl.log.Warn("cluster: template record ignored", "template", id, "err", err)
 	}
 }
 
@@ -112,7 +113,7 @@ func (cl *Cluster) SharedTemplate(ctx context.Context, id string) (*SharedTempla
 		return nil, nil
 	}
 	var st SharedTemplate
-	if err := json.Unmarshal(r.Kvs[0].Value, &st); err != nil {
+	if err := cl.openJSON(string(r.Kvs[0].Key), r.Kvs[0].Value, &st); err != nil {
 		return nil, fmt.Errorf("template %q: bad cluster record: %w", id, errdefs.ErrCorrupt)
 	}
 	return &st, nil
@@ -121,22 +122,23 @@ func (cl *Cluster) SharedTemplate(ctx context.Context, id string) (*SharedTempla
 // PublishTemplate registers t. With replace false it registers t only if the cluster has no
 // template of that id, and returns the record that won.
 func (cl *Cluster) PublishTemplate(ctx context.Context, t SharedTemplate, replace bool) (*SharedTemplate, error) {
-	b, err := json.Marshal(t)
+	k := cl.key("templates", t.ID)
+	// Sealed: its init token and env (seal.go).
+	v, err := cl.sealJSON(k, t)
 	if err != nil {
 		return nil, err
 	}
-	k := cl.key("templates", t.ID)
 	var conds []clientv3.Cmp
 	if !replace {
 		conds = append(conds, clientv3.Compare(clientv3.Version(k), "=", 0))
 	}
-	resp, err := cl.c.Txn(ctx).If(conds...).Then(clientv3.OpPut(k, string(b))).Else(clientv3.OpGet(k)).Commit()
+	resp, err := cl.c.Txn(ctx).If(conds...).Then(clientv3.OpPut(k, v)).Else(clientv3.OpGet(k)).Commit()
 	if err != nil {
 		return nil, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
 	}
 	if !resp.Succeeded {
 		var won SharedTemplate
-		if kvs := resp.Responses[0].GetResponseRange().Kvs; len(kvs) > 0 && json.Unmarshal(kvs[0].Value, &won) == nil {
+		if kvs := resp.Responses[0].GetResponseRange().Kvs; len(kvs) > 0 && cl.openJSON(k, kvs[0].Value, &won) == nil {
 			return &won, nil
 		}
 	}

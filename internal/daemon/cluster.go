@@ -14,7 +14,6 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/cluster"
@@ -23,7 +22,7 @@ import (
 )
 
 // openCluster joins the cluster at cfg.EtcdEndpoints.
-func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager, onRetry func()) (*cluster.Cluster, error) {
+func openCluster(ctx context.Context, cfg Config, c *clientv3.Client, seal *cluster.SealKey, mgr *sandbox.Manager, onRetry func()) (*cluster.Cluster, error) {
 	if cfg.NodeID == "" {
 		return nil, fmt.Errorf("etcd-endpoints: cluster mode needs --node-id: %w", errdefs.ErrInvalid)
 	}
@@ -45,11 +44,6 @@ func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager, onRetry 
 			return nil, fmt.Errorf("cluster-secret-file: %s holds %d bytes, 16 or more needed: %w", cfg.ClusterSecretFile, len(secret), errdefs.ErrInvalid)
 		}
 	}
-	c, err := clientv3.New(clientv3.Config{Endpoints: cfg.EtcdEndpoints, DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
-		DialKeepAliveTime: 5 * time.Second, DialKeepAliveTimeout: 3 * time.Second})
-	if err != nil {
-		return nil, fmt.Errorf("etcd: %w", err)
-	}
 	slots := cfg.MaxSandboxes
 	if slots <= 0 {
 		slots = 500
@@ -62,6 +56,7 @@ func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager, onRetry 
 		LeaseFile:        filepath.Join(cfg.DataDir, "cluster-lease"),
 		Logger:           cfg.Logger,
 		Secret:           secret,
+		SealKey:          seal,
 		QuorumGrace:      cfg.ClusterQuorumGrace,
 		OwnClient:        true,
 		OnPlacementRetry: onRetry,
@@ -70,7 +65,6 @@ func openCluster(ctx context.Context, cfg Config, mgr *sandbox.Manager, onRetry 
 		},
 	})
 	if err != nil {
-		c.Close()
 		return nil, err
 	}
 	fmt.Fprintf(cfg.Out, "cluster: node %s joined (%s, advertised %s)\n", cfg.NodeID, strings.Join(cfg.EtcdEndpoints, ","), adv)

@@ -21,6 +21,7 @@ import (
 	"strings"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"golang.org/x/net/netutil"
 
 	"github.com/ember-sandbox/ember/internal/api"
@@ -95,6 +96,14 @@ type Config struct {
 	// ClusterSecretFile holds the secret that signs requests between nodes (empty = the
 	// cluster's own, kept in etcd).
 	ClusterSecretFile string
+	// EtcdCA, EtcdCert and EtcdKey: the CA that signed etcd's certificate, and this node's
+	// client certificate and key (PEM; `ember cluster certs`). EtcdInsecure allows plain http
+	// endpoints, an etcd without client certificate auth, and no ClusterKeyFile.
+	EtcdCA, EtcdCert, EtcdKey string
+	EtcdInsecure              bool
+	// ClusterKeyFile holds the cluster sealing key (64 hex digits, the same on every node): the
+	// secrets ember keeps in etcd are sealed with it (cluster.SealKey).
+	ClusterKeyFile string
 	// Network CIDR for sandbox slots.
 	CIDR   string
 	Mirror string
@@ -193,7 +202,25 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err := nm.Init(ctx); err != nil {
 		return nil, fmt.Errorf("network: %w", err)
 	}
-	images, err := openImages(cfg)
+	// Cluster mode: etcd first, authenticated; the snapshot signing key is the cluster's.
+	var etcd *clientv3.Client
+	var seal *cluster.SealKey
+	var snapKey []byte
+	etcdOwned := false // by the cluster, once joined
+	if len(cfg.EtcdEndpoints) > 0 {
+		if etcd, seal, err = dialEtcd(ctx, cfg); err != nil {
+			return nil, err
+		}
+		defer func() {
+			if !ok && !etcdOwned {
+				etcd.Close()
+			}
+		}()
+		if snapKey, err = clusterSnapshotKey(ctx, cfg, etcd, seal); err != nil {
+			return nil, err
+		}
+	}
+	images, err := openImages(cfg, snapKey)
 	if err != nil {
 		return nil, err
 	}
@@ -246,10 +273,11 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	var cl *cluster.Cluster
 	var moves *cluster.Moves
 	if len(cfg.EtcdEndpoints) > 0 {
-		if cl, err = openCluster(ctx, cfg, mgr, met.PlacementRetry); err != nil {
+		if cl, err = openCluster(ctx, cfg, etcd, seal, mgr, met.PlacementRetry); err != nil {
 			mgr.Close()
 			return nil, err
 		}
+		etcdOwned = true
 		// The cluster's keys: one made on any node works on every node.
 		keys = auth.NewKeys(cl.Keys())
 		if err := ensureKey(ctx, cfg, keys); err != nil {
@@ -475,7 +503,8 @@ func NodeNames(id string) (Names, error) {
 	}, nil
 }
 
-func openImages(cfg Config) (sandbox.ImageStore, error) {
+// openImages opens the image store; key signs its manifests (nil: the --snapshot-key file).
+func openImages(cfg Config, key []byte) (sandbox.ImageStore, error) {
 	var backend snapshot.Backend
 	if cfg.S3.Endpoint != "" {
 		cfg.S3.PathStyle = true
@@ -496,13 +525,16 @@ func openImages(cfg Config) (sandbox.ImageStore, error) {
 	}
 	// Manifests are signed with a key kept outside the bucket, so that write access to the
 	// bucket alone cannot inject a snapshot. Nodes of one cluster share the key file.
-	keyFile := cfg.SnapshotKeyFile
-	if keyFile == "" {
-		keyFile = filepath.Join(cfg.DataDir, "snapshot-key")
-	}
-	key, err := snapshot.LoadOrCreateKey(keyFile)
-	if err != nil {
-		return nil, fmt.Errorf("snapshot key: %w", err)
+	// A cluster shares one through etcd (clusterSnapshotKey) unless --snapshot-key says.
+	if key == nil {
+		keyFile := cfg.SnapshotKeyFile
+		if keyFile == "" {
+			keyFile = filepath.Join(cfg.DataDir, "snapshot-key")
+		}
+		var err error
+		if key, err = snapshot.LoadOrCreateKey(keyFile); err != nil {
+			return nil, fmt.Errorf("snapshot key: %w", err)
+		}
 	}
 	opts := []snapshot.Option{snapshot.WithSigningKey(key), snapshot.WithLogger(cfg.Logger)}
 	if cfg.S3.Endpoint != "" {

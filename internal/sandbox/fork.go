@@ -57,8 +57,17 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 		e.mu.Unlock()
 		return nil, err
 	}
+	tpl, err := m.templateOf(ctx, sb)
+	if err != nil {
+		e.mu.Unlock()
+		os.RemoveAll(image)
+		return nil, err
+	}
 	start := time.Now()
-	err = m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+	// The image holds a token of its own, not the live sandbox's (snaptoken.go).
+	initToken, err := m.withSnapshotToken(ctx, sb, tpl, func() error {
+		return m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+	})
 	e.mu.Unlock()
 	if err != nil {
 		os.RemoveAll(image)
@@ -66,11 +75,6 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
 	ckpt := time.Since(start)
-	tpl, err := m.templateOf(ctx, sb)
-	if err != nil {
-		os.RemoveAll(image)
-		return nil, err
-	}
 	snap := &Template{
 		ID:            snapID,
 		Kind:          "snapshot",
@@ -81,7 +85,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 		Ready:         true,
 		CPUCount:      sb.CPUCount,
 		MemoryMB:      sb.MemoryMB,
-		InitToken:     sb.AccessToken,
+		InitToken:     initToken,
 		SourceSandbox: sb.ID,
 		Names:         []string{snapID},
 		SnapshotState: SnapshotLocal,

@@ -471,13 +471,22 @@ func (m *Manager) ExportFork(ctx context.Context, id string) (*PortableFork, err
 		return nil, err
 	}
 	defer removeTree(image)
+	tpl, err := m.templateOf(ctx, parent)
+	if err != nil {
+		e.mu.Unlock()
+		return nil, err
+	}
 	start := time.Now()
-	err = m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+	// The image (and the record other nodes get) hold a token of its own (snaptoken.go).
+	forkToken, err := m.withSnapshotToken(ctx, parent, tpl, func() error {
+		return m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+	})
 	e.mu.Unlock()
 	if err != nil {
 		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
 	pf := &PortableFork{Parent: *parent, ImageID: "fork-" + id + "-" + filepath.Base(image)[len("fork-"):]}
+	pf.Parent.AccessToken = forkToken
 	pf.Parent.Runtime = Placement{SlotIndex: noSlot}
 	if pf.Parent.RootFS, pf.Parent.Lowers, err = m.exportStack(ctx, tp, parent.RootFS, parent.Lowers); err != nil {
 		return nil, err

@@ -23,10 +23,9 @@ func storedCluster(t *testing.T, members int, ids []string, cidrBase int) (*clus
 	t.Helper()
 	e := clustertest.Start(t, members)
 	s3 := s3test.Start(t)
-	signKey := filepath.Join(t.TempDir(), "snapshot-key")
-	flags := []string{"--etcd-endpoints", strings.Join(e.Endpoints(), ","), "--cluster-ttl", "5s", "--pool-size", "1",
-		"--s3-endpoint", s3.Endpoint, "--s3-bucket", s3.Bucket, "--s3-access-key", s3.AccessKey, "--s3-secret-key", s3.SecretKey,
-		"--snapshot-key", signKey}
+	// No --snapshot-key: the cluster shares its own through etcd (as the README's example).
+	flags := append(e.ServeFlags(), "--cluster-ttl", "5s", "--pool-size", "1",
+		"--s3-endpoint", s3.Endpoint, "--s3-bucket", s3.Bucket, "--s3-access-key", s3.AccessKey, "--s3-secret-key", s3.SecretKey)
 	var nodes []*daemon
 	for i, id := range ids {
 		o := daemonOpts{NodeID: id, CIDR: nodeCIDR(cidrBase + i), Flags: flags}

@@ -18,7 +18,7 @@ import (
 // killed and creates work again.
 func TestClusterQuorumLoss(t *testing.T) {
 	e := clustertest.Start(t, 3)
-	flags := []string{"--etcd-endpoints", strings.Join(e.Endpoints(), ","), "--cluster-ttl", "5s", "--pool-size", "1"}
+	flags := append(e.ServeFlags(), "--cluster-ttl", "5s", "--pool-size", "1")
 	var nodes []*daemon
 	for i, id := range []string{"q1", "q2"} {
 		if i > 0 {

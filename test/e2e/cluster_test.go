@@ -43,7 +43,7 @@ func nodeOf(t *testing.T, d *daemon, id string) string {
 // member killed changes nothing; the node restarted comes back empty and takes new work.
 func TestClusterThreeNodes(t *testing.T) {
 	e := clustertest.Start(t, 3)
-	flags := []string{"--etcd-endpoints", strings.Join(e.Endpoints(), ","), "--cluster-ttl", "5s", "--pool-size", "1"}
+	flags := append(e.ServeFlags(), "--cluster-ttl", "5s", "--pool-size", "1")
 	ids := []string{"k1", "k2", "k3"}
 	var nodes []*daemon
 	for i, id := range ids {

@@ -3,10 +3,16 @@
 // temporary directory, started within a bound and killed when the test ends. Members can be
 // killed, restarted and frozen, and a Proxy stands between a client and the cluster so that a
 // test can cut one node off while the others keep their connections.
+//
+// The cluster runs as ember's operators are told to run it: TLS on client and peer URLs, and
+// client certificates required (--client-cert-auth), all issued by `ember cluster certs`
+// (tlsca.MakeCluster) into the test's directory. ClientConfig gives a client of it; ServeFlags
+// the flags an `ember serve` joins it with.
 package clustertest
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -23,7 +29,9 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
+	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/testutil"
+	"github.com/ember-sandbox/ember/internal/tlsca"
 )
 
 // Ports the members listen on: this range is the cluster work's own on shared hosts, 6 ports
@@ -50,7 +58,14 @@ type Etcd struct {
 	bin     string
 	members []*member
 	initial string
+	certs   string      // tlsca.MakeCluster's directory
+	tls     *tls.Config // a client's, with the node certificate
+	// anyClient: etcd takes clients without a certificate (StartOpen).
+	anyClient bool
 }
+
+// NodeName is the node the certificate of ClientConfig and ServeFlags is issued to.
+const NodeName = "node"
 
 type member struct {
 	name, dir    string
@@ -65,11 +80,23 @@ type member struct {
 // binary the test skips (fails in CI).
 func Start(t testing.TB, n int) *Etcd {
 	t.Helper()
+	return startWith(t, n, false)
+}
+
+// StartOpen is Start with etcd taking clients without a certificate (TLS still): what ember
+// refuses to join.
+func StartOpen(t testing.TB, n int) *Etcd {
+	t.Helper()
+	return startWith(t, n, true)
+}
+
+func startWith(t testing.TB, n int, anyClient bool) *Etcd {
+	t.Helper()
 	bin, ok := Binary()
 	testutil.Need(t, ok, "etcd "+bin+" not installed: run scripts/setup.sh")
 	var last error
 	for attempt := 0; attempt < 4; attempt++ {
-		e, err := start(t, bin, n)
+		e, err := start(t, bin, n, anyClient)
 		if err == nil {
 			return e
 		}
@@ -79,18 +106,27 @@ func Start(t testing.TB, n int) *Etcd {
 	return nil
 }
 
-func start(t testing.TB, bin string, n int) (*Etcd, error) {
+func start(t testing.TB, bin string, n int, anyClient bool) (*Etcd, error) {
 	ports, err := freePorts(2 * n)
 	if err != nil {
 		return nil, err
 	}
-	e := &Etcd{t: t, bin: bin}
+	e := &Etcd{t: t, bin: bin, certs: t.TempDir(), anyClient: anyClient}
+	if _, err := tlsca.MakeCluster(tlsca.ClusterOptions{Dir: e.certs, Hosts: []string{"localhost", "127.0.0.1"}, Nodes: []string{NodeName}}); err != nil {
+		return nil, err
+	}
+	f := e.Files()
+	if e.tls, err = cluster.ClientTLS([]string{"https://127.0.0.1:1"}, f); err != nil {
+		return nil, err
+	}
 	var initial []string
 	for i := 0; i < n; i++ {
 		m := &member{name: fmt.Sprintf("m%d", i), dir: t.TempDir(), client: ports[2*i], peer: ports[2*i+1]}
 		e.members = append(e.members, m)
-		initial = append(initial, fmt.Sprintf("%s=http://127.0.0.1:%d", m.name, m.peer))
+		initial = append(initial, fmt.Sprintf("%s=https://127.0.0.1:%d", m.name, m.peer))
 	}
+	register(e.Endpoints(), e.tls)
+	t.Cleanup(func() { unregister(e.Endpoints()) })
 	e.initial = strings.Join(initial, ",")
 	t.Cleanup(e.stopAll)
 	for _, m := range e.members {
@@ -124,18 +160,26 @@ func start(t testing.TB, bin string, n int) (*Etcd, error) {
 func (e *Etcd) run(m *member, state string) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	client := fmt.Sprintf("http://127.0.0.1:%d", m.client)
-	peer := fmt.Sprintf("http://127.0.0.1:%d", m.peer)
+	client := fmt.Sprintf("https://127.0.0.1:%d", m.client)
+	peer := fmt.Sprintf("https://127.0.0.1:%d", m.peer)
+	ca, cert, key := filepath.Join(e.certs, tlsca.ClusterCAFile), filepath.Join(e.certs, tlsca.EtcdCertFile), filepath.Join(e.certs, tlsca.EtcdKeyFile)
 	m.logs = &testutil.LogBuffer{}
+	clientAuth := []string{"--client-cert-auth", "--trusted-ca-file", ca}
+	if e.anyClient {
+		clientAuth = nil
+	}
 	cmd := exec.Command(e.bin,
 		"--name", m.name, "--data-dir", filepath.Join(m.dir, "data"),
 		"--listen-client-urls", client, "--advertise-client-urls", client,
 		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
 		"--initial-cluster", e.initial, "--initial-cluster-state", state,
 		"--initial-cluster-token", "clustertest",
+		"--cert-file", cert, "--key-file", key,
+		"--peer-client-cert-auth", "--peer-trusted-ca-file", ca, "--peer-cert-file", cert, "--peer-key-file", key,
 		// Fast elections: loopback round trips are well under a millisecond.
 		"--heartbeat-interval", "50", "--election-timeout", "500",
 		"--log-level", "warn", "--quota-backend-bytes", strconv.Itoa(2<<30))
+	cmd.Args = append(cmd.Args, clientAuth...)
 	cmd.Stdout, cmd.Stderr = m.logs, m.logs
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
@@ -156,20 +200,78 @@ func (e *Etcd) run(m *member, state string) error {
 func (e *Etcd) Endpoints() []string {
 	var out []string
 	for _, m := range e.members {
-		out = append(out, fmt.Sprintf("http://127.0.0.1:%d", m.client))
+		out = append(out, fmt.Sprintf("https://127.0.0.1:%d", m.client))
 	}
 	return out
 }
 
+// CertDir is the directory `ember cluster certs` made the cluster's certificates in.
+func (e *Etcd) CertDir() string { return e.certs }
+
+// Files are the credentials of NodeName.
+func (e *Etcd) Files() cluster.TLSFiles {
+	return cluster.TLSFiles{CA: filepath.Join(e.certs, tlsca.ClusterCAFile),
+		Cert: filepath.Join(e.certs, tlsca.NodeCertFile(NodeName)), Key: filepath.Join(e.certs, tlsca.NodeKeyFile(NodeName))}
+}
+
+// KeyFile is the cluster sealing key file.
+func (e *Etcd) KeyFile() string { return filepath.Join(e.certs, tlsca.ClusterSealingKey) }
+
+// ServeFlags are the flags of an `ember serve` joining the cluster (endpoints, certificates,
+// sealing key).
+func (e *Etcd) ServeFlags() []string {
+	f := e.Files()
+	return []string{"--etcd-endpoints", strings.Join(e.Endpoints(), ","), "--etcd-ca", f.CA, "--etcd-cert", f.Cert,
+		"--etcd-key", f.Key, "--cluster-key-file", e.KeyFile()}
+}
+
+// TLS is a client's TLS configuration (with the node certificate).
+func (e *Etcd) TLS() *tls.Config { return e.tls.Clone() }
+
 // Client returns a client of the whole cluster, closed when the test ends.
 func (e *Etcd) Client(t testing.TB) *clientv3.Client {
 	t.Helper()
-	c, err := clientv3.New(clientv3.Config{Endpoints: e.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	c, err := clientv3.New(ClientConfig(e.Endpoints()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
 	return c
+}
+
+var (
+	regMu sync.Mutex
+	reg   = map[string]*tls.Config{}
+)
+
+func register(endpoints []string, c *tls.Config) {
+	regMu.Lock()
+	defer regMu.Unlock()
+	for _, ep := range endpoints {
+		reg[ep] = c
+	}
+}
+
+func unregister(endpoints []string) {
+	regMu.Lock()
+	defer regMu.Unlock()
+	for _, ep := range endpoints {
+		delete(reg, ep)
+	}
+}
+
+// ClientConfig is the configuration of a client of endpoints: a test cluster's (or a Proxy's
+// to one), with its TLS and the node certificate.
+func ClientConfig(endpoints []string) clientv3.Config {
+	regMu.Lock()
+	defer regMu.Unlock()
+	var c *tls.Config
+	if len(endpoints) > 0 {
+		if c = reg[endpoints[0]]; c != nil {
+			c = c.Clone()
+		}
+	}
+	return clientv3.Config{Endpoints: endpoints, DialTimeout: 5 * time.Second, Logger: zap.NewNop(), TLS: c}
 }
 
 // Leader returns the index of the member that leads now (-1 if none answers).

@@ -21,14 +21,18 @@ type Proxy struct {
 func (e *Etcd) NewProxy(t testing.TB) *Proxy {
 	t.Helper()
 	p := &Proxy{conns: map[net.Conn]struct{}{}}
+	var eps []string
 	for _, ep := range e.Endpoints() {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
 		}
 		p.lns = append(p.lns, ln)
-		go p.accept(ln, strings.TrimPrefix(ep, "http://"))
+		go p.accept(ln, strings.TrimPrefix(ep, "https://"))
+		eps = append(eps, "https://"+ln.Addr().String())
 	}
+	register(eps, e.tls)
+	t.Cleanup(func() { unregister(eps) })
 	t.Cleanup(p.close)
 	return p
 }
@@ -37,7 +41,7 @@ func (e *Etcd) NewProxy(t testing.TB) *Proxy {
 func (p *Proxy) Endpoints() []string {
 	var out []string
 	for _, ln := range p.lns {
-		out = append(out, "http://"+ln.Addr().String())
+		out = append(out, "https://"+ln.Addr().String())
 	}
 	return out
 }

@@ -239,7 +239,10 @@ func (d *Driver) byGuest(ip netip.Addr) *Instance {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for _, in := range d.insts {
-		if in.state != runtime.StateRunning {
+		in.mu.Lock()
+		running := in.state == runtime.StateRunning
+		in.mu.Unlock()
+		if !running {
 			continue
 		}
 		var idx int
