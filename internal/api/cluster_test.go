@@ -59,6 +59,7 @@ func newClusterNodeWith(t *testing.T, e *clustertest.Etcd, id string, mod func(*
 	if err != nil {
 		t.Fatal(err)
 	}
+	svc.Manager.Listen(cluster.NewEvents(cl, nil, nil)) // as the daemon does
 	keys := auth.NewKeys(cl.Keys())
 	acfg := Config{Domain: testDomain, Cluster: cl}
 	for _, f := range amods {
