@@ -105,12 +105,20 @@ func TestClusterTransitionsReachRouting(t *testing.T) {
 		code, _ := a.apiBody(t, "GET", "/sandboxes/"+dying.SandboxID, nil, nil)
 		return code == 404
 	})
-	waitUntil(t, time.Second, "the dead sandbox's route and stored record are gone", func() bool {
-		return !etcdHas(t, etcd, "sandboxes/"+dying.SandboxID) && !etcdHas(t, etcd, "stored/"+dying.SandboxID)
-	})
+	// (Errorf: the cases after this one still run.)
+	for deadline := time.Now().Add(time.Second); ; time.Sleep(100 * time.Millisecond) {
+		route, stored := etcdHas(t, etcd, "sandboxes/"+dying.SandboxID), etcdHas(t, etcd, "stored/"+dying.SandboxID)
+		if !route && !stored {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("1 s after its instance died, the dead sandbox still has a route (%v) or a stored record (%v)", route, stored)
+			break
+		}
+	}
 	for _, edge := range []*daemon{b, c} {
 		if code, body := edge.apiBody(t, "GET", "/sandboxes/"+dying.SandboxID, nil, nil); code != 404 {
-			t.Fatalf("the dead sandbox through %s: %d %s", edge.nodeID, code, body)
+			t.Errorf("the dead sandbox through %s: %d %s", edge.nodeID, code, body)
 		}
 	}
 
@@ -139,10 +147,10 @@ func TestClusterTransitionsReachRouting(t *testing.T) {
 			t.Fatalf("connect to %s through %s: %d %s", s.SandboxID, b.nodeID, code, body)
 		}
 		if r := b.run(t, s, "cat /home/user/f"); r.stdout != "after\n" {
-			t.Fatalf("%s came back in its state from before the wake (data loss): %+v", s.SandboxID, r)
+			t.Errorf("%s came back in its state from before the wake (data loss): %+v", s.SandboxID, r)
 		}
 	}
 	if code, body := b.apiBody(t, "GET", "/sandboxes/"+dying.SandboxID, nil, nil); code != 404 {
-		t.Fatalf("the dead sandbox through %s after A died: %d %s", b.nodeID, code, body)
+		t.Errorf("the dead sandbox through %s after A died: %d %s", b.nodeID, code, body)
 	}
 }
