@@ -25,8 +25,8 @@ const (
 	// EventResumed: a paused sandbox runs again (an API resume, or traffic waking it).
 	EventResumed
 	// EventStored: a paused sandbox's pause image is in the image store too (Event.Stored):
-	// another node can resume it. In Config.StorePauses mode every memory pause is followed by
-	// it before the pause answers.
+	// another node can resume it. With Config.StorePauses (and a listener) every memory pause
+	// is followed by it before the pause answers.
 	EventStored
 	// EventEnded: a sandbox ended (Reason: Sandbox.EndReason — EndKilled, EndTimeout, the
 	// runtime's exit reason for an instance that died, EndLost, ...).

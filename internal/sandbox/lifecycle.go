@@ -145,7 +145,7 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestar
 	// image in the teardown after the answer (DeferLayer), which a resume or kill waits for.
 	// In cluster mode the image goes to the store before the answer (pauseStored), layer and
 	// all, so there the layer moves in first.
-	stored := keepMemory && m.cfg.StorePauses
+	stored := keepMemory && m.cfg.StorePauses && len(m.listeners()) > 0
 	opts := runtime.CheckpointOptions{FilesOnly: !keepMemory, DeferLayer: keepMemory && !layerFirst && !stored}
 	if err := m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, opts); err != nil {
 		os.RemoveAll(image)

@@ -161,7 +161,8 @@ type Config struct {
 	// Listeners are told every lifecycle event (events.go); Manager.Listen adds more.
 	Listeners []Listener
 	// StorePauses: a memory pause answers once its image is in the image store too
-	// (EventStored), so that another node can resume the sandbox (cluster mode).
+	// (EventStored), so that another node can resume the sandbox (cluster mode); only once a
+	// listener is there to record it.
 	StorePauses bool
 }
 
