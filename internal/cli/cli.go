@@ -177,6 +177,7 @@ func serveCmd() *cobra.Command {
 	f.DurationVar(&cfg.ClusterQuorumGrace, "cluster-quorum-grace", cluster.DefaultQuorumGrace, "cluster mode: while etcd has no quorum (a member answers \"no leader\"), how long past its TTL a node keeps its sandboxes before it fences")
 	f.StringVar(&cfg.ClusterSecretFile, "cluster-secret-file", os.Getenv("EMBER_CLUSTER_SECRET_FILE"), "cluster mode: a file whose contents (16 bytes or more, the same on every node) sign the requests between nodes ($EMBER_CLUSTER_SECRET_FILE); empty = a secret the cluster keeps in etcd")
 	f.StringVar(&cfg.Mirror, "mirror", "", "Debian mirror for template builds")
+	f.StringSliceVar(&cfg.RegistryAllow, "registry-allow", splitList(os.Getenv("EMBER_REGISTRY_ALLOW")), "an image registry (host:port, or a host: any port) that builds may pull from although it is on a loopback, private, link-local or metadata address (repeatable; $EMBER_REGISTRY_ALLOW, comma-separated); others on such addresses are refused")
 	f.StringVar(&cfg.S3.Endpoint, "s3-endpoint", os.Getenv("EMBER_S3_ENDPOINT"), "S3-compatible endpoint for snapshots (host:port); empty = local directory")
 	f.StringVar(&cfg.S3.Bucket, "s3-bucket", envOr("EMBER_S3_BUCKET", "ember"), "S3 bucket")
 	f.StringVar(&cfg.S3.AccessKey, "s3-access-key", os.Getenv("EMBER_S3_ACCESS_KEY"), "S3 access key")

@@ -98,7 +98,10 @@ type Config struct {
 	// Network CIDR for sandbox slots.
 	CIDR   string
 	Mirror string
-	Logger *slog.Logger
+	// RegistryAllow lists the image registries (host[:port]; a host alone: any port) that may
+	// be on a loopback, private, link-local or metadata address (image.Resolver.Allow).
+	RegistryAllow []string
+	Logger        *slog.Logger
 	// Out receives the lines a user reads: the API key on first start, template build progress.
 	Out io.Writer
 
@@ -203,7 +206,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		Driver:       drv,
 		Network:      &netAdapter{m: nm, slots: map[int]*network.Slot{}},
 		Store:        st,
-		Builder:      &builderAdapter{dataDir: cfg.DataDir, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
+		Builder:      &builderAdapter{dataDir: cfg.DataDir, allow: cfg.RegistryAllow, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
 		Images:       images,
 		Logger:       cfg.Logger,
 		Dial:         network.MarkedDialer(names.HostMark).DialContext,

@@ -425,6 +425,10 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 	if undo != nil {
 		cleanup = append(cleanup, undo)
 	}
+	// The parent's stack is composed from on the host and booted on: only ember's layers.
+	if err := m.checkStack(parent.RootFS, parent.Lowers); err != nil {
+		return nil, &stepError{step: "base", err: err}
+	}
 	states := make([]stepState, n+1)
 	keys := make([]string, n+1)
 	states[0], keys[0] = initialState(parent), chainKey(stepKeyVersion, parentKey)
@@ -537,6 +541,9 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 		return nil, err
 	}
 	cleanup = append(cleanup, func() { removeTree(rootfs) })
+	if st := stackOf(layers); m.checkStack(st.Top, st.Lowers) != nil {
+		return nil, &stepError{step: "finalize", err: m.checkStack(st.Top, st.Lowers)}
+	}
 	stack, cs, err := image.Compose(ctx, rootfs, layers)
 	if err != nil {
 		return nil, &stepError{step: "finalize", err: fmt.Errorf("compose rootfs: %w", err)}
