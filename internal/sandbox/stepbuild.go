@@ -250,24 +250,27 @@ func (m *Manager) queueStepBuild(ctx context.Context, spec TemplateBuild, req St
 
 func (m *Manager) finishBuild(buildID string, t *Template, err error) {
 	now := time.Now().UTC()
+	if err == nil {
+		m.tb.log(buildID, "info", "finalize", fmt.Sprintf("Build finished: template %s ready", t.ID))
+		m.tb.update(buildID, func(b *TemplateBuild) bool {
+			b.FinishedAt, b.Status = now, BuildReady
+			return true
+		})
+		return
+	}
+	step := "finalize"
+	var se *stepError
+	if errors.As(err, &se) {
+		step = se.step
+	}
+	msg := err.Error()
+	if errors.Is(err, context.Canceled) {
+		msg = "the build was cancelled (ember is stopping)"
+	}
+	m.tb.log(buildID, "error", step, msg)
 	m.tb.update(buildID, func(b *TemplateBuild) bool {
 		b.FinishedAt = now
-		if err == nil {
-			b.Status = BuildReady
-			b.Logs = append(b.Logs, BuildLogEntry{Timestamp: now, Level: "info", Message: fmt.Sprintf("Build finished: template %s ready", t.ID), Step: "finalize"})
-			return true
-		}
-		step := "finalize"
-		var se *stepError
-		if errors.As(err, &se) {
-			step = se.step
-		}
-		msg := err.Error()
-		if errors.Is(err, context.Canceled) {
-			msg = "the build was cancelled (ember is stopping)"
-		}
 		b.Status, b.Reason = BuildError, &BuildReason{Message: msg, Step: step}
-		b.Logs = append(b.Logs, BuildLogEntry{Timestamp: now, Level: "error", Message: msg, Step: step})
 		return true
 	})
 	if err != nil {

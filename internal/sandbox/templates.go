@@ -130,11 +130,16 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 	}
 	if req.ReadyCmd != "" {
 		progress("waiting for ready command: " + req.ReadyCmd)
-		deadline := time.Now().Add(2 * time.Minute)
+		deadline := time.Now().Add(ReadyTimeout)
 		for {
-			code, out, err := m.envdCommandAs(ctx, base, tpl.InitToken, user, req.ReadyCmd, true)
+			actx, cancel := context.WithTimeout(ctx, min(ReadyAttemptTimeout, max(time.Until(deadline), 0)))
+			code, out, err := m.envdCommandAs(actx, base, tpl.InitToken, user, req.ReadyCmd, true)
+			cancel()
 			if err == nil && code == 0 {
 				break
+			}
+			if ctx.Err() != nil {
+				return ctx.Err()
 			}
 			if time.Now().After(deadline) {
 				return fmt.Errorf("ready command never succeeded: exit %d: %v: %s", code, err, out)
@@ -157,6 +162,13 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 	progress(fmt.Sprintf("checkpoint written in %s", time.Since(t1).Round(time.Millisecond)))
 	return nil
 }
+
+// ReadyTimeout bounds the wait for a template's ready command to succeed, and
+// ReadyAttemptTimeout each run of it (tests shorten them).
+var (
+	ReadyTimeout        = 2 * time.Minute
+	ReadyAttemptTimeout = 30 * time.Second
+)
 
 // validFrom reports whether req names a rootfs source the builder knows.
 func validFrom(req BuildRequest) bool {
