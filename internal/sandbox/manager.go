@@ -555,7 +555,7 @@ func (m *Manager) GuestURL(ctx context.Context, id string, port int) (string, er
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.sb.State == StatePaused && e.sb.AutoResume && !e.sb.PausedFilesOnly {
+	if e.sb.State == StatePaused && e.sb.AutoResume && !e.sb.PausedFilesOnly && mayWake(ctx, e.sb) {
 		// Traffic wakes a sandbox created with autoResume.
 		ctx, done, err := m.op(ctx)
 		if err != nil {
