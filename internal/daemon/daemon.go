@@ -378,10 +378,9 @@ func Serve(ctx context.Context, cfg Config) error {
 	if metricsLn != nil {
 		mux := http.NewServeMux()
 		mux.Handle("GET /metrics", node.Metrics.Handler())
-		msrv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-		defer msrv.Close()
 		fmt.Fprintf(cfg.Out, "ember metrics on http://%s/metrics (no API key)\n", metricsLn.Addr())
-		go func() { errc <- msrv.Serve(metricsLn) }()
+		msrv := serveMetrics(metricsLn, mux)
+		defer msrv.Close()
 	}
 	select {
 	case err := <-errc:
@@ -511,4 +510,25 @@ func openImages(cfg Config) (sandbox.ImageStore, error) {
 		opts = append(opts, snapshot.WithCache(filepath.Join(cfg.DataDir, "snapshot-cache")))
 	}
 	return &imageAdapter{s: snapshot.New(backend, opts...), private: cfg.S3.Endpoint == ""}, nil
+}
+
+// The keyless --metrics-listen server: at most metricsMaxConns connections at once, each
+// bounded by metricsTimeout (reading a request, writing an answer, idle between them).
+var (
+	metricsMaxConns = 16
+	metricsTimeout  = 10 * time.Second
+)
+
+// serveMetrics serves h on ln in the background, bounded as above; Close stops it.
+func serveMetrics(ln net.Listener, h http.Handler) *http.Server {
+	srv := &http.Server{
+		Handler:           h,
+		ReadHeaderTimeout: metricsTimeout,
+		ReadTimeout:       metricsTimeout,
+		WriteTimeout:      3 * metricsTimeout,
+		IdleTimeout:       metricsTimeout,
+		MaxHeaderBytes:    16 << 10,
+	}
+	go func() { _ = srv.Serve(netutil.LimitListener(ln, metricsMaxConns)) }()
+	return srv
 }

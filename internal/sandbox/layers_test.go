@@ -3,6 +3,7 @@ package sandbox_test
 import (
 	"context"
 	"errors"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -54,6 +55,47 @@ func TestTemplateStackNamingTheDataDirIsRefused(t *testing.T) {
 				t.Fatal("build never ended")
 			}
 			time.Sleep(20 * time.Millisecond)
+		}
+	}
+}
+
+// What an interrupted build, export or fetch left (a crash, a kill -9) is collected at start:
+// build-files/.tmp*, remote/.export-*, the .<name>.export-* and .<name>.fetching-* staging
+// directories beside images; what is not a temporary file stays.
+func TestTemporaryFilesAreCollectedAtStart(t *testing.T) {
+	n := newNode(t, nil)
+	n.build("base")
+	d := n.cfg.DataDir
+	left := []string{
+		"build-files/.tmp-123", "build-files/.tmp-copy-456",
+		"remote/.export-789/tree.tar", "remote/.cmVtb3Rl.fetching-1/snapshot/x",
+		"remote/images/.tplimage-ab.fetching-2/x", "images/.in-abc.fetching-3/x", "images/.fork-abc.export-4/x",
+		"sandboxes/abc/.image-1.fetching-5/x", "templates/base/.image-aa.export-6/x",
+	}
+	kept := []string{"build-files/" + strings.Repeat("a", 64) + ".tar", "remote/images/keep/x"}
+	for _, p := range append(append([]string{}, left...), kept...) {
+		f := filepath.Join(d, p)
+		if err := os.MkdirAll(filepath.Dir(f), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(f, []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n.restart()
+	for _, p := range left {
+		top := strings.SplitN(p, "/", 3)
+		dir := filepath.Join(d, top[0], top[1])
+		if top[0] == "remote" && top[1] == "images" || top[0] == "sandboxes" || top[0] == "templates" {
+			dir = filepath.Join(d, top[0], top[1], strings.SplitN(top[2], "/", 2)[0])
+		}
+		if _, err := os.Lstat(dir); err == nil {
+			t.Errorf("%s left after a restart", dir)
+		}
+	}
+	for _, p := range kept {
+		if _, err := os.Stat(filepath.Join(d, p)); err != nil {
+			t.Errorf("%s removed: %v", p, err)
 		}
 	}
 }

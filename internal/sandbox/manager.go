@@ -339,6 +339,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	for _, d := range staged {
 		removeTree(d)
 	}
+	m.sweepTemporaries()
 	// Rootfs trees a crash left half composed, and template directories left empty by a first
 	// build that never finished.
 	halves, _ := filepath.Glob(filepath.Join(cfg.DataDir, "templates", "*", "rootfs-*.tmp"))
