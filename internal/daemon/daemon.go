@@ -72,6 +72,9 @@ type Config struct {
 	// MaxSandboxes and MaxBuilds cap what this node runs at once (0 = the Manager's defaults);
 	// MaxConns caps concurrent client connections (0 = 8192).
 	MaxSandboxes, MaxBuilds, MaxConns int
+	// DiskMB is the default disk of a sandbox's writable layer, and the disk of build
+	// sandboxes and template warm-ups (0 = the Manager's default, 2048).
+	DiskMB int
 	// Templates built at start-up when missing (e.g. "base").
 	Templates []string
 	// Snapshot store: local directory by default; S3 when S3.Endpoint is set.
@@ -217,6 +220,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		PrestartMax:  cfg.PrestartMax,
 		MaxSandboxes: cfg.MaxSandboxes,
 		MaxBuilds:    cfg.MaxBuilds,
+		DiskMB:       cfg.DiskMB,
 		// How the pools size themselves and refill.
 		PoolRefills: cfg.PoolRefills, PoolDecay: cfg.PoolDecay, PoolRefillWeight: cfg.PoolRefillWeight,
 	})

@@ -752,7 +752,8 @@ func (m *Manager) runSteps(ctx context.Context, spec TemplateBuild, req StepBuil
 	btpl := &Template{ID: spec.TemplateID, Kind: "template", RootFS: root.Top, Lowers: root.Lowers, Env: parent.Env, User: parent.User, Workdir: parent.Workdir}
 	t0 := time.Now()
 	p, err := m.launch(ctx, launchSpec{owner: owner, tpl: btpl, init: &Sandbox{ID: owner, AccessToken: token, EnvVars: parent.Env},
-		cpu: orDefault(spec.CPUCount, m.cfg.CPUCount), memMB: orDefault(spec.MemoryMB, m.cfg.MemoryMB), egress: Egress{AllowInternet: true}})
+		cpu: orDefault(spec.CPUCount, m.cfg.CPUCount), memMB: orDefault(spec.MemoryMB, m.cfg.MemoryMB), diskMB: m.cfg.DiskMB,
+		egress: Egress{AllowInternet: true}})
 	if err != nil {
 		return nil, &stepError{step: stepName(from), err: fmt.Errorf("boot the build sandbox: %w", err)}
 	}
