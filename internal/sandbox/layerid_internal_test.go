@@ -20,7 +20,7 @@ func (noStore) Fetch(ctx context.Context, id, destDir string, unpack func(ctx co
 
 // layerRig is a data directory with one layer of each kind ember makes, and a guest's symlink
 // to a host directory inside a step layer's files.
-func layerRig(t *testing.T) (*Manager, string, string) {
+func layerRig(t testing.TB) (*Manager, string, string) {
 	t.Helper()
 	data := t.TempDir()
 	host := t.TempDir() // a host directory outside the data dir
@@ -114,6 +114,19 @@ func TestCheckStackRefusesWhatIsNotALayer(t *testing.T) {
 		}
 		if err := m.checkStack(bad, good); !errors.Is(err, errdefs.ErrInvalid) {
 			t.Errorf("top %q: %v; want ErrInvalid", bad, err)
+		}
+	}
+}
+
+// BenchmarkCheckStack: what the stack check adds to every launch (a template's top, a step
+// layer and an image layer).
+func BenchmarkCheckStack(b *testing.B) {
+	m, data, key := layerRig(b)
+	top := filepath.Join(data, "templates/base/rootfs-0a1b2c3d")
+	lowers := []string{filepath.Join(data, "layers/step-"+key+"/image/upper"), filepath.Join(data, "layers/sha256-"+key+"/root")}
+	for b.Loop() {
+		if err := m.checkStack(top, lowers); err != nil {
+			b.Fatal(err)
 		}
 	}
 }
