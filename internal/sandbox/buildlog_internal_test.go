@@ -70,3 +70,21 @@ func TestBuildLogIsBoundedInMemoryAndKeptOnDisk(t *testing.T) {
 		t.Fatalf("after a restart the last line is %.20q", last)
 	}
 }
+
+// A record an older ember wrote holds its log itself: its lines move to the log file.
+func TestBuildLogOfAnOlderRecordMovesToItsFile(t *testing.T) {
+	dir := t.TempDir()
+	id := newBuildID()
+	rec := fmt.Sprintf(`{"id":%q,"templateId":"t","status":"ready","logs":[{"level":"info","message":"one"},{"level":"info","message":"two"}]}`, id)
+	os.WriteFile(filepath.Join(dir, id+".json"), []byte(rec), 0o600)
+	bs, err := openBuilds(dir, func(string, ...any) {})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := bs.recs[id]; r == nil || len(r.b.Logs) != 2 || r.b.Logs[1].Message != "two" {
+		t.Fatalf("record: %+v", r)
+	}
+	if data, err := os.ReadFile(filepath.Join(dir, id+".log")); err != nil || strings.Count(string(data), "\n") != 2 {
+		t.Fatalf("log file: %q %v", data, err)
+	}
+}

@@ -200,12 +200,18 @@ func (bs *builds) write(r *buildRec) error {
 
 func (bs *builds) logPath(id string) string { return filepath.Join(bs.dir, id+".log") }
 
-// loadLog reads the last lines of r's log file into r (a record of an older ember holds its
-// log itself: kept, bounded).
+// loadLog reads the last lines of r's log file into r.
 func (bs *builds) loadLog(r *buildRec) {
 	f, err := os.Open(bs.logPath(r.b.ID))
 	if err != nil {
-		bs.hold(r, nil)
+		// A record of an older ember: its lines go to the log file, its record loses them at
+		// its next write.
+		old := r.b.Logs
+		r.b.Logs = nil
+		for _, e := range old {
+			bs.appendLog(r, e)
+		}
+		bs.closeLog(r)
 		return
 	}
 	defer f.Close()
