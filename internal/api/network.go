@@ -146,7 +146,7 @@ func (s *server) guestAccess(ctx context.Context, w http.ResponseWriter, r *http
 		if st := statusOf(err); st != http.StatusNotFound && st != http.StatusConflict {
 			s.log.Warn("guest access", "sandbox_id", id, "err", err)
 		}
-		writeNotRunning(w, id)
+		writeNotRunningTo(w, r, id, err)
 		return ctx, false
 	}
 	if want := sbx.Network.GuestToken(port); want != "" {

@@ -218,3 +218,55 @@ func TestUpdateNetwork(t *testing.T) {
 		})
 	}
 }
+
+// No token, no wake: a paused sandbox with autoResume is resumed by traffic only once the
+// request passed the checks a running sandbox would make — the traffic token on a guest port
+// of a sandbox without public traffic, the envd access token on envd's port of a secured one.
+func TestAutoResumeNeedsTheToken(t *testing.T) {
+	e := newEnv(t)
+	create := func(body string) sandboxJSON {
+		r := e.ctl("POST", "/v2/sandboxes", body)
+		if r.status != 201 {
+			t.Fatalf("create: %d %s", r.status, r.body)
+		}
+		var sbx sandboxJSON
+		r.json(t, &sbx)
+		if r := e.ctl("POST", "/sandboxes/"+sbx.SandboxID+"/pause", ""); r.status != 204 {
+			t.Fatalf("pause: %d %s", r.status, r.body)
+		}
+		return sbx
+	}
+	hdr := func(id, port string, extra ...string) []string {
+		return append([]string{"E2b-Sandbox-Id", id, "E2b-Sandbox-Port", port}, extra...)
+	}
+	locked := create(`{"templateID":"base","autoPause":true,"autoResume":{"enabled":true},"network":{"allowPublicTraffic":false}}`)
+	for _, h := range [][]string{hdr(locked.SandboxID, "8080"), hdr(locked.SandboxID, "8080", "e2b-traffic-access-token", "wrong")} {
+		if r := e.do("GET", "/x", "", h...); r.status != 403 {
+			t.Fatalf("guest port without the traffic token: %d %s", r.status, r.body)
+		}
+		if st := e.fake.state(locked.SandboxID); st != sandbox.StatePaused {
+			t.Fatalf("a request without the traffic token woke the sandbox: %s", st)
+		}
+	}
+	if r := e.do("GET", "/x", "", hdr(locked.SandboxID, "8080", "e2b-traffic-access-token", *locked.TrafficAccessToken)...); r.status != 200 {
+		t.Fatalf("with the traffic token: %d %s", r.status, r.body)
+	}
+	if st := e.fake.state(locked.SandboxID); st != sandbox.StateRunning {
+		t.Fatalf("the token's request did not wake the sandbox: %s", st)
+	}
+
+	secured := create(`{"templateID":"base","secure":true,"autoPause":true,"autoResume":{"enabled":true}}`)
+	if secured.EnvdAccessToken == "" {
+		t.Fatal("a secure sandbox without an envd access token")
+	}
+	for _, h := range [][]string{hdr(secured.SandboxID, "49983"), hdr(secured.SandboxID, "49983", "X-Access-Token", "wrong")} {
+		e.do("GET", "/health", "", h...)
+		if st := e.fake.state(secured.SandboxID); st != sandbox.StatePaused {
+			t.Fatalf("a request to envd without its token woke the sandbox: %s", st)
+		}
+	}
+	e.do("GET", "/health", "", hdr(secured.SandboxID, "49983", "X-Access-Token", secured.EnvdAccessToken)...)
+	if st := e.fake.state(secured.SandboxID); st != sandbox.StateRunning {
+		t.Fatalf("envd's token did not wake the sandbox: %s", st)
+	}
+}

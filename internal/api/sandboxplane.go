@@ -112,9 +112,12 @@ func stripCredentials(h http.Header) {
 	if v := h.Values("Authorization"); len(v) > 0 {
 		h.Del("Authorization")
 		for _, a := range v {
-			tok, isBearer := strings.CutPrefix(a, "Bearer ")
-			if isBearer && (strings.HasPrefix(tok, "e2b_") || strings.HasPrefix(tok, "sk_e2b_")) {
-				continue
+			// As permissive as authenticate: any case of the scheme, any blanks around the key.
+			if len(a) >= 7 && strings.EqualFold(a[:7], "bearer ") {
+				tok := strings.ToLower(strings.TrimSpace(a[7:]))
+				if strings.HasPrefix(tok, "e2b_") || strings.HasPrefix(tok, "sk_e2b_") {
+					continue
+				}
 			}
 			h.Add("Authorization", a)
 		}
@@ -128,7 +131,15 @@ func (s *server) serveSandbox(w http.ResponseWriter, r *http.Request, id string,
 		writeNotRunning(w, id)
 		return
 	}
-	base, err := s.svc.GuestURL(r.Context(), id, port)
+	// The traffic token before GuestURL, which may resume the sandbox: no token, no wake.
+	ctx, ok := s.guestAccess(r.Context(), w, r, id, port) // traffic token, Host mask
+	if !ok {
+		return
+	}
+	if port == sandbox.EnvdPort {
+		ctx = sandbox.WithEnvdToken(ctx, r.Header.Get("X-Access-Token"))
+	}
+	base, err := s.svc.GuestURL(ctx, id, port)
 	if err != nil {
 		if statusOf(err) == http.StatusInternalServerError {
 			s.log.Warn("guest url", "sandbox_id", id, "port", port, "err", err)
@@ -140,10 +151,6 @@ func (s *server) serveSandbox(w http.ResponseWriter, r *http.Request, id string,
 	if err != nil || target.Host == "" {
 		s.log.Error("bad guest url", "sandbox_id", id, "url", base, "err", err)
 		writeNotRunning(w, id)
-		return
-	}
-	ctx, ok := s.guestAccess(r.Context(), w, r, id, port) // traffic token, Host mask
-	if !ok {
 		return
 	}
 	ctx = context.WithValue(ctx, proxyTargetKey{}, target)

@@ -291,6 +291,11 @@ func TestProxyStripsCredentials(t *testing.T) {
 		{"api key", "X-API-Key", e.key, false},
 		{"api key as bearer", "Authorization", "Bearer " + e.key, false},
 		{"access token as bearer", "Authorization", "Bearer sk_e2b_0123456789", false},
+		// Every spelling authenticate accepts as the API key is stripped too.
+		{"api key as lower-case bearer", "Authorization", "bearer " + e.key, false},
+		{"api key as upper-case bearer", "Authorization", "BEARER " + e.key, false},
+		{"api key as bearer, two spaces", "Authorization", "Bearer  " + e.key, false},
+		{"api key as bearer, a tab", "Authorization", "Bearer \t" + e.key + " ", false},
 		{"envd user", "Authorization", "Basic dXNlcjo=", true},
 		{"app's own bearer", "Authorization", "Bearer app-token-1", true},
 	} {
@@ -302,7 +307,7 @@ func TestProxyStripsCredentials(t *testing.T) {
 			var echo guestEcho
 			r.json(t, &echo)
 			got := echo.Headers[http.CanonicalHeaderKey(tc.header)]
-			if tc.kept != (got == tc.value) {
+			if tc.kept && got != tc.value || !tc.kept && (got == tc.value || strings.Contains(got, "e2b_")) {
 				t.Fatalf("guest saw %s %q (kept=%v wanted)", tc.header, got, tc.kept)
 			}
 		})

@@ -297,6 +297,8 @@ func (s *server) buildStatus(w http.ResponseWriter, r *http.Request, p params) e
 		}
 	}
 	out := templateBuildInfo{TemplateID: bld.TemplateID, BuildID: bld.ID, Status: string(bld.Status), Logs: []string{}, LogEntries: []buildLogEntryJSON{}}
+	// The build holds its last lines only: logsOffset counts from the log's first line.
+	offset = max(0, offset-bld.LogsDropped)
 	if offset < len(entries) {
 		end := min(len(entries), offset+limit)
 		out.LogEntries = entries[offset:end]

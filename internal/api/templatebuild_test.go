@@ -7,6 +7,7 @@ import (
 	"context"
 	"encoding/base64"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/ember-sandbox/ember/api/gen/process"
 	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
+	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
 // fakeProcesses is envd's process service in the guest of API tests: it records every command
@@ -48,6 +50,19 @@ func (f *fakeProcesses) Start(ctx context.Context, req *connect.Request[process.
 	f.mu.Unlock()
 	send := func(e *process.ProcessEvent) error { return st.Send(&process.StartResponse{Event: e}) }
 	send(&process.ProcessEvent{Event: &process.ProcessEvent_Start{Start: &process.ProcessEvent_StartEvent{Pid: 7}}})
+	if strings.Contains(line, "hang") { // until the caller gives up
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	if strings.Contains(line, "flood") { // 8 MiB of output, then a failure
+		chunk := []byte(strings.Repeat("f", 64<<10))
+		for i := 0; i < 128; i++ {
+			if err := send(&process.ProcessEvent{Event: &process.ProcessEvent_Data{Data: &process.ProcessEvent_DataEvent{Output: &process.ProcessEvent_DataEvent_Stdout{Stdout: chunk}}}}); err != nil {
+				return err
+			}
+		}
+		return send(&process.ProcessEvent{Event: &process.ProcessEvent_End{End: &process.ProcessEvent_EndEvent{ExitCode: 1, Exited: true}}})
+	}
 	if strings.Contains(line, "block") {
 		select {
 		case <-f.release:
@@ -400,6 +415,76 @@ func TestTemplateBuildFailureLeavesNothing(t *testing.T) {
 	sandboxes, _ := os.ReadDir(filepath.Join(e.fake.dataDir, "sandboxes"))
 	if len(sandboxes) != 0 || len(e.fake.rig.Driver.Running()) != 0 {
 		t.Fatalf("the failed build left sandboxes: %v", sandboxes)
+	}
+}
+
+// A template's ready command is bounded: each run of it is timed out (one that never ends does
+// not hold the build), and what it prints is kept to its last bytes (8 MiB of output does not
+// end up in the daemon's memory and the build's status).
+func TestTemplateReadyCommandIsBounded(t *testing.T) {
+	defer func(a, b time.Duration) { sandbox.ReadyTimeout, sandbox.ReadyAttemptTimeout = a, b }(sandbox.ReadyTimeout, sandbox.ReadyAttemptTimeout)
+	sandbox.ReadyTimeout, sandbox.ReadyAttemptTimeout = 1500*time.Millisecond, 300*time.Millisecond
+	e := newEnv(t)
+	for _, ready := range []string{"hang-forever", "flood-output"} {
+		tpl, bid := e.requestBuild("ready-" + ready[:4])
+		body := `{"fromTemplate":"base","readyCmd":"` + ready + `","steps":[{"type":"RUN","args":["echo one"]}]}`
+		if r := e.ctl("POST", "/v2/templates/"+tpl+"/builds/"+bid, body); r.status != http.StatusAccepted {
+			t.Fatalf("start: %d %s", r.status, r.body)
+		}
+		bi := e.waitBuild(tpl, bid)
+		if bi.Status != "error" || bi.Reason == nil || !strings.Contains(bi.Reason.Message, "ready command never succeeded") {
+			t.Fatalf("%s: build %s: %+v", ready, bi.Status, bi.Reason)
+		}
+		if n := len(bi.Reason.Message); n > 80<<10 {
+			t.Fatalf("%s: the failure holds %d bytes of the ready command's output", ready, n)
+		}
+	}
+}
+
+// putFiles asks for the upload URL of a files hash and PUTs body there; it returns the status.
+func (e *env) putFiles(tpl, hash string, body []byte) (int, string) {
+	e.t.Helper()
+	r := e.ctl("GET", "/templates/"+tpl+"/files/"+hash, "")
+	var fu struct{ URL string }
+	r.json(e.t, &fu)
+	req, _ := http.NewRequest("PUT", fu.URL, bytes.NewReader(body))
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer res.Body.Close()
+	msg, _ := io.ReadAll(res.Body)
+	return res.StatusCode, string(msg)
+}
+
+// An uploaded COPY archive is decompressed on the host with a cap on its bytes and entries: a
+// gzip bomb or an archive of a million entries answers 400, and nothing is stored.
+func TestTemplateFilesUploadIsCapped(t *testing.T) {
+	defer func(b int64, n int) { sandbox.MaxCopyBytes, sandbox.MaxCopyEntries = b, n }(sandbox.MaxCopyBytes, sandbox.MaxCopyEntries)
+	sandbox.MaxCopyBytes, sandbox.MaxCopyEntries = 16<<20, 1000
+	e := newEnv(t)
+	tpl, _ := e.requestBuild("capped")
+	bomb := gzTar(t, "zeros", strings.Repeat("\x00", 64<<20)) // 64 MiB in about 64 KiB
+	var many bytes.Buffer
+	zw := gzip.NewWriter(&many)
+	tw := tar.NewWriter(zw)
+	for i := 0; i < 2000; i++ {
+		tw.WriteHeader(&tar.Header{Name: fmt.Sprintf("d/f%d", i), Mode: 0o644, Typeflag: tar.TypeReg})
+	}
+	tw.Close()
+	zw.Close()
+	for i, body := range [][]byte{bomb, many.Bytes()} {
+		hash := strings.Repeat(fmt.Sprint(i+2), 64)
+		status, msg := e.putFiles(tpl, hash, body)
+		if status != http.StatusBadRequest || !strings.Contains(msg, "limit") {
+			t.Fatalf("archive %d (%d bytes): %d %s; want 400 naming the limit", i, len(body), status, msg)
+		}
+		if r := e.ctl("GET", "/templates/"+tpl+"/files/"+hash, ""); !strings.Contains(string(r.body), `"present":false`) {
+			t.Fatalf("archive %d was stored: %s", i, r.body)
+		}
+	}
+	if status, msg := e.putFiles(tpl, helloHash, gzTar(t, "hello.txt", "hello")); status != http.StatusOK {
+		t.Fatalf("a small archive: %d %s", status, msg)
 	}
 }
 

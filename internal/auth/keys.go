@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -54,11 +55,50 @@ type Backend interface {
 type Keys struct {
 	b   Backend
 	now func() time.Time
+
+	// unknown remembers keys (by hash) the backend did not know, until when: a flood of
+	// made-up keys costs one backend lookup (a linearizable etcd read in a cluster) per key
+	// and negativeTTL, not one per request. Bounded: cleared when full.
+	mu      sync.Mutex
+	unknown map[string]time.Time
 }
+
+// negativeTTL is how long an unknown key is remembered as unknown (a key created on another
+// node works here after at most this long; one created on this node at once).
+const negativeTTL = 2 * time.Second
+
+// maxUnknown bounds the unknown keys remembered.
+const maxUnknown = 100000
 
 // NewKeys returns the key service over a backend.
 func NewKeys(b Backend) *Keys {
-	return &Keys{b: b, now: time.Now}
+	return &Keys{b: b, now: time.Now, unknown: map[string]time.Time{}}
+}
+
+func (k *Keys) knownUnknown(hash string) bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	until, ok := k.unknown[hash]
+	if ok && k.now().After(until) {
+		delete(k.unknown, hash)
+		return false
+	}
+	return ok
+}
+
+func (k *Keys) rememberUnknown(hash string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if len(k.unknown) >= maxUnknown {
+		clear(k.unknown)
+	}
+	k.unknown[hash] = k.now().Add(negativeTTL)
+}
+
+func (k *Keys) forgetUnknown(hash string) {
+	k.mu.Lock()
+	delete(k.unknown, hash)
+	k.mu.Unlock()
 }
 
 // HashKey returns the stored form of a plaintext key (hex sha256).
@@ -134,6 +174,7 @@ func (k *Keys) register(ctx context.Context, name, plaintext string) (*Key, erro
 	if err := k.b.PutKey(ctx, key); err != nil {
 		return nil, fmt.Errorf("store api key: %w", err)
 	}
+	k.forgetUnknown(key.Hash)
 	return key, nil
 }
 
@@ -144,8 +185,12 @@ func (k *Keys) Verify(ctx context.Context, plaintext string) error {
 		return fmt.Errorf("malformed api key: %w", errdefs.ErrUnauthorized)
 	}
 	hash := HashKey(plaintext)
+	if k.knownUnknown(hash) {
+		return fmt.Errorf("unknown api key: %w", errdefs.ErrUnauthorized)
+	}
 	key, err := k.b.GetKeyByHash(ctx, hash)
 	if errors.Is(err, errdefs.ErrNotFound) {
+		k.rememberUnknown(hash)
 		return fmt.Errorf("unknown api key: %w", errdefs.ErrUnauthorized)
 	}
 	if err != nil {

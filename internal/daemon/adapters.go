@@ -94,7 +94,8 @@ func (a *netAdapter) Reconcile(ctx context.Context, keep []int) error {
 // filesystem); the data dir is found from the rootfs destination the Manager gives.
 type builderAdapter struct {
 	b       *template.Builder
-	dataDir string // "" = found from the first rootfs destination
+	dataDir string   // "" = found from the first rootfs destination
+	allow   []string // registries allowed on private addresses (--registry-allow)
 	once    sync.Once
 	img     template.ImageConfig
 	err     error
@@ -200,7 +201,7 @@ func (a *builderAdapter) imageConfig(dest string) (template.ImageConfig, error) 
 				*v.p = n
 			}
 		}
-		r := &image.Resolver{DefaultRegistry: os.Getenv("EMBER_DEFAULT_REGISTRY")}
+		r := &image.Resolver{DefaultRegistry: os.Getenv("EMBER_DEFAULT_REGISTRY"), Allow: a.allow}
 		var err error
 		if r.Aliases, err = parseMap("EMBER_IMAGE_ALIASES"); err != nil {
 			a.err = err

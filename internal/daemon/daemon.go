@@ -73,6 +73,9 @@ type Config struct {
 	// MaxSandboxes and MaxBuilds cap what this node runs at once (0 = the Manager's defaults);
 	// MaxConns caps concurrent client connections (0 = 8192).
 	MaxSandboxes, MaxBuilds, MaxConns int
+	// DiskMB is the default disk of a sandbox's writable layer, and the disk of build
+	// sandboxes and template warm-ups (0 = the Manager's default, 2048).
+	DiskMB int
 	// Templates built at start-up when missing (e.g. "base").
 	Templates []string
 	// Snapshot store: local directory by default; S3 when S3.Endpoint is set.
@@ -107,7 +110,10 @@ type Config struct {
 	// Network CIDR for sandbox slots.
 	CIDR   string
 	Mirror string
-	Logger *slog.Logger
+	// RegistryAllow lists the image registries (host[:port]; a host alone: any port) that may
+	// be on a loopback, private, link-local or metadata address (image.Resolver.Allow).
+	RegistryAllow []string
+	Logger        *slog.Logger
 	// Out receives the lines a user reads: the API key on first start, template build progress.
 	Out io.Writer
 
@@ -231,7 +237,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		Driver:       drv,
 		Network:      &netAdapter{m: nm, slots: map[int]*network.Slot{}},
 		Store:        st,
-		Builder:      &builderAdapter{dataDir: cfg.DataDir, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
+		Builder:      &builderAdapter{dataDir: cfg.DataDir, allow: cfg.RegistryAllow, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
 		Images:       images,
 		Logger:       cfg.Logger,
 		Dial:         network.MarkedDialer(names.HostMark).DialContext,
@@ -242,6 +248,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		PrestartMax:  cfg.PrestartMax,
 		MaxSandboxes: cfg.MaxSandboxes,
 		MaxBuilds:    cfg.MaxBuilds,
+		DiskMB:       cfg.DiskMB,
 		// How the pools size themselves and refill.
 		PoolRefills: cfg.PoolRefills, PoolDecay: cfg.PoolDecay, PoolRefillWeight: cfg.PoolRefillWeight,
 		// Cluster mode with a shared image store: a pause is resumable on any node.
@@ -409,10 +416,9 @@ func Serve(ctx context.Context, cfg Config) error {
 	if metricsLn != nil {
 		mux := http.NewServeMux()
 		mux.Handle("GET /metrics", node.Metrics.Handler())
-		msrv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-		defer msrv.Close()
 		fmt.Fprintf(cfg.Out, "ember metrics on http://%s/metrics (no API key)\n", metricsLn.Addr())
-		go func() { errc <- msrv.Serve(metricsLn) }()
+		msrv := serveMetrics(metricsLn, mux)
+		defer msrv.Close()
 	}
 	select {
 	case err := <-errc:
@@ -546,4 +552,25 @@ func openImages(cfg Config, key []byte) (sandbox.ImageStore, error) {
 		opts = append(opts, snapshot.WithCache(filepath.Join(cfg.DataDir, "snapshot-cache")))
 	}
 	return &imageAdapter{s: snapshot.New(backend, opts...), private: cfg.S3.Endpoint == ""}, nil
+}
+
+// The keyless --metrics-listen server: at most metricsMaxConns connections at once, each
+// bounded by metricsTimeout (reading a request, writing an answer, idle between them).
+var (
+	metricsMaxConns = 16
+	metricsTimeout  = 10 * time.Second
+)
+
+// serveMetrics serves h on ln in the background, bounded as above; Close stops it.
+func serveMetrics(ln net.Listener, h http.Handler) *http.Server {
+	srv := &http.Server{
+		Handler:           h,
+		ReadHeaderTimeout: metricsTimeout,
+		ReadTimeout:       metricsTimeout,
+		WriteTimeout:      3 * metricsTimeout,
+		IdleTimeout:       metricsTimeout,
+		MaxHeaderBytes:    16 << 10,
+	}
+	go func() { _ = srv.Serve(netutil.LimitListener(ln, metricsMaxConns)) }()
+	return srv
 }

@@ -473,7 +473,7 @@ func TestPullAndConfig(t *testing.T) {
 	img := testImage(t, v1.Config{Env: []string{"PATH=/usr/bin:/bin", "APP=yes"}, WorkingDir: "/app", User: "app", Entrypoint: []string{"python3", "-m"}, Cmd: []string{"http.server", "8080"}},
 		layerOf(t, file("hello", "hi")))
 	host := localRegistry(t, map[string]v1.Image{"team/app:v1": img})
-	r := &Resolver{Aliases: map[string]string{"app": host + "/team/app:v1"}}
+	r := &Resolver{Aliases: map[string]string{"app": host + "/team/app:v1"}, Allow: []string{host}}
 	got, err := r.Pull(context.Background(), r.Resolve("app"), true, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -506,7 +506,7 @@ func TestPullAndConfig(t *testing.T) {
 }
 
 func TestUnreachableRegistry(t *testing.T) {
-	r := &Resolver{}
+	r := &Resolver{Allow: []string{"127.0.0.1:1"}}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	_, err := r.Pull(ctx, "127.0.0.1:1/nothing:v1", true, nil)
@@ -636,7 +636,7 @@ func TestRegistryCredentials(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Setenv("DOCKER_CONFIG", t.TempDir())
-	res := &Resolver{}
+	res := &Resolver{Allow: []string{host}}
 	ctx := context.Background()
 	if _, err := res.Pull(ctx, ref, true, nil); !errors.Is(err, errdefs.ErrUnauthorized) || !strings.Contains(err.Error(), host) {
 		t.Fatalf("no credentials: %v", err)

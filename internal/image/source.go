@@ -47,9 +47,15 @@ type Resolver struct {
 	Insecure []string
 	// DefaultRegistry is used for references without a registry (default docker.io).
 	DefaultRegistry string
+	// Allow lists the registries (host[:port] as references name them; a host without a port
+	// allows any of its ports) that may be on a loopback, private, link-local or metadata
+	// address. Every other registry address is checked after resolution, on every connection
+	// (redirects too), and refused (ErrInvalid): a pull runs on the host's network.
+	Allow []string
 	// Keychain supplies credentials; authn.DefaultKeychain (~/.docker/config.json) when nil.
 	Keychain authn.Keychain
-	// Transport for registry requests; http.DefaultTransport when nil.
+	// Transport for registry requests (it then does its own address checks); when nil, a
+	// transport whose dialer refuses the addresses Allow does not list.
 	Transport http.RoundTripper
 }
 
@@ -126,17 +132,26 @@ func (r *Resolver) Pull(ctx context.Context, ref string, insecure bool, auth *Au
 		kc = authn.DefaultKeychain
 	}
 	ropts := []remote.Option{remote.WithContext(ctx), remote.WithPlatform(v1.Platform{OS: "linux", Architecture: "amd64"})}
+	tr := r.Transport
+	if tr == nil {
+		tr = r.guardedTransport()
+	}
 	if auth != nil && (auth.Username != "" || auth.Token != "") {
 		ropts = append(ropts, remote.WithAuth(&authn.Basic{Username: auth.Username, Password: auth.Password}))
 		if auth.Token != "" {
 			ropts[len(ropts)-1] = remote.WithAuth(&authn.Bearer{Token: auth.Token})
 		}
 	} else {
-		ropts = append(ropts, remote.WithAuthFromKeychain(kc))
-	}
-	tr := r.Transport
-	if tr == nil {
-		tr = remote.DefaultTransport
+		// The operator's credentials for this registry: sent to it (or a token service of
+		// its own domain) only, never to another host its challenge or a redirect names.
+		a, err := kc.Resolve(reg)
+		if err != nil {
+			return nil, fmt.Errorf("registry %s: credentials: %v: %w", host, err, errdefs.ErrUnavailable)
+		}
+		if a != authn.Anonymous {
+			tr = &credGuard{base: tr, registry: reg.RegistryStr()}
+		}
+		ropts = append(ropts, remote.WithAuth(a))
 	}
 	ropts = append(ropts, remote.WithTransport(tr))
 	img, err := remote.Image(target, ropts...)
@@ -155,27 +170,48 @@ func (r *Resolver) isInsecure(host string) bool {
 	return false
 }
 
-// classify wraps registry, auth and network errors in ember's categories.
+// classify wraps registry, auth and network errors in ember's categories. What a registry
+// answered is said by its status code (and error codes), never by its body: the build status
+// must not echo what any address answered.
 func classify(err error) error {
+	var re *refusedError
+	if errors.As(err, &re) {
+		return fmt.Errorf("%v: %w", re, errdefs.ErrInvalid)
+	}
+	var ce *credError
+	if errors.As(err, &ce) {
+		return fmt.Errorf("%v: %w", ce, errdefs.ErrUnauthorized)
+	}
 	var te *transport.Error
 	if errors.As(err, &te) {
+		msg := fmt.Sprintf("the registry answered %d %s", te.StatusCode, http.StatusText(te.StatusCode))
+		if te.Request != nil && te.Request.URL != nil {
+			msg = fmt.Sprintf("%s %s: %s", te.Request.Method, te.Request.URL.Redacted(), msg)
+		}
+		var codes []string
+		for _, d := range te.Errors {
+			codes = append(codes, string(d.Code))
+		}
+		if len(codes) > 0 {
+			msg += " (" + strings.Join(codes, ", ") + ")"
+		}
 		switch te.StatusCode {
 		case http.StatusUnauthorized, http.StatusForbidden:
-			return fmt.Errorf("%v: %w", err, errdefs.ErrUnauthorized)
+			return fmt.Errorf("%s: %w", msg, errdefs.ErrUnauthorized)
 		case http.StatusNotFound:
-			return fmt.Errorf("%v: %w", err, errdefs.ErrNotFound)
+			return fmt.Errorf("%s: %w", msg, errdefs.ErrNotFound)
 		case http.StatusTooManyRequests:
-			return fmt.Errorf("%v: %w", err, errdefs.ErrExhausted)
+			return fmt.Errorf("%s: %w", msg, errdefs.ErrExhausted)
 		}
 		for _, d := range te.Errors {
 			switch d.Code {
 			case transport.ManifestUnknownErrorCode, transport.NameUnknownErrorCode, transport.BlobUnknownErrorCode:
-				return fmt.Errorf("%v: %w", err, errdefs.ErrNotFound)
+				return fmt.Errorf("%s: %w", msg, errdefs.ErrNotFound)
 			case transport.UnauthorizedErrorCode, transport.DeniedErrorCode:
-				return fmt.Errorf("%v: %w", err, errdefs.ErrUnauthorized)
+				return fmt.Errorf("%s: %w", msg, errdefs.ErrUnauthorized)
 			}
 		}
-		return fmt.Errorf("%v: %w", err, errdefs.ErrUnavailable)
+		return fmt.Errorf("%s: %w", msg, errdefs.ErrUnavailable)
 	}
 	var ne net.Error
 	var oe *net.OpError

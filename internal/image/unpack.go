@@ -160,13 +160,21 @@ func Unpack(ctx context.Context, r io.Reader, root string, lim Limits, logf func
 			return meta, fmt.Errorf("entry %q: %w", hdr.Name, err)
 		}
 	}
-	// Directory times last: writing into a directory changes its mtime.
+	// Directory times last: writing into a directory changes its mtime. A later entry may have
+	// replaced a directory on the way with a symlink: the parent is opened beneath the root
+	// without following any, and the time set on the entry itself (not what it points to).
 	for _, d := range u.dirTimes {
 		ts := []unix.Timespec{unix.NsecToTimespec(d.mtime), unix.NsecToTimespec(d.mtime)}
 		if d.name == "" {
 			continue
 		}
-		_ = unix.UtimesNanoAt(rootFD, d.name, ts, unix.AT_SYMLINK_NOFOLLOW)
+		dir, base := path.Split(d.name)
+		parent, err := openBeneath(rootFD, strings.TrimSuffix(dir, "/"))
+		if err != nil {
+			continue // no longer a directory there
+		}
+		_ = unix.UtimesNanoAt(parent, base, ts, unix.AT_SYMLINK_NOFOLLOW)
+		unix.Close(parent)
 	}
 	return meta, nil
 }

@@ -214,7 +214,7 @@ type Driver interface {
 // whiteouts as 0:0 character devices, opaque directories marked trusted.overlay.opaque. The
 // template builder turns that directory into a layer of the template it builds.
 type UpperDirer interface {
-	// UpperDir returns the upper directory inside imageDir, or an error wrapping
-	// errdefs.ErrNotFound when the image holds none (a disk-image layer, or no layer).
+	// UpperDir returns the upper directory inside imageDir (a disk-limited layer made a plain
+	// directory first), or an error wrapping errdefs.ErrNotFound when the image holds none.
 	UpperDir(imageDir string) (string, error)
 }

@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -83,13 +84,19 @@ type TemplateBuild struct {
 	UpdatedAt  time.Time       `json:"updatedAt"`
 	FinishedAt time.Time       `json:"finishedAt,omitzero"`
 	Logs       []BuildLogEntry `json:"logs,omitempty"`
-	Reason     *BuildReason    `json:"reason,omitempty"`
+	// LogsDropped counts the log's first lines no longer held in Logs (they are in the log
+	// file on disk): Logs[i] is line LogsDropped+i of the build.
+	LogsDropped int          `json:"logsDropped,omitempty"`
+	Reason      *BuildReason `json:"reason,omitempty"`
 }
 
 // Limits of the build API.
 const (
-	maxBuildLogEntries = 20000
-	maxBuildTags       = 32
+	// maxBuildLogLines bounds the log lines a build holds in memory (the last ones); the whole
+	// log is in <data-dir>/builds/<id>.log, up to maxBuildLogFileBytes.
+	maxBuildLogLines     = 2000
+	maxBuildLogFileBytes = 64 << 20
+	maxBuildTags         = 32
 	// DefaultMaxBuildFileBytes bounds one uploaded COPY tarball.
 	DefaultMaxBuildFileBytes = 2 << 30
 )
@@ -108,8 +115,9 @@ type builds struct {
 }
 
 type buildRec struct {
-	b         TemplateBuild
-	lastWrite time.Time
+	b        TemplateBuild
+	logf     *os.File // the log file while the build appends to it
+	logBytes int64    // its size
 }
 
 // openBuilds loads the build records in dir. A build that was waiting or building when the
@@ -141,16 +149,19 @@ func openBuilds(dir string, log func(msg string, args ...any)) (*builds, error) 
 		if err := json.Unmarshal(data, &r.b); err != nil || r.b.ID != id {
 			log("unreadable build record: removed", "build_id", id, "err", err)
 			os.Remove(filepath.Join(dir, name))
+			os.Remove(filepath.Join(dir, id+".log"))
 			continue
 		}
+		bs.loadLog(r)
 		if r.b.Status == BuildWaiting || r.b.Status == BuildBuilding {
 			now := time.Now().UTC()
 			msg := "the build was interrupted: ember stopped while it ran"
 			if r.b.Status == BuildWaiting {
 				msg = "the build was never started before ember stopped"
 			}
+			bs.appendLog(r, BuildLogEntry{Timestamp: now, Level: "error", Message: msg})
+			bs.closeLog(r)
 			r.b.Status, r.b.Reason, r.b.FinishedAt, r.b.UpdatedAt = BuildError, &BuildReason{Message: msg}, now, now
-			r.b.Logs = append(r.b.Logs, BuildLogEntry{Timestamp: now, Level: "error", Message: msg})
 			if err := bs.write(r); err != nil {
 				return nil, err
 			}
@@ -160,9 +171,12 @@ func openBuilds(dir string, log func(msg string, args ...any)) (*builds, error) 
 	return bs, nil
 }
 
-// write persists r atomically. Call with bs.mu held (or before bs is shared).
+// write persists r's record (without its log: that is appended to its own file) atomically.
+// Call with bs.mu held (or before bs is shared).
 func (bs *builds) write(r *buildRec) error {
-	data, err := json.Marshal(&r.b)
+	rec := r.b
+	rec.Logs, rec.LogsDropped = nil, 0
+	data, err := json.Marshal(&rec)
 	if err != nil {
 		return err
 	}
@@ -181,8 +195,82 @@ func (bs *builds) write(r *buildRec) error {
 		os.Remove(tmp.Name())
 		return err
 	}
-	r.lastWrite = time.Now()
 	return nil
+}
+
+func (bs *builds) logPath(id string) string { return filepath.Join(bs.dir, id+".log") }
+
+// loadLog reads the last lines of r's log file into r.
+func (bs *builds) loadLog(r *buildRec) {
+	f, err := os.Open(bs.logPath(r.b.ID))
+	if err != nil {
+		// A record of an older ember: its lines go to the log file, its record loses them at
+		// its next write.
+		old := r.b.Logs
+		r.b.Logs = nil
+		for _, e := range old {
+			bs.appendLog(r, e)
+		}
+		bs.closeLog(r)
+		return
+	}
+	defer f.Close()
+	r.b.Logs, r.b.LogsDropped = nil, 0
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 0, 64<<10), 4*maxLogMessage)
+	for sc.Scan() {
+		r.logBytes += int64(len(sc.Bytes())) + 1
+		var e BuildLogEntry
+		if json.Unmarshal(sc.Bytes(), &e) == nil {
+			bs.hold(r, &e)
+		}
+	}
+}
+
+// hold keeps e (if not nil) among r's lines in memory, dropping the oldest beyond
+// maxBuildLogLines (a quarter at a time, so a line costs O(1)).
+func (bs *builds) hold(r *buildRec, e *BuildLogEntry) {
+	if e != nil {
+		r.b.Logs = append(r.b.Logs, *e)
+	}
+	if len(r.b.Logs) > maxBuildLogLines {
+		drop := len(r.b.Logs) - maxBuildLogLines*3/4
+		n := copy(r.b.Logs, r.b.Logs[drop:])
+		clear(r.b.Logs[n:])
+		r.b.Logs = r.b.Logs[:n]
+		r.b.LogsDropped += drop
+	}
+}
+
+// appendLog adds a line to r's log: held in memory (bounded) and appended to its file. Call
+// with bs.mu held (or before bs is shared).
+func (bs *builds) appendLog(r *buildRec, e BuildLogEntry) {
+	bs.hold(r, &e)
+	if r.logBytes >= maxBuildLogFileBytes {
+		return
+	}
+	if r.logf == nil {
+		f, err := os.OpenFile(bs.logPath(r.b.ID), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+		if err != nil {
+			return // the line stays in memory only
+		}
+		r.logf = f
+	}
+	line, _ := json.Marshal(e)
+	if r.logBytes+int64(len(line)) >= maxBuildLogFileBytes {
+		line, _ = json.Marshal(BuildLogEntry{Timestamp: e.Timestamp, Level: "warn", Message: fmt.Sprintf("the log file reached %d MiB: later lines are not kept on disk", maxBuildLogFileBytes>>20), Step: e.Step})
+		r.logBytes = maxBuildLogFileBytes
+	}
+	n, _ := r.logf.Write(append(line, '\n'))
+	r.logBytes += int64(n)
+}
+
+// closeLog closes r's log file (the build ended).
+func (bs *builds) closeLog(r *buildRec) {
+	if r.logf != nil {
+		r.logf.Close()
+		r.logf = nil
+	}
 }
 
 func (bs *builds) get(templateID, buildID string) (*buildRec, error) {
@@ -193,8 +281,8 @@ func (bs *builds) get(templateID, buildID string) (*buildRec, error) {
 	return r, nil
 }
 
-// update applies f to the record of buildID under the lock and persists it (log-only updates
-// at most every 2 s; status changes at once).
+// update applies f to the record of buildID under the lock and persists it when f says the
+// status changed (log lines go to the log file: logTo).
 func (bs *builds) update(buildID string, f func(b *TemplateBuild) (statusChanged bool)) {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
@@ -204,7 +292,10 @@ func (bs *builds) update(buildID string, f func(b *TemplateBuild) (statusChanged
 	}
 	changed := f(&r.b)
 	r.b.UpdatedAt = time.Now().UTC()
-	if changed || time.Since(r.lastWrite) > 2*time.Second {
+	if r.b.Status == BuildReady || r.b.Status == BuildError {
+		bs.closeLog(r)
+	}
+	if changed {
 		_ = bs.write(r)
 	}
 }
@@ -216,12 +307,12 @@ func (bs *builds) log(buildID, level, step, msg string) {
 	if len(msg) > maxLogMessage {
 		msg = strings.ToValidUTF8(msg[:maxLogMessage], "") + " [...]"
 	}
-	bs.update(buildID, func(b *TemplateBuild) bool {
-		if len(b.Logs) < maxBuildLogEntries {
-			b.Logs = append(b.Logs, BuildLogEntry{Timestamp: time.Now().UTC(), Level: level, Message: msg, Step: step})
-		}
-		return false
-	})
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	if r := bs.recs[buildID]; r != nil {
+		bs.appendLog(r, BuildLogEntry{Timestamp: time.Now().UTC(), Level: level, Message: msg, Step: step})
+		r.b.UpdatedAt = time.Now().UTC()
+	}
 }
 
 func newBuildID() string {
@@ -382,6 +473,16 @@ func (m *Manager) PutBuildFiles(ctx context.Context, hash string, r io.Reader) e
 	}
 	if n > limit {
 		return fmt.Errorf("upload files %s: larger than the limit of %d bytes: %w", hash[:12], limit, errdefs.ErrInvalid)
+	}
+	// Decompressed here, within the limits of a COPY archive, before it is kept.
+	f, err := os.Open(tmp.Name())
+	if err != nil {
+		return err
+	}
+	err = checkCopyArchive(f)
+	f.Close()
+	if err != nil {
+		return fmt.Errorf("upload files %s: %v: %w", hash[:12], err, errdefs.ErrInvalid)
 	}
 	return os.Rename(tmp.Name(), p)
 }

@@ -121,7 +121,7 @@ func TestForkLayerOfNoChildIsRemoved(t *testing.T) {
 	n.waitForkLayers(0)
 	// What a kill -9 between the capture and the children's records leaves.
 	cut := filepath.Join(n.cfg.DataDir, "forks", "fork-cut")
-	if err := os.MkdirAll(filepath.Join(cut, "top"), 0o700); err != nil {
+	if err := os.MkdirAll(filepath.Join(cut, "layer", "upper"), 0o700); err != nil {
 		t.Fatal(err)
 	}
 	n.restart()

@@ -83,6 +83,10 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 	if err := m.faults.hit("launch.start"); err != nil {
 		return p, err
 	}
+	// Nothing boots on a stack of directories that are not ember's layers (layerid.go).
+	if err := m.checkStack(spec.tpl.RootFS, spec.tpl.Lowers); err != nil {
+		return p, err
+	}
 	t0 := time.Now()
 	if spec.into != nil {
 		return p, m.restoreInto(ctx, spec, p, t0)

@@ -350,6 +350,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	for _, d := range staged {
 		removeTree(d)
 	}
+	m.sweepTemporaries()
 	// Rootfs trees a crash left half composed, and template directories left empty by a first
 	// build that never finished.
 	halves, _ := filepath.Glob(filepath.Join(cfg.DataDir, "templates", "*", "rootfs-*.tmp"))
@@ -566,7 +567,7 @@ func (m *Manager) GuestURL(ctx context.Context, id string, port int) (string, er
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.sb.State == StatePaused && e.sb.AutoResume && !e.sb.PausedFilesOnly {
+	if e.sb.State == StatePaused && e.sb.AutoResume && !e.sb.PausedFilesOnly && mayWake(ctx, e.sb) {
 		// Traffic wakes a sandbox created with autoResume.
 		ctx, done, err := m.op(ctx)
 		if err != nil {

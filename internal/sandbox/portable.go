@@ -227,10 +227,14 @@ func (m *Manager) ImportTemplate(ctx context.Context, p *PortableTemplate) (*Tem
 // importLayer returns this node's directory of the layer named name: its own (a layer it made
 // or unpacked itself under that name), or a verified copy loaded from the store.
 func (m *Manager) importLayer(ctx context.Context, tp TreePorter, name string, maxBytes int64) (string, error) {
-	if filepath.IsAbs(name) || name == "" || strings.Contains("/"+name+"/", "/../") {
-		return "", fmt.Errorf("layer name %q: %w", name, errdefs.ErrInvalid)
+	// Only a layer ember made (layerid.go): never the data dir, a symlink or a directory
+	// inside a layer's files.
+	if err := m.checkIdentity(name, true); err != nil {
+		return "", err
 	}
-	if fi, err := os.Lstat(filepath.Join(m.cfg.DataDir, filepath.FromSlash(name))); err == nil && fi.IsDir() {
+	if ok, err := realDirs(m.cfg.DataDir, name); err != nil {
+		return "", err
+	} else if ok {
 		return filepath.Join(m.cfg.DataDir, filepath.FromSlash(name)), nil
 	}
 	dest := filepath.Join(m.cfg.DataDir, remoteDir, base64.RawURLEncoding.EncodeToString([]byte(name)))
@@ -252,10 +256,14 @@ func (m *Manager) importLayer(ctx context.Context, tp TreePorter, name string, m
 		return "", err
 	}
 	rel, err := os.ReadFile(filepath.Join(dest, treeFile))
-	if err != nil || filepath.IsAbs(string(rel)) || strings.HasPrefix(string(rel), "..") {
+	if err != nil || !cleanRel(filepath.ToSlash(string(rel))) {
 		return "", fmt.Errorf("layer %s: loaded copy %s is incomplete: %w", name, dest, errdefs.ErrCorrupt)
 	}
-	return filepath.Join(dest, string(rel)), nil
+	dir := filepath.Join(dest, string(rel))
+	if err := m.checkLayerDir(dir); err != nil {
+		return "", fmt.Errorf("layer %s: loaded copy: %w", name, err)
+	}
+	return dir, nil
 }
 
 // treeFile, in a loaded layer's directory, says where beneath it the layer's files are.

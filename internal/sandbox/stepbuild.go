@@ -250,24 +250,27 @@ func (m *Manager) queueStepBuild(ctx context.Context, spec TemplateBuild, req St
 
 func (m *Manager) finishBuild(buildID string, t *Template, err error) {
 	now := time.Now().UTC()
+	if err == nil {
+		m.tb.log(buildID, "info", "finalize", fmt.Sprintf("Build finished: template %s ready", t.ID))
+		m.tb.update(buildID, func(b *TemplateBuild) bool {
+			b.FinishedAt, b.Status = now, BuildReady
+			return true
+		})
+		return
+	}
+	step := "finalize"
+	var se *stepError
+	if errors.As(err, &se) {
+		step = se.step
+	}
+	msg := err.Error()
+	if errors.Is(err, context.Canceled) {
+		msg = "the build was cancelled (ember is stopping)"
+	}
+	m.tb.log(buildID, "error", step, msg)
 	m.tb.update(buildID, func(b *TemplateBuild) bool {
 		b.FinishedAt = now
-		if err == nil {
-			b.Status = BuildReady
-			b.Logs = append(b.Logs, BuildLogEntry{Timestamp: now, Level: "info", Message: fmt.Sprintf("Build finished: template %s ready", t.ID), Step: "finalize"})
-			return true
-		}
-		step := "finalize"
-		var se *stepError
-		if errors.As(err, &se) {
-			step = se.step
-		}
-		msg := err.Error()
-		if errors.Is(err, context.Canceled) {
-			msg = "the build was cancelled (ember is stopping)"
-		}
 		b.Status, b.Reason = BuildError, &BuildReason{Message: msg, Step: step}
-		b.Logs = append(b.Logs, BuildLogEntry{Timestamp: now, Level: "error", Message: msg, Step: step})
 		return true
 	})
 	if err != nil {
@@ -425,6 +428,10 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 	if undo != nil {
 		cleanup = append(cleanup, undo)
 	}
+	// The parent's stack is composed from on the host and booted on: only ember's layers.
+	if err := m.checkStack(parent.RootFS, parent.Lowers); err != nil {
+		return nil, &stepError{step: "base", err: err}
+	}
 	states := make([]stepState, n+1)
 	keys := make([]string, n+1)
 	states[0], keys[0] = initialState(parent), chainKey(stepKeyVersion, parentKey)
@@ -537,6 +544,9 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 		return nil, err
 	}
 	cleanup = append(cleanup, func() { removeTree(rootfs) })
+	if st := stackOf(layers); m.checkStack(st.Top, st.Lowers) != nil {
+		return nil, &stepError{step: "finalize", err: m.checkStack(st.Top, st.Lowers)}
+	}
 	stack, cs, err := image.Compose(ctx, rootfs, layers)
 	if err != nil {
 		return nil, &stepError{step: "finalize", err: fmt.Errorf("compose rootfs: %w", err)}
@@ -742,7 +752,8 @@ func (m *Manager) runSteps(ctx context.Context, spec TemplateBuild, req StepBuil
 	btpl := &Template{ID: spec.TemplateID, Kind: "template", RootFS: root.Top, Lowers: root.Lowers, Env: parent.Env, User: parent.User, Workdir: parent.Workdir}
 	t0 := time.Now()
 	p, err := m.launch(ctx, launchSpec{owner: owner, tpl: btpl, init: &Sandbox{ID: owner, AccessToken: token, EnvVars: parent.Env},
-		cpu: orDefault(spec.CPUCount, m.cfg.CPUCount), memMB: orDefault(spec.MemoryMB, m.cfg.MemoryMB), egress: Egress{AllowInternet: true}})
+		cpu: orDefault(spec.CPUCount, m.cfg.CPUCount), memMB: orDefault(spec.MemoryMB, m.cfg.MemoryMB), diskMB: m.cfg.DiskMB,
+		egress: Egress{AllowInternet: true}})
 	if err != nil {
 		return nil, &stepError{step: stepName(from), err: fmt.Errorf("boot the build sandbox: %w", err)}
 	}

@@ -28,12 +28,75 @@ import (
 //	src a directory:    its contents go into dest
 //	src a glob:         each match by name into dest (a matched directory's contents)
 
+// MaxCopyBytes and MaxCopyEntries cap an uploaded COPY archive as the host decompresses it:
+// its regular files' bytes and its entries (a gzip bomb, an archive of millions of entries).
+var (
+	MaxCopyBytes   int64 = 8 << 30
+	MaxCopyEntries       = 1 << 20
+)
+
 func parseMode(s string) (int64, error) {
 	v, err := strconv.ParseUint(s, 8, 32)
 	if err != nil || v > 0o7777 {
 		return 0, fmt.Errorf("mode %q is not an octal file mode", s)
 	}
 	return int64(v), nil
+}
+
+// copyLimits counts an archive's entries and bytes against MaxCopyEntries and MaxCopyBytes.
+type copyLimits struct {
+	entries int
+	bytes   int64
+}
+
+func (l *copyLimits) add(h *tar.Header) error {
+	l.entries++
+	if h.Typeflag == tar.TypeReg {
+		l.bytes += h.Size
+	}
+	switch {
+	case l.entries > MaxCopyEntries:
+		return fmt.Errorf("the files archive has more than %d entries (the limit): %w", MaxCopyEntries, errInvalidCopy)
+	case l.bytes > MaxCopyBytes:
+		return fmt.Errorf("the files archive unpacks to more than %d bytes (the limit): %w", MaxCopyBytes, errInvalidCopy)
+	}
+	return nil
+}
+
+// openCopyArchive returns the tar stream of an uploaded archive, gzipped or not.
+func openCopyArchive(r io.Reader) (*tar.Reader, func(), error) {
+	br := bufio.NewReader(r)
+	if magic, err := br.Peek(2); err == nil && magic[0] == 0x1f && magic[1] == 0x8b {
+		gz, err := gzip.NewReader(br)
+		if err != nil {
+			return nil, nil, fmt.Errorf("files archive: %v: %w", err, errInvalidCopy)
+		}
+		return tar.NewReader(gz), func() { gz.Close() }, nil
+	}
+	return tar.NewReader(br), func() {}, nil
+}
+
+// checkCopyArchive reads an uploaded archive through, within the limits: a tar (gzipped or
+// not) of at most MaxCopyEntries entries and MaxCopyBytes bytes of files.
+func checkCopyArchive(r io.Reader) error {
+	tr, done, err := openCopyArchive(r)
+	if err != nil {
+		return err
+	}
+	defer done()
+	var lim copyLimits
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("files archive: %v: %w", err, errInvalidCopy)
+		}
+		if err := lim.add(h); err != nil {
+			return err
+		}
+	}
 }
 
 // copyPlan is the result of normalising a COPY tarball.
@@ -46,23 +109,18 @@ type copyPlan struct {
 // relative to the destination; mode (>= 0) replaces regular files' permissions.
 func normalizeCopy(r io.Reader, src string, mode int64, w io.Writer) (copyPlan, error) {
 	var plan copyPlan
-	br := bufio.NewReader(r)
-	var in io.Reader = br
-	if magic, err := br.Peek(2); err == nil && magic[0] == 0x1f && magic[1] == 0x8b {
-		gz, err := gzip.NewReader(br)
-		if err != nil {
-			return plan, fmt.Errorf("files archive: %w", err)
-		}
-		defer gz.Close()
-		in = gz
+	tr, done, err := openCopyArchive(r)
+	if err != nil {
+		return plan, err
 	}
+	defer done()
+	var lim copyLimits
 	srcClean := path.Clean(strings.TrimPrefix(src, "./"))
 	if path.IsAbs(srcClean) || srcClean == ".." || strings.HasPrefix(srcClean, "../") {
 		return plan, fmt.Errorf("source %q must be relative to the context directory", src)
 	}
 	isGlob := strings.ContainsAny(srcClean, "*?[")
 	depth := strings.Count(srcClean, "/") + 1
-	tr := tar.NewReader(in)
 	tw := tar.NewWriter(w)
 	names := map[string]string{} // archive name -> output name
 	symlinks := map[string]bool{}
@@ -73,6 +131,9 @@ func normalizeCopy(r io.Reader, src string, mode int64, w io.Writer) (copyPlan, 
 		}
 		if err != nil {
 			return plan, fmt.Errorf("files archive: %w", err)
+		}
+		if err := lim.add(h); err != nil {
+			return plan, err
 		}
 		nm, err := archiveName(h.Name)
 		if err != nil {

@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -109,8 +110,9 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 	// envd holds a token from its first moments: every instance restored from this image (the
 	// pool's among them) answers only to the daemon until /init gives it its sandbox's token.
 	ident := &Sandbox{ID: owner, AccessToken: tpl.InitToken, EnvVars: tpl.Env}
+	// A disk limit as a sandbox's: the start command cannot fill the node's disk.
 	p, err := m.launch(ctx, launchSpec{owner: owner, tpl: tpl, init: ident,
-		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), memMB: orDefault(tpl.MemoryMB, m.cfg.MemoryMB)})
+		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), memMB: orDefault(tpl.MemoryMB, m.cfg.MemoryMB), diskMB: orDefault(tpl.DiskMB, m.cfg.DiskMB)})
 	if err != nil {
 		return err
 	}
@@ -130,11 +132,16 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 	}
 	if req.ReadyCmd != "" {
 		progress("waiting for ready command: " + req.ReadyCmd)
-		deadline := time.Now().Add(2 * time.Minute)
+		deadline := time.Now().Add(ReadyTimeout)
 		for {
-			code, out, err := m.envdCommandAs(ctx, base, tpl.InitToken, user, req.ReadyCmd, true)
+			actx, cancel := context.WithTimeout(ctx, min(ReadyAttemptTimeout, max(time.Until(deadline), 0)))
+			code, out, err := m.envdCommandAs(actx, base, tpl.InitToken, user, req.ReadyCmd, true)
+			cancel()
 			if err == nil && code == 0 {
 				break
+			}
+			if ctx.Err() != nil {
+				return ctx.Err()
 			}
 			if time.Now().After(deadline) {
 				return fmt.Errorf("ready command never succeeded: exit %d: %v: %s", code, err, out)
@@ -154,9 +161,23 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 	if err := m.cfg.Driver.Checkpoint(ctx, p.InstanceID, image, runtime.CheckpointOptions{}); err != nil {
 		return err
 	}
+	// The image keeps a plain layer (the warm-up's was disk-limited): sandboxes restored from
+	// it get their own limit as before.
+	if ud, ok := m.cfg.Driver.(runtime.UpperDirer); ok {
+		if _, err := ud.UpperDir(image); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			return err
+		}
+	}
 	progress(fmt.Sprintf("checkpoint written in %s", time.Since(t1).Round(time.Millisecond)))
 	return nil
 }
+
+// ReadyTimeout bounds the wait for a template's ready command to succeed, and
+// ReadyAttemptTimeout each run of it (tests shorten them).
+var (
+	ReadyTimeout        = 2 * time.Minute
+	ReadyAttemptTimeout = 30 * time.Second
+)
 
 // validFrom reports whether req names a rootfs source the builder knows.
 func validFrom(req BuildRequest) bool {

@@ -289,7 +289,8 @@ func (d *daemon) start() error {
 	}
 	args := []string{"serve", "--listen", d.addr, "--data-dir", d.dataDir, "--cache-dir", cache,
 		"--runsc", d.runsc, "--envd", d.envd, "--templates", "base", "--verbose",
-		"--node-id", d.nodeID, "--cidr", d.cidr}
+		"--node-id", d.nodeID, "--cidr", d.cidr,
+		"--registry-allow", "127.0.0.1"} // the image tests' own registries, on loopback
 	d.cmd = exec.Command(d.bin, append(args, d.flags...)...)
 	d.cmd.Env = append(os.Environ(), "EMBER_NODE_ID="+d.nodeID, "EMBER_CIDR="+d.cidr)
 	d.cmd.Stdout = lockedWriter{d}

@@ -34,7 +34,8 @@
 # Before the daemon, when it runs the default file list or a *template-image* test, the script
 # starts a local OCI registry on loopback (test/sdk/registry, built
 # with go) holding test/app:v1; the tests get its address as E2B_TEST_REGISTRY=host:port and the
-# daemon reaches it over plain HTTP (EMBER_INSECURE_REGISTRIES). If it cannot start, the tests get
+# daemon reaches it over plain HTTP (EMBER_INSECURE_REGISTRIES), allowed on loopback
+# (EMBER_REGISTRY_ALLOW). If it cannot start, the tests get
 # E2B_TEST_REGISTRY_ERROR instead, and the image tests skip (or fail under EMBER_REQUIRE_ALL=1).
 # Arguments, if any, are passed to `node --test` instead of the default file list, e.g.
 #   test/sdk/run.sh test/3-files.test.mjs        (paths relative to test/sdk)
@@ -226,6 +227,8 @@ if [[ "$WANT_REGISTRY" != 1 ]]; then
 elif start_registry; then
   export E2B_TEST_REGISTRY="$REGISTRY_ADDR"
   export EMBER_INSECURE_REGISTRIES="${EMBER_INSECURE_REGISTRIES:+$EMBER_INSECURE_REGISTRIES,}$REGISTRY_ADDR"
+  # A registry on loopback: refused unless the operator allows it (--registry-allow).
+  export EMBER_REGISTRY_ALLOW="${EMBER_REGISTRY_ALLOW:+$EMBER_REGISTRY_ALLOW,}$REGISTRY_ADDR"
   log "local registry $REGISTRY_PID at $REGISTRY_ADDR (test/app:v1)"
 else
   export E2B_TEST_REGISTRY_ERROR="$REGISTRY_ERR"

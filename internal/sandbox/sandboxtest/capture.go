@@ -74,8 +74,8 @@ func (d *Driver) CheckpointToLayer(ctx context.Context, id, imageDir, layerDir s
 	if err := os.Mkdir(layerDir, 0o700); err != nil {
 		return "", fmt.Errorf("fake: capture: %w", err)
 	}
-	top := filepath.Join(layerDir, "top")
-	if err := os.Mkdir(top, 0o700); err != nil {
+	top := filepath.Join(layerDir, "layer", "upper") // as the gvisor driver places it
+	if err := os.MkdirAll(top, 0o700); err != nil {
 		return "", err
 	}
 	c := d.capture()
@@ -90,7 +90,7 @@ func (d *Driver) OpenCapturedLayer(ctx context.Context, layerDir string) (string
 	if err := d.fail("OpenCapturedLayer", layerDir); err != nil {
 		return "", err
 	}
-	top := filepath.Join(layerDir, "top")
+	top := filepath.Join(layerDir, "layer", "upper") // as the gvisor driver places it
 	if _, err := os.Stat(top); err != nil {
 		return "", fmt.Errorf("fake: open %s: %v: %w", layerDir, err, errdefs.ErrNotFound)
 	}
