@@ -156,7 +156,7 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&cfg.MetricsListen, "metrics-listen", "", "also serve Prometheus /metrics without an API key on this address (on --listen, /metrics needs the API key)")
 	f.StringVar(&cfg.DataDir, "data-dir", envOr("EMBER_DATA_DIR", defaultDataDir()), "data directory ($EMBER_DATA_DIR)")
 	f.StringVar(&cfg.LayerFS, "layer-fs", envOr("EMBER_LAYER_FS", layerfs.ModeAuto), "filesystem of the data directory ($EMBER_LAYER_FS): auto = where it cannot clone files (ext4), a sparse btrfs image <data-dir>/"+layerfs.ImageName+" loop-mounted over it, so snapshots, forks and checkpoints clone layers in O(1); host = the data directory's own; btrfs = the image always (new data directory)")
-	f.StringVar(&layerFSSize, "layer-fs-size", os.Getenv("EMBER_LAYER_FS_SIZE"), "size of the btrfs image (sparse: it takes what is written), e.g. 500G ($EMBER_LAYER_FS_SIZE); default the host filesystem's size; a larger size grows the image at the next mount")
+	f.StringVar(&layerFSSize, "layer-fs-size", os.Getenv("EMBER_LAYER_FS_SIZE"), "size of the btrfs image (sparse: it takes what is written), e.g. 500G ($EMBER_LAYER_FS_SIZE); default the space free on the host filesystem when it is made; a larger size grows the image at the next mount")
 	f.StringVar(&cfg.CacheDir, "cache-dir", os.Getenv("EMBER_CACHE_DIR"), "build cache (debootstrap); default <data-dir>/cache")
 	f.StringVar(&cfg.Runsc, "runsc", envOr("EMBER_RUNSC", findBinary("runsc")), "runsc binary ($EMBER_RUNSC)")
 	f.StringVar(&cfg.Envd, "envd", envOr("EMBER_ENVD", findBinary("envd")), "envd binary put into templates")

@@ -53,9 +53,9 @@ const minSize = 512 << 20
 type Config struct {
 	DataDir string
 	Mode    string // ModeAuto when empty
-	// Size of the image in bytes (sparse: only what is written takes host space). 0 = the size of
-	// the host filesystem under the data directory, which the image can never outgrow. An
-	// existing image smaller than Size is grown when it is mounted.
+	// Size of the image in bytes (sparse: only what is written takes host space). 0 = the space
+	// available on the host filesystem when the image is made. An existing image smaller than
+	// Size is grown when it is mounted.
 	Size int64
 }
 
@@ -262,6 +262,30 @@ func mount(dir, image string, size int64, create bool, reason string) (Result, e
 		return Result{}, fmt.Errorf("layer fs: %w", err)
 	}
 	return Result{FS: "btrfs", HostFS: fsTypeName(filepath.Dir(dir)), Action: action, Image: image, Device: dev, Size: st.Size, Grown: grown, Reason: reason}, nil
+}
+
+// AvailBytes is the space left for sandboxes in dataDir: on the image, the lesser of what
+// btrfs has left and what its host filesystem (the data directory's parent's) has left.
+func AvailBytes(dataDir string) int64 {
+	avail := func(p string) (int64, bool) {
+		var st unix.Statfs_t
+		if unix.Statfs(p, &st) != nil {
+			return 0, false
+		}
+		return int64(st.Bavail) * st.Bsize, true
+	}
+	n, ok := avail(dataDir)
+	if !ok {
+		return 0
+	}
+	if dir, err := filepath.Abs(dataDir); err == nil {
+		if _, mounted := mountedImage(dir); mounted {
+			if h, ok := avail(filepath.Dir(dir)); ok && h < n {
+				n = h
+			}
+		}
+	}
+	return n
 }
 
 // Unmount unmounts the btrfs image mounted over dataDir, which detaches its loop device (for
@@ -478,14 +502,16 @@ func attachLoop(fd int) (string, int, error) {
 	return "", -1, fmt.Errorf("layer fs: no free loop device: %w", errdefs.ErrUnavailable)
 }
 
-// hostSize is the size of the filesystem holding dir: the default image size (sparse, so it
-// costs what is written; the image cannot outgrow its host anyway).
+// hostSize is the space available on the filesystem holding dir: the default image size
+// (sparse, so it costs only what is written). Sized so, btrfs runs out of space (ENOSPC to the
+// sandbox) before its host does while ember is the host's main writer: a host that fills
+// under the image fails the loop device's writes instead, and btrfs turns read-only.
 func hostSize(dir string) (int64, error) {
 	var st unix.Statfs_t
 	if err := unix.Statfs(dir, &st); err != nil {
 		return 0, fmt.Errorf("layer fs: statfs %s: %w", dir, err)
 	}
-	size := int64(st.Blocks) * st.Bsize
+	size := int64(st.Bavail) * st.Bsize
 	if size < minSize {
 		size = minSize
 	}
