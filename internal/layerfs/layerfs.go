@@ -101,7 +101,7 @@ func gib(n int64) string { return strconv.FormatFloat(float64(n)/(1<<30), 'f', 1
 // cfg.Mode asks. It is idempotent: an image already mounted over the data directory is
 // reused, one not mounted (after a reboot) is mounted again.
 func Setup(cfg Config) (Result, error) {
-	dir, err := filepath.Abs(cfg.DataDir)
+	dir, err := realPath(cfg.DataDir)
 	if err != nil {
 		return Result{}, fmt.Errorf("layer fs: %w", err)
 	}
@@ -157,6 +157,15 @@ func Setup(cfg Config) (Result, error) {
 			Reason: reason + ", but the data directory already holds " + used + " from an earlier ember (captures copy; start on a new data directory for O(1) captures)"}, nil
 	}
 	return mount(dir, image, cfg.Size, true, reason)
+}
+
+// realPath is p absolute with its symlinks resolved, as /proc/self/mountinfo names mounts.
+func realPath(p string) (string, error) {
+	abs, err := filepath.Abs(p)
+	if err != nil {
+		return "", err
+	}
+	return filepath.EvalSymlinks(abs)
 }
 
 // inUse names an entry of the data directory (ember's files from a start on the host
@@ -278,7 +287,7 @@ func AvailBytes(dataDir string) int64 {
 	if !ok {
 		return 0
 	}
-	if dir, err := filepath.Abs(dataDir); err == nil {
+	if dir, err := realPath(dataDir); err == nil {
 		if _, mounted := mountedImage(dir); mounted {
 			if h, ok := avail(filepath.Dir(dir)); ok && h < n {
 				n = h
@@ -293,8 +302,10 @@ func AvailBytes(dataDir string) int64 {
 // the wait for an unmount that is busy; past it the mount is detached lazily and the loop
 // device goes when its last user does. Not mounted: nothing to do.
 func Unmount(dataDir string, busy time.Duration) error {
-	dir, err := filepath.Abs(dataDir)
-	if err != nil {
+	dir, err := realPath(dataDir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	} else if err != nil {
 		return err
 	}
 	m, ok := mountedImage(dir)

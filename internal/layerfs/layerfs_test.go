@@ -115,6 +115,14 @@ func TestSetupMountsOnceAndAgain(t *testing.T) {
 			t.Fatalf("start %d on the mounted dir: %+v, want reused %s", i+2, r2, r.Device)
 		}
 	}
+	// The same data dir through a symlink is the same mount.
+	link := filepath.Join(filepath.Dir(data), "link")
+	if err := os.Symlink(data, link); err != nil {
+		t.Fatal(err)
+	}
+	if r2, err := layerfs.Setup(layerfs.Config{DataDir: link}); err != nil || r2.Action != "reused" || r2.Device != r.Device {
+		t.Fatalf("start through a symlink: %+v %v, want reused %s", r2, err, r.Device)
+	}
 	if got := loops(t, image); len(got) != 1 {
 		t.Fatalf("after restarts, loop devices of the image: %v", got)
 	}
