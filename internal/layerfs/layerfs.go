@@ -326,8 +326,12 @@ func Unmount(dataDir string, busy time.Duration) error {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	// Autoclear detaches the device as the mount releases it; wait for it (bounded).
-	for i := 0; i < 100 && loopBacking(m.device) != ""; i++ {
+	// Autoclear detaches the device as the filesystem releases it; wait for it (bounded). It
+	// stays while the filesystem is mounted elsewhere too (a bind mount of a directory in it).
+	for i := 0; loopBacking(m.device) != ""; i++ {
+		if i == 100 {
+			return fmt.Errorf("layer fs: %s unmounted, but %s stays attached: the filesystem is mounted elsewhere too: %w", dir, m.device, errdefs.ErrConflict)
+		}
 		time.Sleep(10 * time.Millisecond)
 	}
 	return nil
