@@ -176,7 +176,7 @@ func inUse(dir string) (string, error) {
 		return "", fmt.Errorf("layer fs: %w", err)
 	}
 	for _, e := range ents {
-		if e.Name() != "lost+found" {
+		if e.Name() != "lost+found" && !strings.HasPrefix(e.Name(), ImageName) {
 			return e.Name(), nil
 		}
 	}
@@ -184,52 +184,49 @@ func inUse(dir string) (string, error) {
 }
 
 // mount creates (when create) or opens image, grows it to size, attaches it to a loop device
-// and mounts it over dir. An exclusive lock on the image serializes two starts; the one that
-// waited finds the mount and reuses it.
+// and mounts it over dir. A lock on dir (the host directory, opened before any mount) serializes
+// two starts; the one that waited finds the mount and reuses it. A new image is made under a
+// temporary name and renamed into place once mkfs is done, so that a start cut half-way leaves
+// no image that does not mount.
 func mount(dir, image string, size int64, create bool, reason string) (Result, error) {
-	flags := unix.O_RDWR | unix.O_CLOEXEC | unix.O_NOFOLLOW
-	if create {
-		flags |= unix.O_CREAT | unix.O_EXCL
-	}
-	fd, err := unix.Open(image, flags, 0o600)
-	if create && errors.Is(err, unix.EEXIST) {
-		create = false
-		fd, err = unix.Open(image, unix.O_RDWR|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
-	}
+	dfd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return Result{}, fmt.Errorf("layer fs: open %s: %w", image, err)
+		return Result{}, fmt.Errorf("layer fs: %w", err)
 	}
-	defer unix.Close(fd)
-	if err := unix.Flock(fd, unix.LOCK_EX); err != nil {
-		return Result{}, fmt.Errorf("layer fs: lock %s: %w", image, err)
+	defer unix.Close(dfd)
+	if err := unix.Flock(dfd, unix.LOCK_EX); err != nil {
+		return Result{}, fmt.Errorf("layer fs: lock %s: %w", dir, err)
 	}
 	if m, ok := mountedImage(dir); ok {
 		return Result{FS: "btrfs", Action: "reused", Image: m.image, Device: m.device, Size: m.size, Reason: "mounted by a concurrent start"}, nil
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return Result{}, fmt.Errorf("layer fs: %w", err)
+	if _, err := os.Lstat(image); err == nil {
+		create = false // made by a concurrent start
 	}
-	if create && st.Size == 0 {
+	if create {
 		if size == 0 {
 			if size, err = hostSize(dir); err != nil {
 				return Result{}, err
 			}
 		}
-		if err := unix.Ftruncate(fd, size); err != nil {
-			unix.Unlink(image)
-			return Result{}, fmt.Errorf("layer fs: size %s: %w", image, err)
+		if err := makeImage(image, size); err != nil {
+			return Result{}, err
 		}
-		out, err := exec.Command("mkfs.btrfs", "-q", "-K", "-L", "ember-layers", "-m", "single", "-d", "single", image).CombinedOutput()
-		if err != nil {
-			unix.Unlink(image)
-			return Result{}, fmt.Errorf("layer fs: mkfs.btrfs %s (btrfs-progs: scripts/setup.sh installs it; or --layer-fs=host): %v: %s", image, err, strings.TrimSpace(string(out)))
-		}
-	} else if !create && st.Size == 0 {
-		return Result{}, fmt.Errorf("layer fs: %s is empty (a start cut before mkfs?): remove it: %w", image, errdefs.ErrInvalid)
+	}
+	fd, err := unix.Open(image, unix.O_RDWR|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return Result{}, fmt.Errorf("layer fs: open %s: %w", image, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return Result{}, fmt.Errorf("layer fs: %w", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Uid != 0 {
+		return Result{}, fmt.Errorf("layer fs: %s: not a regular file of root's: %w", image, errdefs.ErrInvalid)
 	}
 	grown := false
-	if size > st.Size && !create {
+	if size > st.Size {
 		if err := unix.Ftruncate(fd, size); err != nil {
 			return Result{}, fmt.Errorf("layer fs: grow %s: %w", image, err)
 		}
@@ -295,6 +292,36 @@ func AvailBytes(dataDir string) int64 {
 		}
 	}
 	return n
+}
+
+// makeImage makes a sparse btrfs image of size bytes at image (under a temporary name first).
+func makeImage(image string, size int64) error {
+	tmp := image + ".new"
+	os.Remove(tmp) // left by a start cut during mkfs
+	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return fmt.Errorf("layer fs: %w", err)
+	}
+	err = f.Truncate(size)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("layer fs: size %s: %w", tmp, err)
+	}
+	// Single profiles: the image lives on one host filesystem, a second copy of its metadata
+	// would guard against nothing. -K: no discard of the whole (sparse, empty) image.
+	out, err := exec.Command("mkfs.btrfs", "-q", "-K", "-L", "ember-layers", "-m", "single", "-d", "single", tmp).CombinedOutput()
+	if err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("layer fs: mkfs.btrfs %s (btrfs-progs: scripts/setup.sh installs it; or --layer-fs=host): %v: %s", tmp, err, strings.TrimSpace(string(out)))
+	}
+	if err := os.Rename(tmp, image); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("layer fs: %w", err)
+	}
+	return nil
 }
 
 // Unmount unmounts the btrfs image mounted over dataDir, which detaches its loop device (for

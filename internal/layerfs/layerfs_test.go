@@ -199,3 +199,24 @@ func TestParseSize(t *testing.T) {
 		}
 	}
 }
+
+// A start cut during mkfs leaves a half-made image under its temporary name: the next start
+// makes the image anew.
+func TestSetupAfterACutMkfs(t *testing.T) {
+	testutil.RequireRoot(t)
+	data := filepath.Join(hostDir(t), "data")
+	os.Mkdir(data, 0o700)
+	if err := os.WriteFile(filepath.Join(data, layerfs.ImageName+".new"), []byte("half"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r := setup(t, layerfs.Config{DataDir: data, Size: 1 << 30})
+	if r.Action != "created" || r.FS != "btrfs" {
+		t.Fatalf("start after a cut mkfs: %+v", r)
+	}
+	if err := layerfs.Unmount(data, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if ents, _ := os.ReadDir(data); len(ents) != 1 || ents[0].Name() != layerfs.ImageName {
+		t.Fatalf("under the mount: %v, want the image only", ents)
+	}
+}
