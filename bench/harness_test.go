@@ -239,9 +239,9 @@ var layerFS string
 // describeLayerFS names what holds a node's data dir (under hostDir) for the figures' headers.
 func describeLayerFS(r layerfs.Result, hostDir string) string {
 	if r.FS == "btrfs" {
-		return "btrfs image loop-mounted over the data dir on " + fsType(hostDir) + " (--layer-fs=auto, ember's default)"
+		return "btrfs image loop-mounted over the data dir on " + layerfs.FSType(hostDir) + " (--layer-fs=auto, ember's default)"
 	}
-	return "the host filesystem (" + fsType(hostDir) + ", --layer-fs=" + map[bool]string{true: "host", false: "auto"}[r.Action == "host"] + ")"
+	return "the host filesystem (" + layerfs.FSType(hostDir) + ", --layer-fs=" + map[bool]string{true: "host", false: "auto"}[r.Action == "host"] + ")"
 }
 
 func fsType(p string) string {

@@ -579,6 +579,9 @@ func resizeMax(dir string) error {
 	return nil
 }
 
+// FSType names the filesystem holding p (ext4, xfs, btrfs, tmpfs, ...).
+func FSType(p string) string { return fsTypeName(p) }
+
 // fsTypeName names the filesystem holding p.
 func fsTypeName(p string) string {
 	var st unix.Statfs_t
