@@ -138,7 +138,9 @@ func TestLayerFSCaptureIsACloneAndSurvivesRestarts(t *testing.T) {
 	if ok, err := layerfs.CanClone(buildDir); err != nil || ok {
 		t.Skipf("the test dir's filesystem clones files (or the probe failed: %v): no image needed", err)
 	}
-	d := newDaemonWith(t, daemonOpts{})
+	// A node id and CIDR of its own, named: EMBER_E2E_NODE_PREFIX and EMBER_E2E_NET_OFFSET
+	// apply to named ones only (automatic ones collide between e2e runs sharing a host).
+	d := newDaemonWith(t, daemonOpts{NodeID: "clfs", CIDR: nodeCIDR(40)})
 	if l := d.logLines("Layer filesystem: created a sparse btrfs image", 1); l == "" {
 		t.Fatalf("no layer filesystem line in the start's output\n%s", d.logs())
 	}
