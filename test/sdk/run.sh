@@ -181,7 +181,7 @@ finish() {
     log "daemon log: $DAEMON_LOG"
   else
     # Its own data dir: the layer filesystem mounted over it (and its loop device) goes too.
-    [[ -n "$CREATED_DATA_DIR" ]] && bash "$REPO_ROOT/scripts/unmount-data-dir.sh" "$CREATED_DATA_DIR" && rm -rf "$CREATED_DATA_DIR"
+    [[ -n "$CREATED_DATA_DIR" ]] && { bash "$REPO_ROOT/scripts/unmount-data-dir.sh" "$CREATED_DATA_DIR"; rm -rf "$CREATED_DATA_DIR"; }
     rm -f "$DAEMON_LOG" "$WORK/registry.out" "$WORK/registry.err"
     rmdir "$WORK" 2>/dev/null
   fi
