@@ -113,7 +113,7 @@ func Setup(cfg Config) (Result, error) {
 		return Result{}, fmt.Errorf("layer fs: mode %q: must be auto, host or btrfs: %w", mode, errdefs.ErrInvalid)
 	}
 	if cfg.Size != 0 && cfg.Size < minSize {
-		return Result{}, fmt.Errorf("layer fs: size %d: at least %d bytes (or 0: the host filesystem's size): %w", cfg.Size, int64(minSize), errdefs.ErrInvalid)
+		return Result{}, fmt.Errorf("layer fs: size %d: at least %d bytes (or 0: the host filesystem's free space): %w", cfg.Size, int64(minSize), errdefs.ErrInvalid)
 	}
 	if m, ok := mountedImage(dir); ok {
 		// An earlier start's mount (the daemon was restarted or killed): reuse it as it is.
