@@ -156,7 +156,17 @@ func Setup(cfg Config) (Result, error) {
 		return Result{FS: "host", HostFS: hostFS, Action: "host",
 			Reason: reason + ", but the data directory already holds " + used + " from an earlier ember (captures copy; start on a new data directory for O(1) captures)"}, nil
 	}
-	return mount(dir, image, cfg.Size, true, reason)
+	r, err := mount(dir, image, cfg.Size, true, reason)
+	if err != nil && mode == ModeAuto {
+		if _, mounted := mountedImage(dir); !mounted {
+			// No loop devices (a container), no btrfs in the kernel, no mkfs.btrfs: start on
+			// the host filesystem, and say why.
+			os.Remove(image)
+			return Result{FS: "host", HostFS: hostFS, Action: "host",
+				Reason: reason + ", and the btrfs image could not be set up (" + err.Error() + "): captures copy"}, nil
+		}
+	}
+	return r, err
 }
 
 // realPath is p absolute with its symlinks resolved, as /proc/self/mountinfo names mounts.

@@ -220,3 +220,26 @@ func TestSetupAfterACutMkfs(t *testing.T) {
 		t.Fatalf("under the mount: %v, want the image only", ents)
 	}
 }
+
+// Where the image cannot be made (here: no mkfs.btrfs on PATH), auto starts on the host
+// filesystem and says why; btrfs fails.
+func TestSetupFallsBackWithoutBtrfs(t *testing.T) {
+	testutil.RequireRoot(t)
+	dir := hostDir(t)
+	t.Setenv("PATH", t.TempDir())
+	auto := filepath.Join(dir, "auto")
+	os.Mkdir(auto, 0o700)
+	r, err := layerfs.Setup(layerfs.Config{DataDir: auto, Size: 1 << 30})
+	if err != nil || r.FS != "host" || !strings.Contains(r.Reason, "mkfs.btrfs") {
+		t.Fatalf("auto without mkfs.btrfs: %+v %v, want host with the reason", r, err)
+	}
+	if ents, _ := os.ReadDir(auto); len(ents) != 0 {
+		t.Fatalf("left behind: %v", ents)
+	}
+	forced := filepath.Join(dir, "forced")
+	os.Mkdir(forced, 0o700)
+	if _, err := layerfs.Setup(layerfs.Config{DataDir: forced, Mode: layerfs.ModeBtrfs, Size: 1 << 30}); err == nil {
+		layerfs.Unmount(forced, 10*time.Second)
+		t.Fatal("btrfs without mkfs.btrfs: no error")
+	}
+}
