@@ -52,7 +52,7 @@ sdk: build
 	$(SDK_ENV) EMBER_DATA_DIR=$$d bash test/sdk/run.sh || st=$$?; \
 	[ $$st -ne 0 ] || $(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SDK_MODEB=1 bash test/sdk/run.sh test/5-modeb.test.mjs || st=$$?; \
 	[ $$st -ne 0 ] || $(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SERVE_FLAGS="--pool-size 0" bash test/sdk/run.sh test/1-sandbox.test.mjs test/4-lifecycle.test.mjs || st=$$?; \
-	umount $$d/runsc/null-netns 2>/dev/null; rm -rf $$d; exit $$st
+	umount $$d/runsc/null-netns 2>/dev/null; bash scripts/unmount-data-dir.sh $$d; rm -rf $$d; exit $$st
 
 bench-basic: build
 	EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -run '^$$' -bench 'BenchmarkBasic' -benchtime 1x -timeout 30m ./bench/

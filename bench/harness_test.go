@@ -23,6 +23,7 @@ import (
 	"github.com/ember-sandbox/ember/api/gen/process"
 	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 	"github.com/ember-sandbox/ember/internal/daemon"
+	"github.com/ember-sandbox/ember/internal/layerfs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/testutil"
 )
@@ -71,23 +72,10 @@ func startNode(runsc string, poolSize int, mod func(*daemon.Config)) (*node, err
 		cache = filepath.Join(root, ".cache")
 	}
 	dataDir := filepath.Join(tmp, "data")
-	layerFS = "host filesystem (" + fsType(tmp) + ")"
-	if _, err := exec.LookPath("mkfs.btrfs"); err == nil && os.Getenv("EMBER_BENCH_LAYER_FS") != "host" {
-		// Sandbox layers on btrfs: checkpoints clone them as O(1) subvolume snapshots.
-		img := filepath.Join(tmp, "layers.img")
-		if f, err := os.Create(img); err == nil {
-			f.Truncate(64 << 30)
-			f.Close()
-			os.MkdirAll(dataDir, 0o755)
-			if out, err := exec.Command("mkfs.btrfs", "-q", img).CombinedOutput(); err != nil {
-				return nil, fmt.Errorf("mkfs.btrfs: %v %s", err, out)
-			}
-			if out, err := exec.Command("mount", "-o", "loop", img, dataDir).CombinedOutput(); err != nil {
-				return nil, fmt.Errorf("mount layers fs: %v %s", err, out)
-			}
-			layerFS = "btrfs (loop device on " + fsType(tmp) + ")"
-		}
-	}
+	// The data dir on the host filesystem, as `make run` has it: where that cannot clone files
+	// (ext4), ember mounts its btrfs image over the data dir (--layer-fs=auto).
+	// EMBER_BENCH_LAYER_FS=host: the host filesystem as it is (captures copy on ext4).
+	layerMode := os.Getenv("EMBER_BENCH_LAYER_FS")
 	cfg := daemon.Config{
 		DataDir: dataDir, CacheDir: cache, Runsc: runsc, Envd: envd, PoolSize: poolSize, SlotPoolSize: -1,
 		PrestartSize: 1, PrestartMax: 8, // ember serve's defaults
@@ -95,6 +83,7 @@ func startNode(runsc string, poolSize int, mod func(*daemon.Config)) (*node, err
 		PoolRefillWeight: atoiOr(os.Getenv("EMBER_BENCH_POOL_REFILL_WEIGHT"), 0),
 		// Names and addresses of its own, so a benchmark never meets a daemon on this host.
 		NodeID: envOr("EMBER_BENCH_NODE", "bench"), CIDR: envOr("EMBER_BENCH_CIDR", "10.240.0.0/16"),
+		LayerFS:   layerMode,
 		Templates: []string{"base"},
 		Logger:    benchLogger(),
 		Out:       os.Stderr,
@@ -106,6 +95,7 @@ func startNode(runsc string, poolSize int, mod func(*daemon.Config)) (*node, err
 	if err != nil {
 		return nil, err
 	}
+	layerFS = describeLayerFS(n.LayerFS, tmp)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
@@ -237,12 +227,22 @@ func TestMain(m *testing.M) {
 // and the loop-mounted layer filesystem.
 func cleanupDataDir(dataDir string) {
 	exec.Command("umount", filepath.Join(dataDir, "runsc", "null-netns")).Run()
-	exec.Command("umount", dataDir).Run()
+	if err := layerfs.Unmount(dataDir, 10*time.Second); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+	}
 	os.RemoveAll(filepath.Dir(dataDir))
 }
 
 // layerFS names the filesystem that holds the sandboxes' writable layers in this run.
 var layerFS string
+
+// describeLayerFS names what holds a node's data dir (under hostDir) for the figures' headers.
+func describeLayerFS(r layerfs.Result, hostDir string) string {
+	if r.FS == "btrfs" {
+		return "btrfs image loop-mounted over the data dir on " + layerfs.FSType(hostDir) + " (--layer-fs=auto, ember's default)"
+	}
+	return "the host filesystem (" + layerfs.FSType(hostDir) + ", --layer-fs=" + map[bool]string{true: "host", false: "auto"}[r.Action == "host"] + ")"
+}
 
 func fsType(p string) string {
 	out, err := exec.Command("stat", "-f", "-c", "%T", p).Output()

@@ -363,8 +363,8 @@ type imageNode struct {
 	dataDir, fs string
 }
 
-// startImageNode opens a node of its own (no base template, no pools) on a btrfs loop device
-// like the shared bench node, named after $EMBER_BENCH_NODE and in $EMBER_BENCH_CIDR so that it
+// startImageNode opens a node of its own (no base template, no pools) on the same layer
+// filesystem as the shared bench node, named after $EMBER_BENCH_NODE and in $EMBER_BENCH_CIDR so that it
 // never shares node-local names with another daemon on the host (run it alone: the shared
 // bench node takes the same range).
 func startImageNode(b *testing.B) *imageNode {
@@ -382,25 +382,12 @@ func startImageNode(b *testing.B) *imageNode {
 	}
 	dataDir := filepath.Join(tmp, "data")
 	os.MkdirAll(dataDir, 0o755)
-	fs := fsType(tmp)
-	if _, err := exec.LookPath("mkfs.btrfs"); err == nil && os.Getenv("EMBER_BENCH_LAYER_FS") != "host" {
-		img := filepath.Join(tmp, "layers.img")
-		f, _ := os.Create(img)
-		f.Truncate(32 << 30)
-		f.Close()
-		if out, err := exec.Command("mkfs.btrfs", "-q", img).CombinedOutput(); err != nil {
-			b.Fatalf("mkfs.btrfs: %v %s", err, out)
-		}
-		if out, err := exec.Command("mount", "-o", "loop", img, dataDir).CombinedOutput(); err != nil {
-			b.Fatalf("mount: %v %s", err, out)
-		}
-		fs = "btrfs (loop device on " + fs + ")"
-	}
 	n, err := daemon.Open(context.Background(), daemon.Config{
 		DataDir: dataDir, CacheDir: filepath.Join(tmp, "cache"), Runsc: runsc, Envd: envd, PoolSize: 0, SlotPoolSize: -1,
 		NodeID: envOr("EMBER_BENCH_NODE", "bench") + "i", CIDR: envOr("EMBER_BENCH_CIDR", "10.240.0.0/16"),
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-		Out:    io.Discard,
+		LayerFS: os.Getenv("EMBER_BENCH_LAYER_FS"),
+		Logger:  slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Out:     io.Discard,
 	})
 	if err != nil {
 		cleanupDataDir(dataDir)
@@ -410,5 +397,5 @@ func startImageNode(b *testing.B) *imageNode {
 		n.Close()
 		cleanupDataDir(dataDir)
 	})
-	return &imageNode{Node: n, dataDir: dataDir, fs: fs}
+	return &imageNode{Node: n, dataDir: dataDir, fs: describeLayerFS(n.LayerFS, tmp)}
 }

@@ -23,6 +23,7 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/daemon"
+	"github.com/ember-sandbox/ember/internal/layerfs"
 )
 
 // ExitError carries a specific exit code out of a command.
@@ -124,7 +125,7 @@ func findBinary(name string) string {
 
 func serveCmd() *cobra.Command {
 	cfg := daemon.Config{}
-	var templates string
+	var templates, layerFSSize string
 	var verbose bool
 	c := &cobra.Command{
 		Use:   "serve",
@@ -136,6 +137,11 @@ func serveCmd() *cobra.Command {
 			if templates != "" {
 				cfg.Templates = strings.Split(templates, ",")
 			}
+			size, err := layerfs.ParseSize(layerFSSize)
+			if err != nil {
+				return err
+			}
+			cfg.LayerFSSize = size
 			level := new(slogLevel)
 			if verbose {
 				*level = -4
@@ -149,6 +155,8 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&cfg.Listen, "listen", "127.0.0.1:3000", "address to listen on")
 	f.StringVar(&cfg.MetricsListen, "metrics-listen", "", "also serve Prometheus /metrics without an API key on this address (on --listen, /metrics needs the API key)")
 	f.StringVar(&cfg.DataDir, "data-dir", envOr("EMBER_DATA_DIR", defaultDataDir()), "data directory ($EMBER_DATA_DIR)")
+	f.StringVar(&cfg.LayerFS, "layer-fs", envOr("EMBER_LAYER_FS", layerfs.ModeAuto), "filesystem of the data directory ($EMBER_LAYER_FS): auto = where it cannot clone files (ext4), a sparse btrfs image <data-dir>/"+layerfs.ImageName+" loop-mounted over it, so snapshots, forks and checkpoints clone layers in O(1); host = the data directory's own; btrfs = the image always (new data directory)")
+	f.StringVar(&layerFSSize, "layer-fs-size", os.Getenv("EMBER_LAYER_FS_SIZE"), "size of the btrfs image (sparse: it takes what is written), e.g. 500G ($EMBER_LAYER_FS_SIZE); default the space free on the host filesystem when it is made; a larger size grows the image at the next mount")
 	f.StringVar(&cfg.CacheDir, "cache-dir", os.Getenv("EMBER_CACHE_DIR"), "build cache (debootstrap); default <data-dir>/cache")
 	f.StringVar(&cfg.Runsc, "runsc", envOr("EMBER_RUNSC", findBinary("runsc")), "runsc binary ($EMBER_RUNSC)")
 	f.StringVar(&cfg.Envd, "envd", envOr("EMBER_ENVD", findBinary("envd")), "envd binary put into templates")

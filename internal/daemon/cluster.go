@@ -14,10 +14,10 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/layerfs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -87,12 +87,10 @@ func memTotalMB() int64 {
 	return 0
 }
 
+// diskFreeMB is the space left in the data dir (on ember's btrfs image: also bounded by its
+// host filesystem, which the sparse image shares).
 func diskFreeMB(dir string) int64 {
-	var st unix.Statfs_t
-	if unix.Statfs(dir, &st) != nil {
-		return 0
-	}
-	return int64(st.Bavail) * st.Bsize / (1 << 20)
+	return layerfs.AvailBytes(dir) / (1 << 20)
 }
 
 func runscVersion(bin string) string {

@@ -28,6 +28,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/layerfs"
 	"github.com/ember-sandbox/ember/internal/metrics"
 	"github.com/ember-sandbox/ember/internal/network"
 	"github.com/ember-sandbox/ember/internal/runtime"
@@ -43,12 +44,18 @@ import (
 
 // Config of the daemon.
 type Config struct {
-	Listen   string // 127.0.0.1:3000
-	DataDir  string
-	CacheDir string // debootstrap cache; default <DataDir>/cache
-	Runsc    string
-	Envd     string // envd binary copied into templates
-	Domain   string
+	Listen  string // 127.0.0.1:3000
+	DataDir string
+	// LayerFS is the data directory's filesystem (layerfs.Mode*): "auto" (default) mounts a
+	// btrfs image over it when its own filesystem cannot clone files (ext4), so that captures
+	// of sandbox layers are O(1); "host" keeps the host's; "btrfs" always uses the image.
+	// LayerFSSize is the image's size in bytes (sparse; 0 = the host filesystem's size).
+	LayerFS     string
+	LayerFSSize int64
+	CacheDir    string // debootstrap cache; default <DataDir>/cache
+	Runsc       string
+	Envd        string // envd binary copied into templates
+	Domain      string
 	// TLSListen, if set, is a second listener serving the same handler over HTTPS (E2B's Mode B:
 	// the SDK builds https://<port>-<id>.<domain>). TLSCert/TLSKey are the operator's PEM pair;
 	// without them ember's local CA under <DataDir>/tls issues a certificate for *.<domain>.
@@ -130,6 +137,8 @@ type Node struct {
 	Store   *store.Store
 	Handler http.Handler
 	Metrics *metrics.Metrics
+	// LayerFS says what holds the data directory (a loop-mounted btrfs image, or the host's).
+	LayerFS layerfs.Result
 	// Cluster is this node's membership (nil for a single node).
 	Cluster *cluster.Cluster
 	net     *network.Manager
@@ -158,6 +167,13 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err := os.Chmod(cfg.DataDir, 0o700); err != nil {
 		return nil, err
 	}
+	// Before anything is written there: the image, when needed, is mounted over the data dir.
+	lfs, err := layerfs.Setup(layerfs.Config{DataDir: cfg.DataDir, Mode: cfg.LayerFS, Size: cfg.LayerFSSize})
+	if err != nil {
+		return nil, err
+	}
+	cfg.Logger.Info(lfs.String(), "layer_fs", lfs.FS, "action", lfs.Action, "image", lfs.Image, "device", lfs.Device, "size", lfs.Size)
+	fmt.Fprintln(cfg.Out, strings.ToUpper(lfs.String()[:1])+lfs.String()[1:])
 	st, err := store.Open(filepath.Join(cfg.DataDir, "ember.db"))
 	if err != nil {
 		return nil, err
@@ -314,7 +330,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true
-	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, Cluster: cl, net: nm, moves: moves}, nil
+	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: lfs, Cluster: cl, net: nm, moves: moves}, nil
 }
 
 func ensureKey(ctx context.Context, cfg Config, keys *auth.Keys) error {

@@ -12,6 +12,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/layerfs"
 )
 
 // What one daemon holds on the host, found by its own names only: runsc processes whose command
@@ -225,6 +227,11 @@ func (d *daemon) purge() []string {
 	for i := len(ms) - 1; i >= 0; i-- {
 		syscall.Unmount(ms[i], syscall.MNT_DETACH)
 	}
+	// The layer filesystem mounted over the data dir (ext4 hosts): its unmount detaches its
+	// loop device.
+	if err := layerfs.Unmount(d.dataDir, 10*time.Second); err != nil {
+		fmt.Fprintf(os.Stderr, "e2e: node %s: %v\n", d.nodeID, err)
+	}
 	for _, pat := range []string{"/sys/fs/cgroup/*/ember-%s", "/sys/fs/cgroup/*/*/ember-%s", "/sys/fs/cgroup/*/*/*/ember-%s"} {
 		dirs, _ := filepath.Glob(fmt.Sprintf(pat, d.nodeID))
 		for _, dir := range dirs {
@@ -244,7 +251,22 @@ func (d *daemon) purge() []string {
 	left = append(left, d.netnsList()...)
 	left = append(left, d.vethList()...)
 	left = append(left, d.mountsUnder()...)
+	left = append(left, d.layerLoops()...)
 	return left
+}
+
+// layerLoops lists the loop devices still attached to the data dir's layer filesystem image.
+func (d *daemon) layerLoops() []string {
+	image := filepath.Join(d.dataDir, layerfs.ImageName)
+	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
+	var out []string
+	for _, f := range files {
+		b, _ := os.ReadFile(f)
+		if strings.TrimSuffix(strings.TrimSpace(string(b)), " (deleted)") == image {
+			out = append(out, "/dev/"+filepath.Base(filepath.Dir(filepath.Dir(f)))+" ("+image+")")
+		}
+	}
+	return out
 }
 
 // poolSandboxIDs are the ids the daemon's pool instances (ready or being restored) will be

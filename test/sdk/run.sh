@@ -176,10 +176,13 @@ finish() {
       ls -1t "$EMBER_DATA_DIR/logs/failed" | head -n 5 | sed "s|^|  | $EMBER_DATA_DIR/logs/failed/|" >&2
     fi
     log "kept $WORK for inspection"
+    [[ -n "$CREATED_DATA_DIR" ]] && mountpoint -q "$CREATED_DATA_DIR" &&
+      log "its data dir is still the mounted layer filesystem: scripts/unmount-data-dir.sh $CREATED_DATA_DIR before removing it"
   elif [[ "${EMBER_SDK_KEEP_LOG:-0}" == 1 ]]; then
     log "daemon log: $DAEMON_LOG"
   else
-    [[ -n "$CREATED_DATA_DIR" ]] && rm -rf "$CREATED_DATA_DIR"
+    # Its own data dir: the layer filesystem mounted over it (and its loop device) goes too.
+    [[ -n "$CREATED_DATA_DIR" ]] && { bash "$REPO_ROOT/scripts/unmount-data-dir.sh" "$CREATED_DATA_DIR"; rm -rf "$CREATED_DATA_DIR"; }
     rm -f "$DAEMON_LOG" "$WORK/registry.out" "$WORK/registry.err"
     rmdir "$WORK" 2>/dev/null
   fi

@@ -238,6 +238,9 @@ func mountDiskLayer(layer string) error {
 // attachLoop binds file to a free loop device with LO_FLAGS_AUTOCLEAR (and direct I/O where the
 // backing filesystem allows it, so data is not cached twice). It returns the device and an open
 // descriptor on it: close it once the device is mounted.
+// On btrfs, where a capture clones the image (FICLONE, whose cost grows with the file's extent
+// items), the device is buffered instead: direct I/O makes an extent item of every write
+// (~70 ms to clone 1 GiB written), writeback makes few large ones (~1 ms).
 func attachLoop(file string) (string, int, error) {
 	ctl, err := unix.Open("/dev/loop-control", unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -270,6 +273,9 @@ func attachLoop(file string) (string, int, error) {
 		}
 		cfg := unix.LoopConfig{Fd: uint32(ffd), Size: 4096}
 		cfg.Info.Flags = unix.LO_FLAGS_AUTOCLEAR | unix.LO_FLAGS_DIRECT_IO
+		if isBtrfs(filepath.Dir(file)) {
+			cfg.Info.Flags, cfg.Size = unix.LO_FLAGS_AUTOCLEAR, 0
+		}
 		err = unix.IoctlLoopConfigure(lfd, &cfg)
 		if errors.Is(err, unix.EINVAL) { // no direct I/O on this backing filesystem
 			cfg.Info.Flags = unix.LO_FLAGS_AUTOCLEAR
