@@ -156,7 +156,6 @@ func newDaemonWith(t *testing.T, o daemonOpts) *daemon {
 }
 
 func newDaemonOpts(runsc string, o daemonOpts) (*daemon, error) {
-	o.NodeID, o.CIDR = isolate(o.NodeID, o.CIDR)
 	if o.NodeID == "" || o.CIDR == "" {
 		id, cidr := nextNode()
 		if o.NodeID == "" {
@@ -166,6 +165,8 @@ func newDaemonOpts(runsc string, o daemonOpts) (*daemon, error) {
 			o.CIDR = cidr
 		}
 	}
+	// Automatic ids too: concurrent runs with different prefixes never share a node id or CIDR.
+	o.NodeID, o.CIDR = isolate(o.NodeID, o.CIDR)
 	if o.DataDir == "" {
 		o.DataDir = filepath.Join(buildDir, o.NodeID)
 	}
