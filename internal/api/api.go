@@ -81,8 +81,11 @@ const (
 )
 
 type server struct {
-	cfg    Config
-	svc    sandbox.Service
+	cfg Config
+	svc sandbox.Service
+	// node is the Service New was given (the Manager), for its optional interfaces
+	// (sandbox.TemplateBuilder, networkUpdater): svc may be the cluster's view of it.
+	node   sandbox.Service
 	keys   *auth.Keys
 	log    *slog.Logger
 	hostRe *regexp.Regexp
@@ -102,12 +105,11 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 	if logger == nil {
 		logger = slog.Default()
 	}
-	s := &server{cfg: cfg, svc: svc, keys: keys, log: logger}
+	s := &server{cfg: cfg, svc: svc, node: svc, keys: keys, log: logger}
 	if cfg.Cluster != nil {
 		s.cl = cfg.Cluster
-		s.svc = &clusterService{Service: svc, cl: cfg.Cluster}
 		if cfg.Templates != nil {
-			s.svc = &sharedService{Service: s.svc, t: cfg.Templates, mv: cfg.Mover, f: cfg.Forker} // cluster_move.go
+			s.svc = &sharedService{Service: svc, t: cfg.Templates} // cluster_move.go
 		}
 		s.nodeTransport = newNodeTransport()
 	}

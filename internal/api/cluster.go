@@ -32,8 +32,6 @@ type Cluster interface {
 	Place(ctx context.Context, req cluster.PlaceRequest) (*cluster.Reservation, error)
 	Cancel(ctx context.Context, r *cluster.Reservation)
 	HasReservation(ctx context.Context, id string) bool
-	Claim(ctx context.Context, s cluster.LocalSandbox, reservation string) error
-	Release(ctx context.Context, id string)
 	Live() []cluster.NodeInfo
 	Nodes() []cluster.NodeView
 	Node(id string) (cluster.NodeView, error)
@@ -59,7 +57,14 @@ const (
 	headerFwdPort    = "X-Ember-Sandbox-Port"
 )
 
+// reservationKey carries, in a create's context, the placement reservation it consumes
+// (sandbox.CreateRequest.Reservation).
 type reservationKey struct{}
+
+func reservationOf(ctx context.Context) string {
+	rid, _ := ctx.Value(reservationKey{}).(string)
+	return rid
+}
 
 var errNotHere = errors.New("not here")
 
@@ -519,72 +524,6 @@ func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
 		page = []listedSandboxJSON{}
 	}
 	writeJSON(w, http.StatusOK, page)
-}
-
-// clusterService claims, in etcd, every sandbox this node starts (so that every edge routes to
-// it before the create answers) and releases those it ends.
-type clusterService struct {
-	sandbox.Service
-	cl Cluster
-}
-
-func localOf(sbx *sandbox.Sandbox) cluster.LocalSandbox {
-	return cluster.LocalSandbox{ID: sbx.ID, TemplateID: sbx.TemplateID, Running: sbx.State == sandbox.StateRunning, CPU: sbx.CPUCount, MemoryMB: sbx.MemoryMB}
-}
-
-func (c *clusterService) claim(ctx context.Context, sbx *sandbox.Sandbox, rid string) error {
-	if err := c.cl.Claim(ctx, localOf(sbx), rid); err != nil {
-		// Never run what the cluster does not route here.
-		_ = c.Service.Kill(context.WithoutCancel(ctx), sbx.ID)
-		return err
-	}
-	return nil
-}
-
-func (c *clusterService) Create(ctx context.Context, req sandbox.CreateRequest) (*sandbox.Sandbox, error) {
-	sbx, err := c.Service.Create(ctx, req)
-	if err != nil {
-		return nil, err
-	}
-	rid, _ := ctx.Value(reservationKey{}).(string)
-	if err := c.claim(ctx, sbx, rid); err != nil {
-		return nil, err
-	}
-	return sbx, nil
-}
-
-func (c *clusterService) Kill(ctx context.Context, id string) error {
-	err := c.Service.Kill(ctx, id)
-	if err == nil {
-		c.cl.Release(ctx, id)
-	}
-	return err
-}
-
-func (c *clusterService) Connect(ctx context.Context, id string, timeout time.Duration) (*sandbox.Sandbox, bool, error) {
-	return c.ConnectWith(ctx, id, sandbox.ConnectOptions{Timeout: timeout})
-}
-
-func (c *clusterService) ConnectWith(ctx context.Context, id string, opts sandbox.ConnectOptions) (*sandbox.Sandbox, bool, error) {
-	sbx, resumed, err := c.Service.ConnectWith(ctx, id, opts)
-	if err == nil && resumed {
-		if err := c.claim(ctx, sbx, ""); err != nil {
-			return nil, false, err
-		}
-	}
-	return sbx, resumed, err
-}
-
-func (c *clusterService) Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]sandbox.ForkResult, error) {
-	res, err := c.Service.Fork(ctx, id, count, timeout)
-	for _, fr := range res {
-		if fr.Sandbox != nil {
-			if cerr := c.claim(ctx, fr.Sandbox, ""); cerr != nil && err == nil {
-				err = cerr
-			}
-		}
-	}
-	return res, err
 }
 
 // Node routes: GET /nodes, GET /nodes/{id}, POST /nodes/{id}/drain, DELETE /nodes/{id}/drain.

@@ -36,13 +36,8 @@ type TemplateSharer interface {
 // is the cluster's (the same on every node), and a delete removes the template everywhere.
 type sharedService struct {
 	sandbox.Service
-	t  TemplateSharer
-	mv PausedMover // optional: stored pause images are deleted once nothing resumes from them
-	f  Forker
+	t TemplateSharer
 }
-
-func (s *sharedService) unwrap() sandbox.Service  { return s.Service }
-func (c *clusterService) unwrap() sandbox.Service { return c.Service }
 
 func (s *sharedService) Create(ctx context.Context, req sandbox.CreateRequest) (*sandbox.Sandbox, error) {
 	if err := s.t.Ensure(ctx, req.TemplateID); err != nil {
@@ -77,38 +72,6 @@ func (s *sharedService) ListTemplates(ctx context.Context) ([]*sandbox.Template,
 	return out, nil
 }
 
-// ConnectWith resumes (or extends) a sandbox; a resume consumes its stored pause image, which
-// is then deleted from the image store.
-func (s *sharedService) ConnectWith(ctx context.Context, id string, opts sandbox.ConnectOptions) (*sandbox.Sandbox, bool, error) {
-	image := s.storedImage(ctx, id)
-	sbx, resumed, err := s.Service.ConnectWith(ctx, id, opts)
-	if err == nil && resumed && image != "" {
-		s.f.DeleteStored(ctx, image)
-	}
-	return sbx, resumed, err
-}
-
-func (s *sharedService) Connect(ctx context.Context, id string, timeout time.Duration) (*sandbox.Sandbox, bool, error) {
-	return s.ConnectWith(ctx, id, sandbox.ConnectOptions{Timeout: timeout})
-}
-
-// Kill kills a sandbox, and deletes its stored pause image.
-func (s *sharedService) Kill(ctx context.Context, id string) error {
-	image := s.storedImage(ctx, id)
-	err := s.Service.Kill(ctx, id)
-	if err == nil && image != "" {
-		s.f.DeleteStored(ctx, image)
-	}
-	return err
-}
-
-func (s *sharedService) storedImage(ctx context.Context, id string) string {
-	if s.mv == nil || s.f == nil {
-		return ""
-	}
-	return s.mv.StoredImage(ctx, id)
-}
-
 // DeleteTemplate deletes the template here and from the cluster's templates (other nodes'
 // copies stay for the sandboxes that run on them; no new create finds them).
 func (s *sharedService) DeleteTemplate(ctx context.Context, id string) error {
@@ -131,24 +94,10 @@ func (s *sharedService) DeleteTemplate(ctx context.Context, id string) error {
 	return nil
 }
 
-// unwrapped returns the Service beneath the cluster's wrappers (for the optional interfaces
-// of the Manager, such as sandbox.TemplateBuilder).
-func unwrapped(svc sandbox.Service) sandbox.Service {
-	for {
-		u, ok := svc.(interface{ unwrap() sandbox.Service })
-		if !ok {
-			return svc
-		}
-		svc = u.unwrap()
-	}
-}
-
 // PausedMover moves stored paused sandboxes to this node (Config.Mover; *cluster.Moves).
 type PausedMover interface {
 	// Adopt makes stored sandbox id this node's (loaded from the image store, paused here).
 	Adopt(ctx context.Context, id string) error
-	// StoredImage is the store id of sandbox id's stored pause image ("" if none).
-	StoredImage(ctx context.Context, id string) string
 	// Unheld returns the stored paused sandboxes whose node is gone (of ids, or all).
 	Unheld(ctx context.Context, ids ...string) ([]sandbox.Sandbox, error)
 	// Forget ends stored sandbox id of a gone node without moving it (ErrConflict: it is not).
@@ -270,7 +219,8 @@ func (s *server) adoptOn(r *http.Request, resv *cluster.Reservation, id string) 
 // Forker forks across nodes (Config.Forker; *sandbox.Manager).
 type Forker interface {
 	ExportFork(ctx context.Context, id string) (*sandbox.PortableFork, error)
-	ForkFrom(ctx context.Context, pf *sandbox.PortableFork, count int, timeout time.Duration) ([]sandbox.ForkResult, error)
+	// ForkFrom restores count children of pf here, child i consuming reservations[i].
+	ForkFrom(ctx context.Context, pf *sandbox.PortableFork, count int, timeout time.Duration, reservations []string) ([]sandbox.ForkResult, error)
 	DeleteStored(ctx context.Context, imageID string)
 }
 
@@ -440,18 +390,13 @@ func (s *server) forkHere(w http.ResponseWriter, r *http.Request, _ params) erro
 	if len(req.Reservations) < 1 || len(req.Reservations) > MaxForkCount {
 		return badRequest("between 1 and %d reservations", MaxForkCount)
 	}
-	results, err := s.cfg.Forker.ForkFrom(r.Context(), &req.Fork, len(req.Reservations), req.Timeout)
+	// Each child is claimed with its reservation as it starts (cluster.Events).
+	results, err := s.cfg.Forker.ForkFrom(r.Context(), &req.Fork, len(req.Reservations), req.Timeout, req.Reservations)
 	if err != nil && len(results) == 0 {
 		return err
 	}
 	out := make([]forkResultJSON, 0, len(results))
 	for i, res := range results {
-		if res.Sandbox != nil {
-			if cerr := s.cl.Claim(r.Context(), localOf(res.Sandbox), req.Reservations[i]); cerr != nil {
-				_ = unwrapped(s.svc).Kill(context.WithoutCancel(r.Context()), res.Sandbox.ID) // never run what is not routed here
-				res.Sandbox, res.Err = nil, cerr
-			}
-		}
 		if res.Sandbox != nil {
 			sj := s.toSandbox(res.Sandbox)
 			out = append(out, forkResultJSON{Sandbox: &sj})

@@ -59,6 +59,7 @@ func newClusterNodeWith(t *testing.T, e *clustertest.Etcd, id string, mod func(*
 	if err != nil {
 		t.Fatal(err)
 	}
+	svc.Manager.Listen(cluster.NewEvents(cl, nil, nil)) // as the daemon does
 	keys := auth.NewKeys(cl.Keys())
 	acfg := Config{Domain: testDomain, Cluster: cl}
 	for _, f := range amods {
@@ -394,10 +395,21 @@ func TestClusterNotHereRetries(t *testing.T) {
 	a.env.key = key
 	waitFor(t, 5*time.Second, "three nodes", func() bool { return len(a.cl.Live()) == 3 })
 	// A sandbox on b, routed (wrongly) to c.
+	allocB := func() string {
+		r, err := etcd.Get(ctx, "/ember/alloc/b")
+		if err != nil || len(r.Kvs) == 0 {
+			return ""
+		}
+		return string(r.Kvs[0].Value)
+	}
+	before := allocB()
 	sbx, err := b.svc.Manager.Create(ctx, sandbox.CreateRequest{TemplateID: "base", Timeout: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Its claim ran one sync of b (which counts it): done before the route goes wrong, or
+	// that sync would kill it as the cluster's on c.
+	waitFor(t, 5*time.Second, "b's sync counted the sandbox", func() bool { return allocB() != before })
 	route, _ := json.Marshal(cluster.Route{Node: "c", Epoch: c.cl.Epoch(), Since: time.Now()})
 	r, err := etcd.Put(ctx, "/ember/sandboxes/"+sbx.ID, string(route))
 	if err != nil {

@@ -89,6 +89,7 @@ func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params)
 		AutoResume:      autoResume(req.AutoResume),
 		AllowInternet:   req.AllowInternetAccess,
 		Network:         network,
+		Reservation:     reservationOf(r.Context()),
 	})
 	if err != nil {
 		return err

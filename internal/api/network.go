@@ -87,7 +87,7 @@ func (s *server) updateNetwork(w http.ResponseWriter, r *http.Request, p params)
 	if err := sandbox.ValidateEgress(req.AllowOut, req.DenyOut); err != nil {
 		return err
 	}
-	up, ok := unwrapped(s.svc).(networkUpdater)
+	up, ok := s.node.(networkUpdater)
 	if !ok {
 		return &httpError{status: http.StatusNotImplemented, msg: "updating the network of a sandbox is not supported by this server"}
 	}

@@ -69,7 +69,7 @@ func (u *uploads) take(tok string) (string, bool) {
 }
 
 func (s *server) builder() (sandbox.TemplateBuilder, error) {
-	b, ok := unwrapped(s.svc).(sandbox.TemplateBuilder)
+	b, ok := s.node.(sandbox.TemplateBuilder)
 	if !ok {
 		return nil, &httpError{status: http.StatusNotImplemented, msg: "template builds are not supported by this server"}
 	}

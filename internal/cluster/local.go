@@ -28,9 +28,13 @@ func (l managerLocal) Sandboxes(ctx context.Context) ([]LocalSandbox, error) {
 		if s.State == sandbox.StateKilled {
 			continue
 		}
-		out = append(out, LocalSandbox{ID: s.ID, TemplateID: s.TemplateID, Running: s.State == sandbox.StateRunning, CPU: s.CPUCount, MemoryMB: s.MemoryMB})
+		out = append(out, localOf(s))
 	}
 	return out, nil
+}
+
+func localOf(s *sandbox.Sandbox) LocalSandbox {
+	return LocalSandbox{ID: s.ID, TemplateID: s.TemplateID, Running: s.State == sandbox.StateRunning, CPU: s.CPUCount, MemoryMB: s.MemoryMB}
 }
 
 func (l managerLocal) Templates(ctx context.Context) (map[string]TemplateSize, error) {

@@ -115,7 +115,7 @@ func runscVersion(bin string) string {
 // startTemplates, in cluster mode with a shared image store, gives the node the start-up
 // templates: the cluster's build of each, loaded from the store, or (the first node to start)
 // its own build, registered for the others. From then on every template that becomes ready
-// here is shared with the cluster.
+// here is shared with the cluster (cluster.Events).
 func startTemplates(ctx context.Context, cfg Config, mgr *sandbox.Manager, tpls *cluster.Templates) error {
 	for _, name := range cfg.Templates {
 		t0 := time.Now()
@@ -149,11 +149,5 @@ func startTemplates(ctx context.Context, cfg Config, mgr *sandbox.Manager, tpls 
 		}
 		fmt.Fprintf(cfg.Out, "Template %q shared: build %s of node %s (%s)\n", name, won.BuildID, won.Node, time.Since(t0).Round(time.Millisecond))
 	}
-	// From now on, every template that becomes ready here is the cluster's.
-	mgr.SetTemplateHook(func(ctx context.Context, tpl *sandbox.Template) {
-		if _, err := tpls.Share(ctx, tpl.ID, false); err != nil {
-			cfg.Logger.Warn("cluster: share template", "template", tpl.ID, "err", err)
-		}
-	})
 	return nil
 }

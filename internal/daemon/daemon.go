@@ -217,6 +217,8 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		MaxBuilds:    cfg.MaxBuilds,
 		// How the pools size themselves and refill.
 		PoolRefills: cfg.PoolRefills, PoolDecay: cfg.PoolDecay, PoolRefillWeight: cfg.PoolRefillWeight,
+		// Cluster mode with a shared image store: a pause is resumable on any node.
+		StorePauses: len(cfg.EtcdEndpoints) > 0 && cfg.S3.Endpoint != "",
 	})
 	if err != nil {
 		return nil, err
@@ -258,8 +260,9 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			return nil, err
 		}
 		acfg.Cluster = cl
+		var tpls *cluster.Templates
 		if shareTemplates {
-			tpls := cluster.NewTemplates(cl, mgr)
+			tpls = cluster.NewTemplates(cl, mgr)
 			if err := startTemplates(ctx, cfg, mgr, tpls); err != nil {
 				cl.Close()
 				mgr.Close()
@@ -267,10 +270,12 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			}
 			acfg.Templates = tpls
 			moves = cluster.NewMoves(cl, mgr)
-			mgr.SetPauseHook(moves.Stored)
 			acfg.Mover = moves
 			acfg.Forker = mgr
 		}
+		// From now on the cluster follows every change of this node's sandboxes and templates
+		// (what changed before, the cluster's sync loop reconciles).
+		mgr.Listen(cluster.NewEvents(cl, moves, tpls))
 	}
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true

@@ -193,6 +193,9 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	m.logger(sb.ID).Info("sandbox created", "template_id", tpl.ID, "how", how, "instance", sb.Runtime.InstanceID, "ms", time.Since(started).Milliseconds())
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if err := m.startedLocked(ctx, e, EventStarted, StartCreated, req.Reservation); err != nil {
+		return nil, err
+	}
 	return m.snapshotOf(e), nil
 }
 

@@ -197,7 +197,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			results[i] = m.forkChild(ctx, newForkChild(parent, tpl, timeout), tpl, image, parent.AccessToken)
+			results[i] = m.forkChild(ctx, newForkChild(parent, tpl, timeout), tpl, image, parent.AccessToken, "")
 		}(i)
 	}
 	wg.Wait()
@@ -258,7 +258,7 @@ func newForkChild(parent *Sandbox, tpl *Template, timeout time.Duration) *Sandbo
 }
 
 // forkChild restores image as child, on tpl's stack, and records it.
-func (m *Manager) forkChild(ctx context.Context, child *Sandbox, tpl *Template, image, initToken string) ForkResult {
+func (m *Manager) forkChild(ctx context.Context, child *Sandbox, tpl *Template, image, initToken, reservation string) ForkResult {
 	now := time.Now().UTC()
 	child.StartedAt, child.EndAt = now, now.Add(child.Timeout)
 	p, err := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, image: image, init: child, initToken: initToken,
@@ -274,5 +274,8 @@ func (m *Manager) forkChild(ctx context.Context, child *Sandbox, tpl *Template, 
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if err := m.startedLocked(ctx, e, EventStarted, StartForked, reservation); err != nil {
+		return ForkResult{Err: err}
+	}
 	return ForkResult{Sandbox: m.snapshotOf(e)}
 }

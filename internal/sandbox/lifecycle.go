@@ -65,6 +65,7 @@ func (m *Manager) endLocked(ctx context.Context, e *entry, reason string) {
 	}
 	m.logger(sb.ID).Info("sandbox ended", "reason", reason)
 	m.forkLayerUserEnded(sb)
+	m.emitLocked(ctx, e, EventEnded, reason)
 }
 
 // SetTimeout sets a running sandbox's end to now + d. Paused sandboxes answer not found, as
@@ -144,7 +145,7 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestar
 	// image in the teardown after the answer (DeferLayer), which a resume or kill waits for.
 	// In cluster mode the image goes to the store before the answer (pauseStored), layer and
 	// all, so there the layer moves in first.
-	stored := keepMemory && m.pauseHook.Load() != nil
+	stored := keepMemory && m.cfg.StorePauses
 	opts := runtime.CheckpointOptions{FilesOnly: !keepMemory, DeferLayer: keepMemory && !layerFirst && !stored}
 	if err := m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, opts); err != nil {
 		os.RemoveAll(image)
@@ -168,8 +169,9 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestar
 	tl.Mark("record")
 	m.guestT.close(old.GuestIP)
 	tl.Mark("transport")
+	m.emitLocked(ctx, e, EventPaused, "")
 	if stored {
-		m.pauseStored(ctx, sb, keepMemory) // cluster mode: resumable on any node (portable.go)
+		m.pauseStored(ctx, e) // cluster mode: resumable on any node (portable.go)
 		tl.Mark("stored")
 	}
 	tl.Log(m.logger(sb.ID), "pause timeline", "memory", keepMemory)
@@ -322,6 +324,10 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 	m.guestT.open(p.GuestIP, p.InstanceID, true)
 	m.watch(e, p.InstanceID)
 	tl.Mark("watch")
+	if err := m.startedLocked(ctx, e, EventResumed, "", ""); err != nil {
+		return err
+	}
+	tl.Mark("listeners")
 	tl.Log(m.logger(sb.ID), "resume timeline", "prestarted", prestarted, "boot", boot)
 	m.logger(sb.ID).Info("sandbox resumed", "instance", p.InstanceID, "boot", boot, "prestarted", prestarted, "ms", time.Since(start).Milliseconds())
 	return nil

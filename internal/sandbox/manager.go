@@ -158,6 +158,11 @@ type Config struct {
 	// 2 s; it doubles for each further attempt, UploadAttempts in all, default 3).
 	UploadRetryDelay time.Duration
 	UploadAttempts   int
+	// Listeners are told every lifecycle event (events.go); Manager.Listen adds more.
+	Listeners []Listener
+	// StorePauses: a memory pause answers once its image is in the image store too
+	// (EventStored), so that another node can resume the sandbox (cluster mode).
+	StorePauses bool
 }
 
 // Manager owns every sandbox on this node. It implements Service.
@@ -175,8 +180,9 @@ type Manager struct {
 	mu   sync.Mutex
 	live map[string]*entry // sandboxes by id: running, paused, and recently ended (tombstones)
 
-	tplHook   atomic.Pointer[func(context.Context, *Template)]              // SetTemplateHook (portable.go)
-	pauseHook atomic.Pointer[func(context.Context, *PortableSandbox) error] // SetPauseHook (portable.go)
+	// ls are the lifecycle listeners (events.go); lmu serialises their changes.
+	ls  atomic.Pointer[[]Listener]
+	lmu sync.Mutex
 
 	pool      *pool // restored sandboxes waiting for an assignment
 	prestarts *pool // pre-started instances waiting for a restore into them
@@ -329,6 +335,10 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		uploads:    map[string]*upload{},
 	}
 	m.guest = &http.Client{Transport: m.guestT}
+	if len(cfg.Listeners) > 0 {
+		ls := append([]Listener(nil), cfg.Listeners...)
+		m.ls.Store(&ls)
+	}
 	tb, err := openBuilds(filepath.Join(cfg.DataDir, "builds"), m.log.Warn)
 	if err != nil {
 		return nil, fmt.Errorf("build records: %w", err)

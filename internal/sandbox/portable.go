@@ -261,22 +261,8 @@ func (m *Manager) importLayer(ctx context.Context, tp TreePorter, name string, m
 // treeFile, in a loaded layer's directory, says where beneath it the layer's files are.
 const treeFile = "tree-path"
 
-// SetTemplateHook sets f to be called (in the background) with every template or snapshot
-// that becomes ready on this node: built, step-built, or a snapshot stored. Cluster mode
-// shares them with it. Set it before serving.
-func (m *Manager) SetTemplateHook(f func(ctx context.Context, tpl *Template)) {
-	m.tplHook.Store(&f)
-}
-
-// templateReady calls the template hook, if set, after the caller returns.
-func (m *Manager) templateReady(tpl *Template) {
-	f := m.tplHook.Load()
-	if f == nil {
-		return
-	}
-	c := *tpl
-	m.goBG(func() { (*f)(m.bg, &c) })
-}
+// templateReady reports template tpl ready here (built, step-built, or a snapshot stored).
+func (m *Manager) templateReady(tpl *Template) { m.templateEvent(EventTemplateReady, tpl) }
 
 // Portable paused sandboxes: in cluster mode a pause stores the sandbox's pause image (memory
 // and writable layer, chunks deduplicated by the store) before the pause answers, so that
@@ -289,27 +275,17 @@ type PortableSandbox struct {
 	ImageID string  `json:"imageID"`
 }
 
-// SetPauseHook sets f to be called with every memory pause, once its image is in the image
-// store, before the pause answers (cluster mode records it). Set it before serving.
-func (m *Manager) SetPauseHook(f func(ctx context.Context, p *PortableSandbox) error) {
-	m.pauseHook.Store(&f)
-}
-
-// pauseStored stores the pause image of sb (paused, its image complete) and calls the pause
-// hook. A failure leaves the sandbox paused on this node only.
-func (m *Manager) pauseStored(ctx context.Context, sb *Sandbox, keepMemory bool) {
-	f := m.pauseHook.Load()
-	if f == nil || !keepMemory {
-		return
-	}
+// pauseStored stores the pause image of e's sandbox (paused on memory, its image complete)
+// and reports EventStored (e.mu held). A failure leaves the sandbox paused on this node only.
+func (m *Manager) pauseStored(ctx context.Context, e *entry) {
 	// The pause is done: its upload finishes even if the caller goes away.
 	ctx = context.WithoutCancel(ctx)
-	p, err := m.exportPaused(ctx, sb)
+	p, err := m.exportPaused(ctx, e.sb)
 	if err == nil {
-		err = (*f)(ctx, p)
+		err = m.emit(ctx, Event{Kind: EventStored, Sandbox: m.snapshotOf(e), Stored: p})
 	}
 	if err != nil {
-		m.logger(sb.ID).Warn("paused sandbox not stored: it resumes on this node only", "err", err)
+		m.logger(e.sb.ID).Warn("paused sandbox not stored: it resumes on this node only", "err", err)
 	}
 }
 
@@ -388,9 +364,12 @@ func (m *Manager) ImportPaused(ctx context.Context, p *PortableSandbox) (*Sandbo
 		return nil, err
 	}
 	ne := &entry{sb: &sb}
+	ne.mu.Lock()
+	defer ne.mu.Unlock()
 	m.mu.Lock()
 	m.live[id] = ne
 	m.mu.Unlock()
+	m.emitLocked(ctx, ne, EventPaused, StartAdopted)
 	m.logger(id).Info("paused sandbox adopted from the image store", "image", p.ImageID, "layers", n)
 	return m.snapshotOf(ne), nil
 }
@@ -491,7 +470,8 @@ func (m *Manager) ExportFork(ctx context.Context, id string) (*PortableFork, err
 
 // ForkFrom restores count children of the fork image pf on this node (its layers and image
 // loaded from the store, verified), each with its own id, token, network slot and layer.
-func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, timeout time.Duration) ([]ForkResult, error) {
+// Child i consumes reservations[i], if given (EventStarted).
+func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, timeout time.Duration, reservations []string) ([]ForkResult, error) {
 	if count < 1 || count > MaxForkCount {
 		return nil, fmt.Errorf("count must be between 1 and %d: %w", MaxForkCount, errdefs.ErrInvalid)
 	}
@@ -539,7 +519,11 @@ func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, tim
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			results[i] = m.forkChild(ctx, newForkChild(&parent, tpl, timeout), tpl, image, parent.AccessToken)
+			rid := ""
+			if i < len(reservations) {
+				rid = reservations[i]
+			}
+			results[i] = m.forkChild(ctx, newForkChild(&parent, tpl, timeout), tpl, image, parent.AccessToken, rid)
 		}(i)
 	}
 	wg.Wait()

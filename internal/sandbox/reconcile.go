@@ -72,7 +72,9 @@ func (m *Manager) reconcile(ctx context.Context) error {
 					return err
 				}
 				keepDirs[sb.ID] = true
-				m.live[sb.ID] = &entry{sb: sb}
+				e := &entry{sb: sb}
+				m.live[sb.ID] = e
+				m.emitLocked(ctx, e, EventPaused, "")
 				log.Info("reconcile: a pause cut by the crash had completed; the sandbox is paused", "image", image)
 				continue
 			}
@@ -195,6 +197,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 	}
 	for _, e := range watch {
 		m.watch(e, e.sb.Runtime.InstanceID)
+		m.emitLocked(ctx, e, EventStarted, StartAdopted)
 	}
 	return nil
 }
@@ -264,7 +267,9 @@ func (m *Manager) tombstone(ctx context.Context, sb *Sandbox, reason string) {
 	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
 		m.logger(sb.ID).Warn("record end", "err", err)
 	}
-	m.live[sb.ID] = &entry{sb: sb}
+	e := &entry{sb: sb}
+	m.live[sb.ID] = e
+	m.emitLocked(ctx, e, EventEnded, reason)
 }
 
 // unmountOrphans unmounts every mount under the data directory that no adopted instance owns.

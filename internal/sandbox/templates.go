@@ -234,6 +234,7 @@ func (m *Manager) DeleteTemplate(ctx context.Context, id string) error {
 	}
 	m.pool.templateChanged(&Template{ID: id})
 	m.prestarts.templateChanged(&Template{ID: id})
+	m.templateEvent(EventTemplateGone, tpl)
 	defer m.collectLayers(context.WithoutCancel(ctx), "template "+id+" deleted")
 	if tpl.Kind == "snapshot" {
 		os.RemoveAll(tpl.Image)

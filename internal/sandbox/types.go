@@ -116,6 +116,9 @@ type CreateRequest struct {
 	// NoRestoredPool skips the restored pool only: a pre-started instance serves the create
 	// when one is ready (benchmarks: a pool miss).
 	NoRestoredPool bool
+	// Reservation is the cluster placement reservation the create consumes (told to the
+	// listeners with EventStarted).
+	Reservation string
 }
 
 // PauseOptions tune a pause.
