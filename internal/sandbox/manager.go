@@ -46,6 +46,10 @@ type Store interface {
 	GetTemplate(ctx context.Context, id string) (*Template, error)
 	DeleteTemplate(ctx context.Context, id string) error
 	ListTemplates(ctx context.Context) ([]*Template, error)
+	// Step checkpoints (checkpoints.go).
+	PutCheckpoint(ctx context.Context, c *Checkpoint) error
+	DeleteCheckpoint(ctx context.Context, sandboxID, id string) error
+	ListCheckpoints(ctx context.Context, sandboxID string) ([]*Checkpoint, error)
 }
 
 // RootFSBuilder writes template root filesystems (internal/template implements it).
@@ -368,6 +372,11 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		m.cancelBG()
 		m.wg.Wait()
 		return nil, fmt.Errorf("reconcile: %w", err)
+	}
+	if err := m.reconcileCheckpoints(ctx); err != nil { // checkpoints.go
+		m.cancelBG()
+		m.wg.Wait()
+		return nil, fmt.Errorf("reconcile checkpoints: %w", err)
 	}
 	m.collectLayers(ctx, "start")
 	m.wg.Add(1)

@@ -451,7 +451,7 @@ func (m *Manager) ExportFork(ctx context.Context, id string) (*PortableFork, err
 	}
 	defer removeTree(image)
 	start := time.Now()
-	err = m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+	_, _, err = m.captureRunningLocked(ctx, e, image, "")
 	e.mu.Unlock()
 	if err != nil {
 		return nil, fmt.Errorf("checkpoint: %w", err)
