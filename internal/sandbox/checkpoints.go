@@ -189,6 +189,7 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 		m.logger(id).Warn("record checkpoint head", "checkpoint", cid, "err", err)
 	}
 	m.observe(StageCheckpoint, start, nil)
+	m.standbyLocked(e, ck) // a rollback to it swaps (standby.go)
 	m.logger(id).Info("checkpoint taken", "checkpoint", cid, "parent", ck.ParentID,
 		"stopped_ms", ms(stopped), "ms", ms(ck.Took))
 	return ck, nil
@@ -246,6 +247,9 @@ func (m *Manager) DeleteCheckpoint(ctx context.Context, id, cid string) error {
 			}
 		}
 	}
+	if s := e.standby; (s != nil && s.ckptID == cid) || e.sb.CheckpointHead == cid {
+		m.dropStandbyLocked(e, false)
+	}
 	if e.sb.CheckpointHead == cid {
 		e.sb.CheckpointHead = ck.ParentID
 		if err := m.cfg.Store.PutSandbox(ctx, e.sb); err != nil {
@@ -272,10 +276,12 @@ func (m *Manager) collectForkLayersLater(why string) {
 	}()
 }
 
-// dropCheckpointsLocked forgets every checkpoint of sb, which is ending: their images go with
-// its directory (removed next by the caller), their layers with a collection once nothing
-// stacks them.
-func (m *Manager) dropCheckpointsLocked(ctx context.Context, sb *Sandbox) {
+// dropCheckpointsLocked forgets every checkpoint of e's sandbox, which is ending: its standby
+// ends, their images go with its directory (removed next by the caller), their layers with a
+// collection once nothing stacks them.
+func (m *Manager) dropCheckpointsLocked(ctx context.Context, e *entry) {
+	sb := e.sb
+	m.dropStandbyLocked(e, true)
 	cks, err := m.cfg.Store.ListCheckpoints(ctx, sb.ID)
 	if err != nil {
 		m.logger(sb.ID).Warn("checkpoints of an ended sandbox", "err", err)
@@ -330,11 +336,24 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 	onto := *tpl
 	onto.RootFS, onto.Lowers = ck.RootFS, ck.Lowers
 	start := time.Now()
-	p, err := m.launch(ctx, launchSpec{owner: sb.ID, tpl: &onto, image: ck.Image, busyDir: sb.Runtime.StateDir,
-		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()})
-	if err != nil {
-		m.observe(StageRollback, start, err)
-		return nil, fmt.Errorf("rollback: %w", err)
+	var p Placement
+	swapped := false
+	if s := m.takeStandbyLocked(e, cid); s != nil {
+		// The standby restored ahead: thawed, it is the sandbox from now on.
+		if err := m.cfg.Driver.Thaw(ctx, s.p.InstanceID); err != nil {
+			m.logger(id).Warn("rollback standby would not thaw; restoring", "instance", s.p.InstanceID, "err", err)
+			m.teardown(context.WithoutCancel(ctx), sb.ID, s.p)
+		} else {
+			p, swapped = s.p, true
+		}
+	}
+	if !swapped {
+		p, err = m.launch(ctx, launchSpec{owner: sb.ID, tpl: &onto, image: ck.Image, busyDir: sb.Runtime.StateDir,
+			cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()})
+		if err != nil {
+			m.observe(StageRollback, start, err)
+			return nil, fmt.Errorf("rollback: %w", err)
+		}
 	}
 	prev := *sb
 	old := sb.Runtime
@@ -376,8 +395,9 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 		}()
 	}
 	m.observe(StageRollback, start, nil)
+	m.standbyLocked(e, ck) // for the next rollback to it
 	m.logger(id).Info("sandbox rolled back", "checkpoint", cid, "instance", p.InstanceID, "was_paused", paused,
-		"ms", time.Since(start).Milliseconds())
+		"standby", swapped, "ms", time.Since(start).Milliseconds())
 	return m.snapshotOf(e), nil
 }
 

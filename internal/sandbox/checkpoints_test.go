@@ -63,6 +63,7 @@ func TestCheckpointRollbackTree(t *testing.T) {
 func testCheckpointRollbackTree(t *testing.T, capture bool) {
 	n := newNode(t, nil)
 	n.rig.Driver.SetCapturesLayers(capture)
+	n.m.CheckpointStandby(false) // every rollback restores (TestRollbackStandby swaps)
 	n.build("base")
 	ctx := context.Background()
 	sb := n.create(sandbox.CreateRequest{})
@@ -234,6 +235,7 @@ func testCheckpointRollbackTree(t *testing.T, capture bool) {
 func TestCheckpointsSurviveRestart(t *testing.T) {
 	n := newNode(t, nil)
 	n.rig.Driver.SetCapturesLayers(true)
+	n.m.CheckpointStandby(false)
 	n.build("base")
 	ctx := context.Background()
 	sb := n.create(sandbox.CreateRequest{})
@@ -251,6 +253,7 @@ func TestCheckpointsSurviveRestart(t *testing.T) {
 		}
 	}
 	n.restart()
+	n.m.CheckpointStandby(false)
 	for _, d := range []string{staged, unrecorded} {
 		if _, err := os.Stat(d); !os.IsNotExist(err) {
 			t.Fatalf("%s after restart: %v", d, err)
@@ -271,4 +274,61 @@ func TestCheckpointsSurviveRestart(t *testing.T) {
 	}
 	time.Sleep(50 * time.Millisecond)
 	n.waitForkLayers(0)
+}
+
+// A checkpoint gets a standby (restored ahead, frozen): a rollback to it swaps it in (the
+// sandbox continues on the instance that was there before the call), and a new standby is
+// built behind it; a checkpoint of another head, a delete and a kill drop it.
+func TestRollbackStandby(t *testing.T) {
+	n := newNode(t, nil)
+	n.rig.Driver.SetCapturesLayers(true)
+	n.build("base")
+	ctx := context.Background()
+	sb := n.create(sandbox.CreateRequest{})
+	running := func() map[string]bool {
+		out := map[string]bool{}
+		for _, id := range n.rig.Driver.Running() {
+			out[id] = true
+		}
+		return out
+	}
+	n.write(sb.ID, "/f", "1")
+	n.writeMem(sb.ID, "m", "1")
+	a := n.checkpoint(sb.ID)
+	eventually(t, 5*time.Second, "a standby next to the sandbox", func() bool { return len(running()) == 2 })
+	before := running()
+	n.write(sb.ID, "/f", "2")
+	n.writeMem(sb.ID, "m", "2")
+	got, err := n.m.Rollback(ctx, sb.ID, a.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !before[got.Runtime.InstanceID] {
+		t.Fatalf("rollback restored %s instead of swapping in the standby (instances before: %v)", got.Runtime.InstanceID, before)
+	}
+	n.expectState(sb.ID, "1")
+	// A new standby of A, next to the sandbox (the old instance ended).
+	eventually(t, 5*time.Second, "a new standby after the swap", func() bool {
+		r := running()
+		return len(r) == 2 && r[got.Runtime.InstanceID]
+	})
+	// Deleting the head's checkpoint drops its standby.
+	if err := n.m.DeleteCheckpoint(ctx, sb.ID, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "the standby dropped with its checkpoint", func() bool { return len(running()) == 1 })
+	// Off: no standby.
+	n.m.CheckpointStandby(false)
+	n.checkpoint(sb.ID)
+	time.Sleep(100 * time.Millisecond)
+	if r := running(); len(r) != 1 {
+		t.Fatalf("instances with standbys off: %v", r)
+	}
+	n.m.CheckpointStandby(true)
+	n.checkpoint(sb.ID)
+	eventually(t, 5*time.Second, "a standby", func() bool { return len(running()) == 2 })
+	if err := n.m.Kill(ctx, sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	n.assertHolds(0)
 }

@@ -227,6 +227,10 @@ type Manager struct {
 
 	// forkCopies: forks copy the source's layer into each child (ForkCopiesLayers).
 	forkCopies atomic.Bool
+	// noStandby: no rollback standbys are built (CheckpointStandby); standbyMB is the memory
+	// the standbys hold, in the pools' budget (standby.go).
+	noStandby atomic.Bool
+	standbyMB atomic.Int64
 }
 
 // entry is the in-memory state of one sandbox; mu serialises lifecycle operations on it.
@@ -239,6 +243,11 @@ type entry struct {
 	// released, after a pause, is closed once the paused instance is torn down and its layer is
 	// in the pause image (nil when nothing is pending); see settleLocked.
 	released chan struct{}
+	// standby is an instance restored ahead from the sandbox's head checkpoint and frozen, for
+	// a rollback to swap in; standbyGen counts what makes a standby being built stale
+	// (standby.go).
+	standby    *standby
+	standbyGen uint64
 }
 
 var idRe = regexp.MustCompile(`^[a-z0-9]{1,64}$`)
@@ -408,6 +417,7 @@ func (m *Manager) Close() {
 	pooled := m.pool.close() + m.prestarts.close()
 	m.wg.Wait()
 	pooled += m.dropAllPre()
+	pooled += m.dropAllStandbys() // standby.go
 	m.abortFn()
 	m.closeForkLayers()
 	running, paused := 0, 0
