@@ -18,15 +18,16 @@ import (
 // (plain HTTP on loopback): the checkpoint's answer and the time the sandbox's processes were
 // stopped for it (as the driver measured it: from the freeze to the thaw), and a rollback (the
 // sandbox continues from its first checkpoint: a restore into a new instance, the old one
-// ended after the answer), next to raw `runsc checkpoint --leave-running` of an instance
+// ended after the answer) without and with a standby, next to raw `runsc checkpoint --leave-running` of an instance
 // restored from the same template and raw `runsc restore` of that image, in the same run.
 // Each round takes a checkpoint after writing a file and rolls back to the first one (a tree
 // search going back to an earlier step), then deletes the new checkpoint.
 //
 //	sudo EMBER_BENCH_LAYER_FS=host go test -run '^$' -bench BenchmarkCheckpoint -benchtime 1x ./bench/
 //
-// EMBER_BENCH_CKPT_N sets the rounds (default 20). A hot standby (rollback as a thaw) is not
-// built yet: there is no "with standby" figure.
+// Then, with rollback standbys on, each round takes a checkpoint, runs a step, waits a second
+// (the standby is restored and frozen meanwhile) and rolls back to that checkpoint: a thaw and
+// a swap. EMBER_BENCH_CKPT_N sets the rounds (default 20).
 func BenchmarkCheckpoint(b *testing.B) {
 	n := getNode(b, 2)
 	ctx := context.Background()
@@ -70,9 +71,11 @@ func BenchmarkCheckpoint(b *testing.B) {
 	if _, err := n.run(sb, "head -c 10M /dev/urandom > /home/user/start.bin && sync"); err != nil {
 		b.Fatal(err)
 	}
+	// Without standbys first: every rollback restores.
+	n.Manager.CheckpointStandby(false)
 	var first ckpt
 	call("POST", base+"/checkpoints", nil, &first)
-	var answer, stopped, rollback dist
+	var answer, stopped, rollback, swap dist
 	for i := 0; i < rounds; i++ {
 		if _, err := n.run(sb, fmt.Sprintf("echo step-%d > /home/user/step && head -c 1M /dev/urandom > /home/user/step.bin", i)); err != nil {
 			b.Fatal(err)
@@ -85,6 +88,22 @@ func BenchmarkCheckpoint(b *testing.B) {
 	}
 	if out, err := n.run(sb, "test -e /home/user/step && echo step-file-left || echo rolled-back"); err != nil || out != "rolled-back\n" {
 		b.Fatalf("after the last rollback: %q %v", out, err)
+	}
+	// With standbys: a step, then a rollback to the step's checkpoint (retrying the step), the
+	// standby given time to be ready (as a model's think time would).
+	n.Manager.CheckpointStandby(true)
+	for i := 0; i < rounds; i++ {
+		var c ckpt
+		call("POST", base+"/checkpoints", nil, &c)
+		if _, err := n.run(sb, fmt.Sprintf("echo try-%d > /home/user/try", i)); err != nil {
+			b.Fatal(err)
+		}
+		time.Sleep(time.Second)
+		swap = append(swap, call("POST", base+"/rollback", map[string]any{"checkpointID": c.CheckpointID}, nil))
+		if out, err := n.run(sb, "test -e /home/user/try && echo try-left || echo rolled-back"); err != nil || out != "rolled-back\n" {
+			b.Fatalf("after a rollback by standby: %q %v", out, err)
+		}
+		call("DELETE", base+"/checkpoints/"+c.CheckpointID, nil, nil)
 	}
 
 	// Raw runsc in the same run: checkpoint (leave running) of an instance restored from the
@@ -123,5 +142,5 @@ func BenchmarkCheckpoint(b *testing.B) {
 	report(b, "baseline: raw runsc checkpoint --leave-running", rawCkpt)
 	report(b, "rollback without standby (HTTP)", rollback)
 	report(b, "baseline: raw runsc restore", rawRestore)
-	fmt.Printf("%-44s not built (no figure)\n", "rollback with standby")
+	report(b, "rollback with standby (HTTP)", swap)
 }

@@ -44,6 +44,8 @@ type checkpointJSON struct {
 	CreatedAt    time.Time `json:"createdAt"`
 	// Current: the sandbox was last taken at or rolled back to it (the parent of its next).
 	Current bool `json:"current"`
+	// Standby: an instance restored from it waits frozen: a rollback to it is a swap.
+	Standby bool `json:"standby"`
 	// StoppedMs: how long the sandbox's processes were stopped for it; TookMs: the whole
 	// checkpoint.
 	StoppedMs float64 `json:"stoppedMs"`
@@ -116,7 +118,9 @@ func (s *server) listCheckpoints(w http.ResponseWriter, r *http.Request, p param
 	}
 	out := make([]checkpointJSON, 0, len(tree.Checkpoints))
 	for _, c := range tree.Checkpoints {
-		out = append(out, toCheckpoint(c, tree.Head))
+		j := toCheckpoint(c, tree.Head)
+		j.Standby = c.ID == tree.Standby
+		out = append(out, j)
 	}
 	writeJSON(w, http.StatusOK, out)
 	return nil

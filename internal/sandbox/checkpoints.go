@@ -56,9 +56,11 @@ type Checkpoint struct {
 	Took    time.Duration `json:"took"`
 }
 
-// CheckpointTree is a sandbox's checkpoints (oldest first, each with its parent) and its head.
+// CheckpointTree is a sandbox's checkpoints (oldest first, each with its parent), its head,
+// and the checkpoint its rollback standby holds ("" when none is ready: standby.go).
 type CheckpointTree struct {
 	Head        string
+	Standby     string
 	Checkpoints []*Checkpoint
 }
 
@@ -210,7 +212,13 @@ func (m *Manager) ListCheckpoints(ctx context.Context, id string) (*CheckpointTr
 	if err != nil {
 		return nil, err
 	}
-	return &CheckpointTree{Head: e.sb.CheckpointHead, Checkpoints: cks}, nil
+	tree := &CheckpointTree{Head: e.sb.CheckpointHead, Checkpoints: cks}
+	e.smu.Lock()
+	if e.standby != nil {
+		tree.Standby = e.standby.ckptID
+	}
+	e.smu.Unlock()
+	return tree, nil
 }
 
 // DeleteCheckpoint removes one checkpoint of a sandbox. Its children in the tree take its
@@ -247,7 +255,10 @@ func (m *Manager) DeleteCheckpoint(ctx context.Context, id, cid string) error {
 			}
 		}
 	}
-	if s := e.standby; (s != nil && s.ckptID == cid) || e.sb.CheckpointHead == cid {
+	e.smu.Lock()
+	s := e.standby
+	e.smu.Unlock()
+	if (s != nil && s.ckptID == cid) || e.sb.CheckpointHead == cid {
 		m.dropStandbyLocked(e, false)
 	}
 	if e.sb.CheckpointHead == cid {
@@ -539,12 +550,11 @@ func (m *Manager) SnapshotCheckpoint(ctx context.Context, id, cid, name string) 
 // linkTree makes dst (absent) a copy of the tree src whose files are hard links to src's (the
 // image files are never written again), or copies where links cannot be made.
 func linkTree(src, dst string) error {
-	out, err := exec.Command("cp", "-a", "-l", "--", src, dst).CombinedOutput()
-	if err == nil {
+	if err := exec.Command("cp", "-a", "-l", "--", src, dst).Run(); err == nil {
 		return nil
 	}
 	os.RemoveAll(dst)
-	if out, err = exec.Command("cp", "-a", "--reflink=auto", "--", src, dst).CombinedOutput(); err != nil {
+	if out, err := exec.Command("cp", "-a", "--reflink=auto", "--", src, dst).CombinedOutput(); err != nil {
 		return fmt.Errorf("copy checkpoint image: %v: %s", err, strings.TrimSpace(string(out)))
 	}
 	return nil

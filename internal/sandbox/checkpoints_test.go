@@ -27,6 +27,15 @@ func (n *node) readMem(id, key string) string {
 	return body
 }
 
+// settleHolds waits (bounded) until n holds want instances and slots: a rollback ends the old
+// instance after its answer.
+func (n *node) settleHolds(want int) {
+	n.t.Helper()
+	eventually(n.t, 5*time.Second, "the old instance ended", func() bool {
+		return len(n.rig.Driver.Running()) == want && len(n.rig.Network.InUse()) == want
+	})
+}
+
 func (n *node) checkpoint(id string) *sandbox.Checkpoint {
 	n.t.Helper()
 	ck, err := n.m.Checkpoint(context.Background(), id)
@@ -93,7 +102,7 @@ func testCheckpointRollbackTree(t *testing.T, capture bool) {
 		t.Fatalf("after rollback: %+v (was %+v)", got, sb)
 	}
 	n.expectState(sb.ID, "1")
-	n.assertHolds(2) // the old instance ended
+	n.settleHolds(2) // the old instance ended
 	// Branch: C's parent is A.
 	n.write(sb.ID, "/f", "4")
 	n.writeMem(sb.ID, "m", "4")
@@ -268,7 +277,7 @@ func TestCheckpointsSurviveRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	n.expectState(sb.ID, "1")
-	n.assertHolds(1)
+	n.settleHolds(1)
 	if err := n.m.Kill(ctx, sb.ID); err != nil {
 		t.Fatal(err)
 	}
@@ -295,7 +304,13 @@ func TestRollbackStandby(t *testing.T) {
 	n.write(sb.ID, "/f", "1")
 	n.writeMem(sb.ID, "m", "1")
 	a := n.checkpoint(sb.ID)
-	eventually(t, 5*time.Second, "a standby next to the sandbox", func() bool { return len(running()) == 2 })
+	hasStandby := func(cid string) func() bool {
+		return func() bool {
+			tree, err := n.m.ListCheckpoints(ctx, sb.ID)
+			return err == nil && tree.Standby == cid
+		}
+	}
+	eventually(t, 5*time.Second, "a standby next to the sandbox", hasStandby(a.ID))
 	before := running()
 	n.write(sb.ID, "/f", "2")
 	n.writeMem(sb.ID, "m", "2")
@@ -308,7 +323,8 @@ func TestRollbackStandby(t *testing.T) {
 	}
 	n.expectState(sb.ID, "1")
 	// A new standby of A, next to the sandbox (the old instance ended).
-	eventually(t, 5*time.Second, "a new standby after the swap", func() bool {
+	eventually(t, 5*time.Second, "a new standby after the swap", hasStandby(a.ID))
+	eventually(t, 5*time.Second, "the old instance ended", func() bool {
 		r := running()
 		return len(r) == 2 && r[got.Runtime.InstanceID]
 	})
@@ -325,8 +341,8 @@ func TestRollbackStandby(t *testing.T) {
 		t.Fatalf("instances with standbys off: %v", r)
 	}
 	n.m.CheckpointStandby(true)
-	n.checkpoint(sb.ID)
-	eventually(t, 5*time.Second, "a standby", func() bool { return len(running()) == 2 })
+	c := n.checkpoint(sb.ID)
+	eventually(t, 5*time.Second, "a standby", hasStandby(c.ID))
 	if err := n.m.Kill(ctx, sb.ID); err != nil {
 		t.Fatal(err)
 	}

@@ -244,10 +244,14 @@ type entry struct {
 	// in the pause image (nil when nothing is pending); see settleLocked.
 	released chan struct{}
 	// standby is an instance restored ahead from the sandbox's head checkpoint and frozen, for
-	// a rollback to swap in; standbyGen counts what makes a standby being built stale
-	// (standby.go).
-	standby    *standby
-	standbyGen uint64
+	// a rollback to swap in; standbyGen counts what makes a standby being built stale, and
+	// standbyStop/standbyDone cancel and wait for the one being built. smu guards them
+	// (standby.go): the build never takes mu.
+	smu         sync.Mutex
+	standby     *standby
+	standbyGen  uint64
+	standbyStop context.CancelFunc
+	standbyDone chan struct{}
 }
 
 var idRe = regexp.MustCompile(`^[a-z0-9]{1,64}$`)

@@ -30,33 +30,42 @@ type standby struct {
 // restore). Standbys that exist are kept.
 func (m *Manager) CheckpointStandby(on bool) { m.noStandby.Store(!on) }
 
-// dropStandbyLocked discards e's standby, if any, and makes one being built stale. With wait,
-// its instance is gone when it returns; else it is torn down in the background.
+// dropStandbyLocked discards e's standby, if any, and cancels one being built. With wait, no
+// instance of either is left when it returns; else they are torn down in the background.
 func (m *Manager) dropStandbyLocked(e *entry, wait bool) {
+	e.smu.Lock()
 	e.standbyGen++
-	s := e.standby
-	if s == nil {
-		return
+	s, stop, done := e.standby, e.standbyStop, e.standbyDone
+	e.standby, e.standbyStop, e.standbyDone = nil, nil, nil
+	e.smu.Unlock()
+	if stop != nil {
+		stop()
 	}
-	e.standby = nil
-	done := func() {
-		m.teardown(context.Background(), e.sb.ID, s.p)
-		m.standbyMB.Add(-s.mb)
+	end := func() {
+		if s != nil {
+			m.teardown(context.Background(), e.sb.ID, s.p)
+			m.standbyMB.Add(-s.mb)
+		}
+		if done != nil {
+			<-done
+		}
 	}
 	if wait {
-		done()
+		end()
 		return
 	}
 	m.wg.Add(1)
 	go func() {
 		defer m.wg.Done()
-		done()
+		end()
 	}()
 }
 
 // takeStandbyLocked hands over e's standby if it holds checkpoint cid (else nil): the caller
 // thaws it or tears it down.
 func (m *Manager) takeStandbyLocked(e *entry, cid string) *standby {
+	e.smu.Lock()
+	defer e.smu.Unlock()
 	s := e.standby
 	if s == nil || s.ckptID != cid {
 		return nil
@@ -75,19 +84,25 @@ func (m *Manager) standbyLocked(e *entry, ck *Checkpoint) {
 	if m.noStandby.Load() || m.bg.Err() != nil {
 		return
 	}
-	gen := e.standbyGen
 	sb := m.snapshotOf(e)
+	ctx, stop := context.WithCancel(m.bg)
+	done := make(chan struct{})
+	e.smu.Lock()
+	gen := e.standbyGen
+	e.standbyStop, e.standbyDone = stop, done
+	e.smu.Unlock()
 	m.wg.Add(1)
 	go func() {
 		defer m.wg.Done()
-		m.buildStandby(e, sb, ck, gen)
+		defer close(done)
+		defer stop()
+		m.buildStandby(ctx, e, sb, ck, gen)
 	}()
 }
 
 // buildStandby restores ck for sb (as it was when asked) and freezes it; it becomes e's
-// standby unless something moved on meanwhile (gen).
-func (m *Manager) buildStandby(e *entry, sb *Sandbox, ck *Checkpoint, gen uint64) {
-	ctx := m.bg
+// standby unless something moved on meanwhile (gen). It never takes e.mu.
+func (m *Manager) buildStandby(ctx context.Context, e *entry, sb *Sandbox, ck *Checkpoint, gen uint64) {
 	mb := int64(math.Ceil(m.pool.instanceMB()))
 	if !m.poolRoom(float64(mb)) {
 		m.logger(sb.ID).Debug("no rollback standby: the pools' memory budget is full", "checkpoint", ck.ID)
@@ -122,14 +137,15 @@ func (m *Manager) buildStandby(e *entry, sb *Sandbox, ck *Checkpoint, gen uint64
 		m.standbyMB.Add(real - mb)
 		mb = real
 	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.standbyGen != gen || e.sb.State == StateKilled || e.standby != nil {
+	e.smu.Lock()
+	if e.standbyGen != gen || e.standby != nil || ctx.Err() != nil {
+		e.smu.Unlock()
 		m.teardown(context.Background(), sb.ID, p)
 		m.standbyMB.Add(-mb)
 		return
 	}
 	e.standby = &standby{ckptID: ck.ID, p: p, mb: mb}
+	e.smu.Unlock()
 	m.logger(sb.ID).Debug("rollback standby ready", "checkpoint", ck.ID, "instance", p.InstanceID, "mib", mb,
 		"ms", time.Since(start).Milliseconds())
 }
@@ -146,7 +162,10 @@ func (m *Manager) dropAllStandbys() int {
 	n := 0
 	for _, e := range entries {
 		e.mu.Lock()
-		if e.standby != nil {
+		e.smu.Lock()
+		had := e.standby != nil || e.standbyDone != nil
+		e.smu.Unlock()
+		if had {
 			m.dropStandbyLocked(e, true)
 			n++
 		}

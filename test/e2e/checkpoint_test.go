@@ -130,6 +130,44 @@ func TestCheckpointRollback(t *testing.T) {
 		t.Fatalf("checkpoints: %+v", list)
 	}
 
+	// A rollback to the head (C) swaps in its standby, restored ahead and frozen: the same
+	// files, memory and processes.
+	d.run(t, s, "echo X > /home/user/f; echo X > /dev/shm/m")
+	poke(t, d, s)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		n := 0
+		for _, i := range d.instances() {
+			if strings.HasPrefix(i.ID, s.SandboxID) {
+				n++
+			}
+		}
+		if n == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no standby instance within 30 s: %d instances\n%s", n, d.logs())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	time.Sleep(500 * time.Millisecond) // frozen right after its restore
+	rollback(c.CheckpointID)
+	swapped := func() bool {
+		for _, l := range strings.Split(d.allLogs(), "\n") {
+			if strings.Contains(l, "sandbox rolled back") && strings.Contains(l, "checkpoint="+c.CheckpointID) && strings.Contains(l, "standby=true") {
+				return true
+			}
+		}
+		return false
+	}
+	for i := 0; i < 50 && !swapped(); i++ {
+		time.Sleep(50 * time.Millisecond) // the daemon's log reaches the test through a pipe
+	}
+	if !swapped() {
+		t.Fatalf("the rollback to the head restored instead of swapping in its standby:\n%s", d.logs())
+	}
+	state("C", "5", map[uint32]bool{counter: true, sleeper: false})
+
 	// Fork from B (not the head): the child has B's files and B's processes.
 	var items []forkItem
 	if code, body := d.apiBody(t, "POST", base+"/fork", map[string]any{"count": 1, "timeout": 120, "checkpointID": b.CheckpointID}, &items); code != 201 || len(items) != 1 || items[0].Sandbox == nil {
