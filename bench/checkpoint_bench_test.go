@@ -25,9 +25,9 @@ import (
 //
 //	sudo EMBER_BENCH_LAYER_FS=host go test -run '^$' -bench BenchmarkCheckpoint -benchtime 1x ./bench/
 //
-// Then, with rollback standbys on, each round takes a checkpoint, runs a step, waits a second
-// (the standby is restored and frozen meanwhile) and rolls back to that checkpoint: a thaw and
-// a swap. EMBER_BENCH_CKPT_N sets the rounds (default 20).
+// Then, with rollback standbys on, each round takes a checkpoint, runs a step, waits until the
+// checkpoint's standby is ready (restored and frozen: a model's think time) and rolls back to
+// that checkpoint: a thaw and a swap. EMBER_BENCH_CKPT_N sets the rounds (default 20).
 func BenchmarkCheckpoint(b *testing.B) {
 	n := getNode(b, 2)
 	ctx := context.Background()
@@ -89,8 +89,7 @@ func BenchmarkCheckpoint(b *testing.B) {
 	if out, err := n.run(sb, "test -e /home/user/step && echo step-file-left || echo rolled-back"); err != nil || out != "rolled-back\n" {
 		b.Fatalf("after the last rollback: %q %v", out, err)
 	}
-	// With standbys: a step, then a rollback to the step's checkpoint (retrying the step), the
-	// standby given time to be ready (as a model's think time would).
+	// With standbys: a step, then a rollback to the step's checkpoint (retrying the step).
 	n.Manager.CheckpointStandby(true)
 	for i := 0; i < rounds; i++ {
 		var c ckpt
@@ -98,7 +97,26 @@ func BenchmarkCheckpoint(b *testing.B) {
 		if _, err := n.run(sb, fmt.Sprintf("echo try-%d > /home/user/try", i)); err != nil {
 			b.Fatal(err)
 		}
-		time.Sleep(time.Second)
+		// The standby is ready (restored and frozen) after a think time; wait for it.
+		deadline := time.Now().Add(time.Minute)
+		for {
+			var list []struct {
+				CheckpointID string `json:"checkpointID"`
+				Standby      bool   `json:"standby"`
+			}
+			call("GET", base+"/checkpoints", nil, &list)
+			ready := false
+			for _, l := range list {
+				ready = ready || (l.CheckpointID == c.CheckpointID && l.Standby)
+			}
+			if ready {
+				break
+			}
+			if time.Now().After(deadline) {
+				b.Fatalf("no standby of %s within a minute", c.CheckpointID)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
 		swap = append(swap, call("POST", base+"/rollback", map[string]any{"checkpointID": c.CheckpointID}, nil))
 		if out, err := n.run(sb, "test -e /home/user/try && echo try-left || echo rolled-back"); err != nil || out != "rolled-back\n" {
 			b.Fatalf("after a rollback by standby: %q %v", out, err)

@@ -384,18 +384,17 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 	}
 	m.guestT.open(p.GuestIP, p.InstanceID, true)
 	m.watch(e, p.InstanceID)
-	if paused {
+	if paused && old.Image != "" {
 		m.wg.Add(1)
 		go func() {
 			defer m.wg.Done()
 			removeTree(old.Image) // the pause is replaced by the checkpoint
 		}()
-		if err := m.startedLocked(ctx, e, EventResumed, "", ""); err != nil {
-			return nil, err
-		}
-	} else {
-		// The old instance ends after the answer; a kill or pause of the sandbox waits for it
-		// (settleLocked), and a crash first leaves an orphan reconcile removes.
+	}
+	if old.InstanceID != "" {
+		// The old instance (running, or a paused one kept in place) ends after the answer; a
+		// kill or pause of the sandbox waits for it (settleLocked), and a crash first leaves
+		// an orphan reconcile removes.
 		released := make(chan struct{})
 		e.released = released
 		m.wg.Add(1)
@@ -404,6 +403,11 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 			defer close(released)
 			m.teardown(context.Background(), sb.ID, old)
 		}()
+	}
+	if paused {
+		if err := m.startedLocked(ctx, e, EventResumed, "", ""); err != nil {
+			return nil, err
+		}
 	}
 	m.observe(StageRollback, start, nil)
 	m.standbyLocked(e, ck) // for the next rollback to it
