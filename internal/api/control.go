@@ -26,6 +26,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodPost, "/sandboxes/{id}/snapshots", s.createSnapshot)
 	rt.handle(http.MethodPost, "/sandboxes/{id}/fork", s.fork)
 	rt.handle(http.MethodPut, "/sandboxes/{id}/network", s.updateNetwork)
+	s.checkpointRoutes(rt) // step checkpoints and rollback (checkpoints.go)
 	// Snapshots and templates.
 	rt.handle(http.MethodGet, "/snapshots", s.listSnapshots)
 	rt.handle(http.MethodGet, "/templates", s.listTemplates)
@@ -331,6 +332,8 @@ func (s *server) createSnapshot(w http.ResponseWriter, r *http.Request, p params
 	}
 	var req struct {
 		Name string `json:"name"`
+		// CheckpointID promotes that step checkpoint instead of capturing the sandbox now.
+		CheckpointID *string `json:"checkpointID"`
 	}
 	if err := s.decodeJSON(w, r, &req, false); err != nil {
 		return err
@@ -338,7 +341,12 @@ func (s *server) createSnapshot(w http.ResponseWriter, r *http.Request, p params
 	if req.Name != "" && !validTemplateID(req.Name) {
 		return badRequest("invalid snapshot name %s", quoteID(req.Name))
 	}
-	t, err := s.svc.Snapshot(r.Context(), id, req.Name)
+	var t *sandbox.Template
+	if req.CheckpointID != nil {
+		t, err = s.snapshotCheckpoint(r, id, *req.CheckpointID, req.Name)
+	} else {
+		t, err = s.svc.Snapshot(r.Context(), id, req.Name)
+	}
 	if err != nil {
 		return err
 	}
@@ -355,6 +363,8 @@ func (s *server) fork(w http.ResponseWriter, r *http.Request, p params) error {
 	var req struct {
 		Count   *int64 `json:"count"`
 		Timeout *int64 `json:"timeout"`
+		// CheckpointID forks from that step checkpoint instead of the sandbox as it is now.
+		CheckpointID *string `json:"checkpointID"`
 	}
 	if err := s.decodeJSON(w, r, &req, false); err != nil {
 		return err
@@ -377,10 +387,16 @@ func (s *server) fork(w http.ResponseWriter, r *http.Request, p params) error {
 	if err != nil {
 		return err
 	}
-	if s.forkAcross(w, r, id, int(count), d) { // cluster mode: children on other nodes too (cluster_move.go)
-		return nil
+	var results []sandbox.ForkResult
+	if req.CheckpointID != nil {
+		// From a step checkpoint: on this node, where it is (checkpoints.go).
+		results, err = s.forkCheckpoint(r, id, *req.CheckpointID, int(count), d)
+	} else {
+		if s.forkAcross(w, r, id, int(count), d) { // cluster mode: children on other nodes too (cluster_move.go)
+			return nil
+		}
+		results, err = s.svc.Fork(r.Context(), id, int(count), d)
 	}
-	results, err := s.svc.Fork(r.Context(), id, int(count), d)
 	if err != nil {
 		return err
 	}

@@ -44,6 +44,10 @@ func notFound(format string, args ...any) error {
 func sandboxNotFoundAsE2B(h handlerFunc) handlerFunc {
 	return func(w http.ResponseWriter, r *http.Request, p params) error {
 		err := h(w, r, p)
+		var ckpt *sandbox.CheckpointNotFoundError
+		if errors.As(err, &ckpt) {
+			return err // the sandbox is there, its checkpoint is not (checkpoints.go)
+		}
 		if err != nil && statusOf(err) == http.StatusNotFound {
 			msg := sandboxNotFoundMsg(p["id"])
 			// A sandbox that ended says why (E2B's wording first, for the SDKs).

@@ -12,7 +12,7 @@ import (
 )
 
 func sandboxCmd(g *globals) *cobra.Command {
-	c := &cobra.Command{Use: "sandbox", Aliases: []string{"sbx"}, Short: "Create, list, run commands in, pause, resume, fork, snapshot and kill sandboxes"}
+	c := &cobra.Command{Use: "sandbox", Aliases: []string{"sbx"}, Short: "Create, list, run commands in, pause, resume, checkpoint, roll back, fork, snapshot and kill sandboxes"}
 
 	var tpl string
 	var timeout int
@@ -165,12 +165,17 @@ func sandboxCmd(g *globals) *cobra.Command {
 	resume.Flags().IntVar(&resumeTimeout, "timeout", 300, "seconds until the sandbox is killed")
 
 	var n, forkTimeout int
+	var forkCkpt, snapCkpt string
 	fork := &cobra.Command{
 		Use: "fork ID", Short: "Fork a running sandbox into N independent children", Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var out []map[string]any
 			start := time.Now()
-			if _, err := g.client().do(cmd.Context(), http.MethodPost, "/sandboxes/"+args[0]+"/fork", map[string]any{"count": n, "timeout": forkTimeout}, &out); err != nil {
+			body := map[string]any{"count": n, "timeout": forkTimeout}
+			if forkCkpt != "" {
+				body["checkpointID"] = forkCkpt
+			}
+			if _, err := g.client().do(cmd.Context(), http.MethodPost, "/sandboxes/"+args[0]+"/fork", body, &out); err != nil {
 				return err
 			}
 			if g.asJSON {
@@ -194,6 +199,7 @@ func sandboxCmd(g *globals) *cobra.Command {
 	}
 	fork.Flags().IntVarP(&n, "count", "n", 1, "number of children (1-64)")
 	fork.Flags().IntVar(&forkTimeout, "timeout", 300, "children's timeout in seconds")
+	fork.Flags().StringVar(&forkCkpt, "checkpoint", "", "fork from this step checkpoint of the sandbox")
 
 	var snapName string
 	snap := &cobra.Command{
@@ -202,6 +208,9 @@ func sandboxCmd(g *globals) *cobra.Command {
 			body := map[string]any{}
 			if snapName != "" {
 				body["name"] = snapName
+			}
+			if snapCkpt != "" {
+				body["checkpointID"] = snapCkpt
 			}
 			var out map[string]any
 			if _, err := g.client().do(cmd.Context(), http.MethodPost, "/sandboxes/"+args[0]+"/snapshots", body, &out); err != nil {
@@ -215,6 +224,7 @@ func sandboxCmd(g *globals) *cobra.Command {
 		},
 	}
 	snap.Flags().StringVar(&snapName, "name", "", "snapshot name")
+	snap.Flags().StringVar(&snapCkpt, "checkpoint", "", "promote this step checkpoint of the sandbox instead of capturing it now")
 
 	info := &cobra.Command{
 		Use: "info ID", Short: "Show a sandbox", Args: cobra.ExactArgs(1),
@@ -227,6 +237,7 @@ func sandboxCmd(g *globals) *cobra.Command {
 		},
 	}
 	c.AddCommand(create, ls, exec, kill, pause, resume, fork, snap, info)
+	c.AddCommand(checkpointCmds(g)...) // checkpoints.go
 	return c
 }
 

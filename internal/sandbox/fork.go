@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
-	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
 // MaxForkCount bounds the children of one fork.
@@ -64,9 +63,12 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 		return nil, err
 	}
 	start := time.Now()
+	var stopped time.Duration
 	// The image holds a token of its own, not the live sandbox's (snaptoken.go).
 	initToken, err := m.withSnapshotToken(ctx, sb, tpl, func() error {
-		return m.cfg.Driver.Checkpoint(ctx, sb.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+		var cerr error
+		_, stopped, cerr = m.captureRunningLocked(ctx, e, image, "")
+		return cerr
 	})
 	e.mu.Unlock()
 	if err != nil {
@@ -102,7 +104,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 	if m.cfg.Images != nil {
 		m.startUpload(snapID, image, false)
 	}
-	m.logger(id).Info("snapshot taken", "snapshot", snapID, "state", snap.SnapshotState, "checkpoint_ms", ckpt.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
+	m.logger(id).Info("snapshot taken", "snapshot", snapID, "state", snap.SnapshotState, "checkpoint_ms", ckpt.Milliseconds(), "stopped_ms", stopped.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
 	return snap, nil
 }
 
@@ -171,17 +173,16 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	start := time.Now()
 	// With a driver that captures layers, the source's layer is captured once as a read-only
 	// layer the children stack (forklayers.go), instead of a copy per child.
-	lc := m.layerCapturer()
-	top := ""
-	if lc != nil && !m.forkCopies.Load() {
+	top, layerDir := "", ""
+	if m.layerCapturer() != nil && !m.forkCopies.Load() {
 		ended := m.buildStarted() // no layer collection until the children are recorded
 		defer ended()
 		forks := filepath.Join(m.cfg.DataDir, forkLayersDir)
-		if err = os.MkdirAll(forks, 0o700); err == nil {
-			top, err = lc.CheckpointToLayer(ctx, parent.Runtime.InstanceID, image, filepath.Join(forks, filepath.Base(image)))
-		}
-	} else {
-		err = m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+		layerDir = filepath.Join(forks, filepath.Base(image))
+		err = os.MkdirAll(forks, 0o700)
+	}
+	if err == nil {
+		top, _, err = m.captureRunningLocked(ctx, e, image, layerDir)
 	}
 	e.mu.Unlock()
 	if err != nil {
@@ -192,19 +193,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	if top != "" {
 		tpl = childTemplate(tpl, top)
 	}
-	results := make([]ForkResult, count)
-	sem := make(chan struct{}, forkParallelism)
-	var wg sync.WaitGroup
-	for i := range results {
-		wg.Add(1)
-		go func(i int) {
-			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			results[i] = m.forkChild(ctx, newForkChild(parent, tpl, timeout), tpl, image, parent.AccessToken, "")
-		}(i)
-	}
-	wg.Wait()
+	results := m.forkChildren(ctx, parent, tpl, image, count, timeout)
 	ok := 0
 	for _, r := range results {
 		if r.Err == nil {
@@ -225,6 +214,24 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	}
 	m.observe(StageFork, start, nil)
 	return results, nil
+}
+
+// forkChildren restores count children of parent from image, on tpl's stack, in parallel.
+func (m *Manager) forkChildren(ctx context.Context, parent *Sandbox, tpl *Template, image string, count int, timeout time.Duration) []ForkResult {
+	results := make([]ForkResult, count)
+	sem := make(chan struct{}, forkParallelism)
+	var wg sync.WaitGroup
+	for i := range results {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			results[i] = m.forkChild(ctx, newForkChild(parent, tpl, timeout), tpl, image, parent.AccessToken, "")
+		}(i)
+	}
+	wg.Wait()
+	return results
 }
 
 // childTemplate is tpl with the captured layer top stacked over its stack.

@@ -50,6 +50,9 @@ type launchSpec struct {
 	// transport is opened before envd's /health and /init, which go through it, so the
 	// connection they leave idle carries the sandbox's first request.
 	guest bool
+	// busyDir is an instance state directory of owner's still in use (a rollback's old
+	// instance): the new instance gets another.
+	busyDir string
 	// Resources and network.
 	cpu, memMB, diskMB int
 	egress             Egress
@@ -69,6 +72,9 @@ const noSlot = -1
 func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err error) {
 	p = Placement{Driver: m.cfg.Driver.Name(), SlotIndex: noSlot}
 	inst := instanceID(spec.owner)
+	for spec.busyDir != "" && m.instanceDir(spec.owner, inst) == spec.busyDir {
+		inst = instanceID(spec.owner)
+	}
 	if spec.into != nil {
 		// Admitted, with its slot and instance, when it was pre-started.
 		p, inst = *spec.into, spec.into.InstanceID

@@ -95,6 +95,14 @@ func (m *Manager) layersInUse(ctx context.Context) ([]string, error) {
 			keep = append(append(keep, sb.RootFS), sb.Lowers...)
 		}
 	}
+	// Step checkpoints' stacks (checkpoints.go).
+	cks, err := m.cfg.Store.ListCheckpoints(ctx, "")
+	if err != nil {
+		return nil, err
+	}
+	for _, c := range cks {
+		keep = append(append(keep, c.RootFS), c.Lowers...)
+	}
 	mounted, err := overlayfs.MountedLayers()
 	if err != nil {
 		return nil, err

@@ -55,6 +55,7 @@ func (m *Manager) endLocked(ctx context.Context, e *entry, reason string) {
 	e.settleLocked()
 	m.teardown(ctx, sb.ID, sb.Runtime)
 	m.dropPreLocked(ctx, e)
+	m.dropCheckpointsLocked(ctx, e) // step checkpoints go with it (checkpoints.go)
 	m.removeSandboxDir(sb.ID)
 	sb.State = StateKilled
 	sb.EndReason = reason

@@ -46,6 +46,10 @@ type Store interface {
 	GetTemplate(ctx context.Context, id string) (*Template, error)
 	DeleteTemplate(ctx context.Context, id string) error
 	ListTemplates(ctx context.Context) ([]*Template, error)
+	// Step checkpoints (checkpoints.go).
+	PutCheckpoint(ctx context.Context, c *Checkpoint) error
+	DeleteCheckpoint(ctx context.Context, sandboxID, id string) error
+	ListCheckpoints(ctx context.Context, sandboxID string) ([]*Checkpoint, error)
 }
 
 // RootFSBuilder writes template root filesystems (internal/template implements it).
@@ -224,6 +228,10 @@ type Manager struct {
 
 	// forkCopies: forks copy the source's layer into each child (ForkCopiesLayers).
 	forkCopies atomic.Bool
+	// noStandby: no rollback standbys are built (CheckpointStandby); standbyMB is the memory
+	// the standbys hold, in the pools' budget (standby.go).
+	noStandby atomic.Bool
+	standbyMB atomic.Int64
 }
 
 // entry is the in-memory state of one sandbox; mu serialises lifecycle operations on it.
@@ -236,6 +244,15 @@ type entry struct {
 	// released, after a pause, is closed once the paused instance is torn down and its layer is
 	// in the pause image (nil when nothing is pending); see settleLocked.
 	released chan struct{}
+	// standby is an instance restored ahead from the sandbox's head checkpoint and frozen, for
+	// a rollback to swap in; standbyGen counts what makes a standby being built stale, and
+	// standbyStop/standbyDone cancel and wait for the one being built. smu guards them
+	// (standby.go): the build never takes mu.
+	smu         sync.Mutex
+	standby     *standby
+	standbyGen  uint64
+	standbyStop context.CancelFunc
+	standbyDone chan struct{}
 }
 
 var idRe = regexp.MustCompile(`^[a-z0-9]{1,64}$`)
@@ -371,6 +388,11 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		m.wg.Wait()
 		return nil, fmt.Errorf("reconcile: %w", err)
 	}
+	if err := m.reconcileCheckpoints(ctx); err != nil { // checkpoints.go
+		m.cancelBG()
+		m.wg.Wait()
+		return nil, fmt.Errorf("reconcile checkpoints: %w", err)
+	}
 	m.collectLayers(ctx, "start")
 	m.wg.Add(1)
 	go m.reaper()
@@ -401,6 +423,7 @@ func (m *Manager) Close() {
 	pooled := m.pool.close() + m.prestarts.close()
 	m.wg.Wait()
 	pooled += m.dropAllPre()
+	pooled += m.dropAllStandbys() // standby.go
 	m.abortFn()
 	m.closeForkLayers()
 	running, paused := 0, 0

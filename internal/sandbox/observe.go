@@ -16,6 +16,8 @@ const (
 	StageSnapshot       Stage = "snapshot_capture"
 	StageSnapshotUpload Stage = "snapshot_upload" // chunking and upload, in the background
 	StageTemplateBuild  Stage = "template_build"
+	StageCheckpoint     Stage = "checkpoint" // a step checkpoint (checkpoints.go)
+	StageRollback       Stage = "rollback"
 )
 
 // Observer is told how long each stage took and whether it failed (err != nil). The daemon
@@ -36,4 +38,4 @@ func (m *Manager) observe(stage Stage, start time.Time, err error) {
 
 // Stages lists every Stage, in lifecycle order.
 var Stages = []Stage{StageCreatePool, StageCreateRestore, StageCreateBoot, StagePause, StageResume, StageFork,
-	StageSnapshot, StageSnapshotUpload, StageTemplateBuild}
+	StageSnapshot, StageSnapshotUpload, StageTemplateBuild, StageCheckpoint, StageRollback}

@@ -178,6 +178,7 @@ func (p *pool) held() int { return int(p.n.Load() + p.making.Load()) }
 // are making, in MiB.
 func (m *Manager) poolMemoryUsed() float64 {
 	used := float64(m.resumePre.Load()) * m.prestarts.instanceMB()
+	used += float64(m.standbyMB.Load()) // rollback standbys (standby.go)
 	for _, p := range []*pool{m.pool, m.prestarts} {
 		if p.enabled() {
 			used += float64(p.held()) * p.instanceMB()

@@ -466,7 +466,8 @@ func (m *Manager) ExportFork(ctx context.Context, id string) (*PortableFork, err
 	start := time.Now()
 	// The image (and the record other nodes get) hold a token of its own (snaptoken.go).
 	forkToken, err := m.withSnapshotToken(ctx, parent, tpl, func() error {
-		return m.cfg.Driver.Checkpoint(ctx, parent.Runtime.InstanceID, image, runtime.CheckpointOptions{LeaveRunning: true})
+		_, _, cerr := m.captureRunningLocked(ctx, e, image, "")
+		return cerr
 	})
 	e.mu.Unlock()
 	if err != nil {

@@ -79,6 +79,10 @@ type Sandbox struct {
 	EndReason string    `json:"endReason,omitempty"`
 	EndedAt   time.Time `json:"endedAt,omitzero"`
 
+	// CheckpointHead is the step checkpoint the sandbox was last taken at or rolled back to:
+	// the parent of its next checkpoint (checkpoints.go). Empty before its first.
+	CheckpointHead string `json:"checkpointHead,omitempty"`
+
 	// Runtime placement: which driver instance and network slot the sandbox uses now.
 	Runtime Placement `json:"runtime"`
 }

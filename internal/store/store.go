@@ -5,6 +5,7 @@
 package store
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -22,6 +23,8 @@ var (
 	bucketSandboxes = []byte("sandboxes")
 	bucketTemplates = []byte("templates")
 	bucketKeys      = []byte("apikeys")
+	// bucketCheckpoints: step checkpoints, keyed <sandbox id>/<checkpoint id>.
+	bucketCheckpoints = []byte("checkpoints")
 )
 
 // Store is the metadata store. Safe for concurrent use.
@@ -36,7 +39,7 @@ func Open(path string) (*Store, error) {
 		return nil, fmt.Errorf("open store %s: %w", path, err)
 	}
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketSandboxes, bucketTemplates, bucketKeys} {
+		for _, b := range [][]byte{bucketSandboxes, bucketTemplates, bucketKeys, bucketCheckpoints} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
@@ -174,3 +177,36 @@ func (s *Store) ListKeys(_ context.Context) ([]*auth.Key, error) {
 
 // DeleteKey removes an API key record (auth.Backend).
 func (s *Store) DeleteKey(_ context.Context, id string) error { return del(s.db, bucketKeys, id) }
+
+// PutCheckpoint inserts or replaces a step checkpoint record.
+func (s *Store) PutCheckpoint(_ context.Context, c *sandbox.Checkpoint) error {
+	return put(s.db, bucketCheckpoints, c.SandboxID+"/"+c.ID, c)
+}
+
+// DeleteCheckpoint removes a step checkpoint record (ErrNotFound if absent).
+func (s *Store) DeleteCheckpoint(_ context.Context, sandboxID, id string) error {
+	return del(s.db, bucketCheckpoints, sandboxID+"/"+id)
+}
+
+// ListCheckpoints returns the step checkpoints of sandboxID ("" = of every sandbox), oldest
+// first.
+func (s *Store) ListCheckpoints(_ context.Context, sandboxID string) ([]*sandbox.Checkpoint, error) {
+	var out []*sandbox.Checkpoint
+	err := s.db.View(func(tx *bolt.Tx) error {
+		c := tx.Bucket(bucketCheckpoints).Cursor()
+		prefix := []byte(sandboxID + "/")
+		if sandboxID == "" {
+			prefix = nil
+		}
+		for k, v := c.Seek(prefix); k != nil && bytes.HasPrefix(k, prefix); k, v = c.Next() {
+			ck := new(sandbox.Checkpoint)
+			if err := json.Unmarshal(v, ck); err != nil {
+				return fmt.Errorf("decode checkpoint %q: %w", k, err)
+			}
+			out = append(out, ck)
+		}
+		return nil
+	})
+	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
+	return out, err
+}

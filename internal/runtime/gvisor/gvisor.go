@@ -672,10 +672,12 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 		if opts.LeaveRunning {
 			// Files and memory must agree: nothing runs between the checkpoint and the layer
 			// clone. A frozen instance stays frozen throughout and after.
+			stopStart := time.Now()
 			thaw, err := d.holdFrozen(ctx, id)
 			if err != nil {
 				return d.explain(ctx, id, err)
 			}
+			sw := runtime.StopWatchFrom(ctx) // how long the processes were stopped, for the caller
 			// Resumed once its layer can no longer change the clone (cloneUpper's frozen): a
 			// disk-limited layer is copied while the instance runs again, its writes waiting.
 			// Checkpoint returns once it is resumed either way.
@@ -688,6 +690,7 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 						if err := thaw(context.WithoutCancel(ctx)); err != nil {
 							d.log.Warn("thaw after checkpoint", "instance", id, "err", err)
 						}
+						sw.Record(time.Since(stopStart))
 					}()
 				})
 			}
