@@ -231,7 +231,7 @@ func (s *server) serveControl(w http.ResponseWriter, r *http.Request) {
 // ignored).
 func (s *server) authenticate(r *http.Request) error {
 	if fromNode, _ := r.Context().Value(nodeAuthenticated{}).(bool); fromNode {
-		return nil // an edge's, with a valid node proof: it checked the client's key (cluster_auth.go)
+		return nil // an edge's, with a valid node proof: it checked the client's key (internal/cluster/edge)
 	}
 	key := r.Header.Get(HeaderAPIKey)
 	if key == "" {

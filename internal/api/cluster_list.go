@@ -29,11 +29,14 @@ func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
 			writeError(w, s.log, r, err)
 			return
 		}
+		others, live := s.edge.ListOthers(r, HeaderNextToken)
 		var here []listedSandboxJSON
 		var next string
-		if v2 {
+		switch {
+		case !live: // this node's lease lapsed: the cluster does not count its sandboxes
+		case v2:
 			here, next, err = s.listV2(r)
-		} else {
+		default:
 			here, err = s.listV1(r)
 		}
 		if err != nil {
@@ -45,7 +48,7 @@ func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
 		for _, it := range append(stored, here...) {
 			items = append(items, pageItem[listedSandboxJSON]{at: it.StartedAt, id: it.SandboxID, v: it})
 		}
-		for _, p := range s.edge.ListOthers(r, HeaderNextToken) {
+		for _, p := range others {
 			var page []listedSandboxJSON
 			switch {
 			case p.Err != nil:

@@ -195,7 +195,7 @@ func (s *server) serveSignedFiles(w http.ResponseWriter, r *http.Request, sig st
 		s.serveSandbox(w, r, sbx.ID, sandbox.EnvdPort)
 		return
 	}
-	// In a cluster, the sandbox may be another node's (cluster_signed.go).
+	// In a cluster, the sandbox may be another node's (internal/cluster/edge).
 	if s.edge != nil && s.edge.ServeSigned(w, r, signedQuery{Path: path, Operation: op, User: user, Exp: exp, Signature: sig}) {
 		return
 	}

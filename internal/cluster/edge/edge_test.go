@@ -192,3 +192,30 @@ func TestDropClientKey(t *testing.T) {
 		t.Fatal("dropped a non-bearer Authorization")
 	}
 }
+
+func (c *fakeCluster) Live() []cluster.NodeInfo { return c.nodes }
+
+// A list goes to every other live node, signed and without the client's key; a node's error
+// comes back in with its status and message, a node that does not answer lists nothing.
+func TestListOthers(t *testing.T) {
+	var saw []string
+	good := node(t, http.StatusOK, `[{"sandboxID":"x"}]`, &saw)
+	bad := node(t, http.StatusBadRequest, `{"code":400,"message":"order must be asc or desc"}`, &saw)
+	fc := &fakeCluster{local: "a", nodes: []cluster.NodeInfo{{ID: "a"}, {ID: "b", URL: good.URL}, {ID: "c", URL: bad.URL}, {ID: "d", URL: "http://127.0.0.1:1"}}}
+	e := New(Config{Cluster: fc, Local: fakeLocal{}})
+	req := httptest.NewRequest(http.MethodGet, "/v2/sandboxes?order=up", nil)
+	req.Header.Set(headerAPIKey, "client-key")
+	pages, here := e.ListOthers(req, "X-Next-Token")
+	if !here || len(pages) != 3 {
+		t.Fatalf("here %v, %d pages", here, len(pages))
+	}
+	if string(pages[0].Body) != `[{"sandboxID":"x"}]` || pages[0].Err != nil {
+		t.Fatalf("b: %+v", pages[0])
+	}
+	if err := pages[1].Err; !errors.Is(err, errdefs.ErrInvalid) || errdefs.HTTPStatus(err) != http.StatusBadRequest || err.Error() != "order must be asc or desc" {
+		t.Fatalf("c: %v", err)
+	}
+	if pages[2].Body != nil || pages[2].Err != nil {
+		t.Fatalf("d (down): %+v", pages[2])
+	}
+}

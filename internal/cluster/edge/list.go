@@ -18,17 +18,19 @@ type Page struct {
 }
 
 // ListOthers sends list request r to every other live node (each filters and pages the same
-// way) and returns their pages; a node that does not answer lists nothing. The caller adds
-// its own page and merges them.
-func (e *Edge) ListOthers(r *http.Request, nextHeader string) []Page {
+// way) and returns their pages; a node that does not answer lists nothing. here says whether
+// this node is live, and so lists its own: the caller adds its page and merges them.
+func (e *Edge) ListOthers(r *http.Request, nextHeader string) (pages []Page, here bool) {
 	var nodes []string
 	var urls []string
 	for _, n := range e.cl.Live() {
-		if n.ID != e.cl.NodeID() {
+		if n.ID == e.cl.NodeID() {
+			here = true
+		} else {
 			nodes, urls = append(nodes, n.ID), append(urls, n.URL)
 		}
 	}
-	pages := make([]Page, len(nodes))
+	pages = make([]Page, len(nodes))
 	var wg sync.WaitGroup
 	for i := range nodes {
 		wg.Add(1)
@@ -53,9 +55,11 @@ func (e *Edge) ListOthers(r *http.Request, nextHeader string) []Page {
 				return
 			}
 			p.Next = resp.Header.Get(nextHeader)
-			p.Body, p.Err = io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+			if p.Body, err = io.ReadAll(io.LimitReader(resp.Body, 64<<20)); err != nil {
+				p.Err = &errdefs.StatusError{Status: http.StatusBadGateway, Message: "bad list from node " + nodes[i]}
+			}
 		}()
 	}
 	wg.Wait()
-	return pages
+	return pages, here
 }
