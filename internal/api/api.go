@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -51,11 +52,11 @@ type Config struct {
 	Metrics http.Handler
 	// Cluster, when set, makes this node one edge of a cluster (cluster.go).
 	Cluster Cluster
-	// Templates, with Cluster, shares templates between the nodes (cluster_move.go).
+	// Templates, with Cluster, shares templates between the nodes (cluster.go).
 	Templates TemplateSharer
-	// Mover, with Cluster, moves stored paused sandboxes between the nodes (cluster_move.go).
+	// Mover, with Cluster, moves stored paused sandboxes between the nodes (cluster.go).
 	Mover PausedMover
-	// Forker, with Cluster, places the children of a fork on other nodes (cluster_move.go).
+	// Forker, with Cluster, places the children of a fork on other nodes (cluster.go).
 	Forker Forker
 }
 
@@ -93,13 +94,11 @@ type server struct {
 	routes *router
 	// uploads are the COPY-file upload URLs handed out (templatebuild.go).
 	uploads uploads
-	// Cluster mode (nil: one node).
-	cl            Cluster
-	nodeTransport *http.Transport
-	// signer finds a signed URL's sandbox without its lock; fanout limits the signed-URL
-	// lookups this edge sends to the other nodes (signed_files.go).
+	// Cluster mode (nil: one node): the cluster edge serves what api hands it (cluster.go).
+	cl   Cluster
+	edge *edge.Edge
+	// signer finds a signed URL's sandbox without its lock (signed_files.go).
 	signer signer
-	fanout fanoutLimit
 }
 
 // New returns the daemon's HTTP handler. Serve it on one port; enabling h2c on the server is
@@ -114,9 +113,9 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 	if cfg.Cluster != nil {
 		s.cl = cfg.Cluster
 		if cfg.Templates != nil {
-			s.svc = &sharedService{Service: svc, t: cfg.Templates} // cluster_move.go
+			s.svc = edge.ShareTemplates(svc, cfg.Templates)
 		}
-		s.nodeTransport = newNodeTransport()
+		s.edge = s.newEdge()
 	}
 	domainHost := strings.ToLower(cfg.Domain)
 	if h, _, ok := strings.Cut(domainHost, ":"); ok {
@@ -232,7 +231,7 @@ func (s *server) serveControl(w http.ResponseWriter, r *http.Request) {
 // ignored).
 func (s *server) authenticate(r *http.Request) error {
 	if fromNode, _ := r.Context().Value(nodeAuthenticated{}).(bool); fromNode {
-		return nil // an edge's, with a valid node proof: it checked the client's key (cluster_auth.go)
+		return nil // an edge's, with a valid node proof: it checked the client's key (internal/cluster/edge)
 	}
 	key := r.Header.Get(HeaderAPIKey)
 	if key == "" {

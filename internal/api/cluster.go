@@ -4,103 +4,59 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"io"
-	"net"
 	"net/http"
-	"net/http/httptest"
-	"net/http/httputil"
-	"net/url"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
-	"github.com/ember-sandbox/ember/internal/cluster"
-	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
-// Cluster is what the edge consults in cluster mode (Config.Cluster; nil = one node, and
-// nothing here runs). Every node is an edge: a request for a sandbox on another node is
-// proxied there (routing from the cluster's watch-fed cache; on a miss or a "not here"
-// answer, one etcd read and one retry), a create is placed by the cluster, and lists gather
-// every live node's.
-type Cluster interface {
-	NodeID() string
-	Locate(ctx context.Context, id string, fresh bool) (cluster.Location, error)
-	Place(ctx context.Context, req cluster.PlaceRequest) (*cluster.Reservation, error)
-	Cancel(ctx context.Context, r *cluster.Reservation)
-	HasReservation(ctx context.Context, id string) bool
-	Live() []cluster.NodeInfo
-	Nodes() []cluster.NodeView
-	Node(id string) (cluster.NodeView, error)
-	Drain(ctx context.Context, id string, on bool) error
-	LostSandboxes(ctx context.Context) ([]cluster.LostSandbox, error)
-	// Secret signs the requests between nodes (cluster_auth.go).
-	Secret() []byte
-	// Available is nil while the cluster store can commit; else why not (ErrUnavailable).
-	Available() error
+// In cluster mode (Config.Cluster) every node is an edge: api decides once what a request is
+// for (serveCluster) and hands the request to the cluster edge (internal/cluster/edge), which
+// serves it here through nodeLocal or sends it to the node that holds its sandbox.
+
+// Cluster is what the edge consults in cluster mode (*cluster.Cluster; nil = one node).
+type Cluster = edge.Cluster
+
+// TemplateSharer shares templates between the nodes (*cluster.Templates).
+type TemplateSharer = edge.TemplateSharer
+
+// PausedMover moves stored paused sandboxes between the nodes (*cluster.Moves).
+type PausedMover = edge.PausedMover
+
+// Forker forks across nodes (*sandbox.Manager).
+type Forker = edge.Forker
+
+type signedQuery = edge.SignedQuery
+
+func (s *server) newEdge() *edge.Edge {
+	return edge.New(edge.Config{Cluster: s.cfg.Cluster, Local: nodeLocal{s}, Mover: s.cfg.Mover, Forker: s.cfg.Forker, Logger: s.log})
 }
 
-// Headers between the nodes of a cluster.
-const (
-	// HeaderForwarded marks a request another edge sent here: it is served here, never sent on.
-	HeaderForwarded = "X-Ember-Forwarded"
-	// HeaderNotHere on an answer says this node does not hold the sandbox asked for.
-	HeaderNotHere = "X-Ember-Not-Here"
-	// HeaderReservation carries the placement reservation of a forwarded create.
-	HeaderReservation = "X-Ember-Reservation"
-	// headerFwdSandbox/headerFwdPort carry a sandbox-plane request's target, whatever host the
-	// client used (the owner's domain may differ).
-	headerFwdSandbox = "X-Ember-Sandbox-Id"
-	headerFwdPort    = "X-Ember-Sandbox-Port"
-)
-
-// reservationKey carries, in a create's context, the placement reservation it consumes
-// (sandbox.CreateRequest.Reservation).
-type reservationKey struct{}
-
-func reservationOf(ctx context.Context) string {
-	rid, _ := ctx.Value(reservationKey{}).(string)
-	return rid
-}
-
-var errNotHere = errors.New("not here")
-
-// maxPlacements bounds the nodes one create tries when they refuse it.
-const maxPlacements = 3
-
-func newNodeTransport() *http.Transport {
-	return &http.Transport{
-		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		MaxIdleConnsPerHost: 64,
-		IdleConnTimeout:     90 * time.Second,
-	}
-}
-
-// serveCluster routes a request in cluster mode; false leaves it to the single-node path.
+// serveCluster decides a request's target and hands it to the cluster edge; false leaves it
+// to the single-node path.
 func (s *server) serveCluster(w http.ResponseWriter, r *http.Request) bool {
-	if r.Header.Get(HeaderForwarded) != "" {
-		return s.serveForwarded(w, r)
+	if r.Header.Get(edge.HeaderForwarded) != "" {
+		s.edge.ServeForwarded(w, r)
+		return true
 	}
 	if vals, ok := r.Header[HeaderSandboxID]; ok {
 		id := ""
 		if len(vals) > 0 {
 			id = vals[0]
 		}
-		return s.routeSandbox(w, r, id, r.Header.Get(HeaderSandboxPort), true)
+		return validSandboxID(id) && s.edge.Serve(w, r, edge.Target{Kind: edge.SandboxPlane, ID: id, Port: r.Header.Get(HeaderSandboxPort)})
 	}
 	if port, id, ok, err := s.matchHost(r.Host); ok {
-		if err != nil {
-			return false
-		}
-		return s.routeSandbox(w, r, id, strconv.Itoa(port), true)
+		return err == nil && validSandboxID(id) && s.edge.Serve(w, r, edge.Target{Kind: edge.SandboxPlane, ID: id, Port: strconv.Itoa(port)})
 	}
 	if r.URL.Path == "/files" {
 		return false
 	}
-	if s.refuseWithoutQuorum(w, r) {
+	if s.edge.RefuseWithoutQuorum(w, r) {
 		return true
 	}
 	segs := splitPath(r.URL.Path)
@@ -123,226 +79,13 @@ func (s *server) serveCluster(w http.ResponseWriter, r *http.Request) bool {
 		return true
 	case len(segs) >= 2:
 		id, _, _ := strings.Cut(segs[1], "-")
-		if !validSandboxID(id) {
-			return false
-		}
-		return s.routeSandbox(w, r, id, "", false)
+		return validSandboxID(id) && s.edge.Serve(w, r, edge.Target{Kind: edge.SandboxControl, ID: id})
 	}
 	return false
 }
 
-// serveForwarded serves a request another edge sent: here, saying "not here" for a sandbox
-// this node does not hold.
-func (s *server) serveForwarded(w http.ResponseWriter, r *http.Request) bool {
-	if err := s.verifyForward(r); err != nil { // cluster_auth.go
-		writeError(w, s.log, r, err)
-		return true
-	}
-	r.Header.Del(HeaderNodeProof)
-	if r.URL.Path == signedOwnerPath && r.Method == http.MethodPost { // cluster_signed.go
-		if err := s.signedOwnerHere(w, r); err != nil {
-			writeError(w, s.log, r, err)
-		}
-		return true
-	}
-	id := r.Header.Get(headerFwdSandbox)
-	if id == "" {
-		segs := splitPath(r.URL.Path)
-		if len(segs) > 0 && segs[0] == "v2" {
-			segs = segs[1:]
-		}
-		if len(segs) >= 2 && segs[0] == "sandboxes" {
-			id, _, _ = strings.Cut(segs[1], "-")
-		}
-	}
-	if id != "" {
-		if _, err := s.svc.Get(r.Context(), id); errors.Is(err, errdefs.ErrNotFound) {
-			w.Header().Set(HeaderNotHere, s.cl.NodeID())
-		}
-	}
-	if id := r.Header.Get(headerFwdSandbox); id != "" {
-		port, err := parsePort(r.Header.Get(headerFwdPort))
-		r.Header.Del(headerFwdSandbox)
-		r.Header.Del(headerFwdPort)
-		r.Header.Del(HeaderForwarded)
-		if err != nil {
-			writeError(w, s.log, r, err)
-			return true
-		}
-		s.serveSandbox(w, r, id, port)
-		return true
-	}
-	if rid := r.Header.Get(HeaderReservation); rid != "" && s.cl.HasReservation(r.Context(), rid) {
-		r = r.WithContext(context.WithValue(r.Context(), reservationKey{}, rid))
-	}
-	// The edge authenticated the client; the node proof authenticates the edge.
-	r = r.WithContext(context.WithValue(r.Context(), nodeAuthenticated{}, true))
-	s.serveControl(w, r)
-	return true
-}
-
-// routeSandbox serves a request for sandbox id here, or proxies it to the node that holds it.
-// sandboxPlane: port is the guest port ("" = envd's).
-func (s *server) routeSandbox(w http.ResponseWriter, r *http.Request, id, port string, sandboxPlane bool) bool {
-	if !validSandboxID(id) {
-		return false
-	}
-	ctx := r.Context()
-	loc, err := s.cl.Locate(ctx, id, false)
-	if err == nil && (!loc.Known() || loc.Dead) {
-		loc, err = s.cl.Locate(ctx, id, true)
-	}
-	if err == nil && !sandboxPlane {
-		var done bool
-		if loc, done, err = s.serveUnheld(w, r, id, loc); done { // cluster_stored.go
-			return true
-		}
-	}
-	if err == nil {
-		loc, err = s.relocate(r, id, loc) // a stored paused sandbox of a gone node (cluster_move.go)
-	}
-	if err != nil {
-		writeError(w, s.log, r, err)
-		return true
-	}
-	if loc.Local || !loc.Known() {
-		return false
-	}
-	if loc.Lost != nil || loc.Dead || loc.URL == "" {
-		s.writeLost(w, r, id, loc, sandboxPlane)
-		return true
-	}
-	body, replay := replayableBody(r)
-	s.proxyTo(w, r, loc, id, port, sandboxPlane, body, replay, true)
-	return true
-}
-
-// writeLost answers for a sandbox that died with its node: 404 on the control plane (E2B's
-// wording, then the node and the time), the SDK's "not running" 502 on the sandbox plane.
-func (s *server) writeLost(w http.ResponseWriter, r *http.Request, id string, loc cluster.Location, sandboxPlane bool) {
-	gone := &sandbox.GoneError{ID: id, Reason: "lost with node " + loc.Node, At: time.Now()}
-	if loc.Lost != nil {
-		gone.Reason, gone.At = "lost with node "+loc.Lost.Node+": "+loc.Lost.Reason, loc.Lost.At
-	}
-	if sandboxPlane {
-		writeNotRunningTo(w, r, id, gone)
-		return
-	}
-	writeJSONError(w, http.StatusNotFound, sandboxNotFoundMsg(id)+": it was "+gone.Reason+" at "+gone.At.UTC().Format(time.RFC3339))
-}
-
-// replayableBody reads a small body so that a request can be sent twice; larger ones (file
-// uploads) stream once.
-func replayableBody(r *http.Request) ([]byte, bool) {
-	if r.Body == nil || r.Body == http.NoBody || r.ContentLength == 0 {
-		return nil, true
-	}
-	if r.ContentLength < 0 || r.ContentLength > DefaultMaxBodyBytes {
-		return nil, false
-	}
-	b, err := io.ReadAll(io.LimitReader(r.Body, DefaultMaxBodyBytes+1))
-	if err != nil || int64(len(b)) > DefaultMaxBodyBytes {
-		return nil, false
-	}
-	return b, true
-}
-
-// proxyTo sends r to the node at loc. An answer "not here" (the route was stale) leads to one
-// etcd read and, with retry, one more try wherever the sandbox is now.
-func (s *server) proxyTo(w http.ResponseWriter, r *http.Request, loc cluster.Location, id, port string, sandboxPlane bool, body []byte, replay, retry bool) {
-	target, err := url.Parse(loc.URL)
-	if err != nil {
-		s.writeLost(w, r, id, loc, sandboxPlane)
-		return
-	}
-	if replay {
-		r.Body = io.NopCloser(bytes.NewReader(body))
-		r.ContentLength = int64(len(body))
-	}
-	var again bool
-	p := &httputil.ReverseProxy{
-		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.SetURL(target)
-			pr.Out.Host = pr.In.Host
-			pr.Out.Header.Set(HeaderForwarded, s.cl.NodeID())
-			if sandboxPlane {
-				pr.Out.Header.Del(HeaderAPIKey) // the guest never gets it either
-				pr.Out.Header.Set(headerFwdSandbox, id)
-				pr.Out.Header.Set(headerFwdPort, port)
-			} else {
-				dropClientKey(pr.Out.Header) // cluster_auth.go
-			}
-			// The client's X-Forwarded-For etc. pass through unchanged.
-			pr.Out.Header["X-Forwarded-For"] = pr.In.Header["X-Forwarded-For"]
-			s.signForward(pr.Out)
-		},
-		Transport:     s.nodeTransport,
-		FlushInterval: -1,
-		ModifyResponse: func(resp *http.Response) error {
-			if resp.Header.Get(HeaderNotHere) != "" && retry && replay {
-				return errNotHere
-			}
-			resp.Header.Del(HeaderNotHere)
-			return nil
-		},
-		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			if errors.Is(err, context.Canceled) || r.Context().Err() != nil {
-				return
-			}
-			if !errors.Is(err, errNotHere) {
-				s.log.Warn("cluster: node unreachable", "node", loc.Node, "sandbox_id", id, "err", err)
-			}
-			again = true
-		},
-	}
-	if sandboxPlane {
-		if err := http.NewResponseController(w).EnableFullDuplex(); err != nil && !errors.Is(err, http.ErrNotSupported) {
-			s.log.Debug("full duplex", "err", err)
-		}
-	}
-	p.ServeHTTP(w, r)
-	if !again {
-		return
-	}
-	// The route was stale or the node did not answer: where is it now?
-	fresh, err := s.cl.Locate(r.Context(), id, true)
-	switch {
-	case err != nil:
-		writeError(w, s.log, r, err)
-	case fresh.Lost != nil || fresh.Dead || (fresh.Known() && !fresh.Local && fresh.URL == ""):
-		s.writeLost(w, r, id, fresh, sandboxPlane)
-	case fresh.Local || !fresh.Known():
-		if replay {
-			r.Body = io.NopCloser(bytes.NewReader(body))
-		}
-		s.serveLocal(w, r, id, port, sandboxPlane)
-	case retry && replay && fresh.Node != loc.Node:
-		s.proxyTo(w, r, fresh, id, port, sandboxPlane, body, replay, false)
-	default:
-		if sandboxPlane {
-			writeNotRunning(w, id)
-		} else {
-			writeJSONError(w, http.StatusBadGateway, "node "+loc.Node+" holding sandbox "+quoteID(id)+" did not answer")
-		}
-	}
-}
-
-func (s *server) serveLocal(w http.ResponseWriter, r *http.Request, id, port string, sandboxPlane bool) {
-	if sandboxPlane {
-		p, err := parsePort(port)
-		if err != nil {
-			writeError(w, s.log, r, err)
-			return
-		}
-		s.serveSandbox(w, r, id, p)
-		return
-	}
-	s.routes.serve(w, r, s.log)
-}
-
-// placeCreate places a create: the cluster reserves room on a node (atomically in etcd), the
-// create runs there (here, or forwarded with the reservation), and a node that refuses it
-// (full, or failing) is excluded and the next one tried.
+// placeCreate hands a placeable create to the edge, with this node's create for the
+// placements that land here; one that is not placeable gets the local handler's 400.
 func (s *server) placeCreate(w http.ResponseWriter, r *http.Request) {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
 	if err != nil {
@@ -353,185 +96,156 @@ func (s *server) placeCreate(w http.ResponseWriter, r *http.Request) {
 		TemplateID string `json:"templateID"`
 	}
 	if json.Unmarshal(body, &req) != nil || req.TemplateID == "" || !validTemplateID(req.TemplateID) {
-		// Not placeable: the local handler gives the 400.
 		r.Body = io.NopCloser(bytes.NewReader(body))
 		s.routes.serve(w, r, s.log)
 		return
 	}
-	var exclude []string
-	for attempt := 0; ; attempt++ {
-		resv, err := s.cl.Place(r.Context(), cluster.PlaceRequest{TemplateID: req.TemplateID, Exclude: exclude})
+	here := func(ctx context.Context, reservation string) ([]byte, error) {
+		lr := r.Clone(ctx)
+		lr.Body = io.NopCloser(bytes.NewReader(body))
+		sj, err := s.createFrom(nil, lr, reservation)
 		if err != nil {
-			if errors.Is(err, errdefs.ErrNotFound) && attempt == 0 {
-				// No live node has it: the local handler answers as E2B does.
-				r.Body = io.NopCloser(bytes.NewReader(body))
-				s.routes.serve(w, r, s.log)
-				return
+			return nil, templateNotFoundE2B(err)
+		}
+		b, err := json.Marshal(sj)
+		return append(b, '\n'), err
+	}
+	s.edge.Serve(w, r, edge.Target{Kind: edge.Create, TemplateID: req.TemplateID, Body: body, CreateHere: here})
+}
+
+// forkAcross forks sandbox id (held here) with children placed on other nodes too; false
+// leaves the fork to this node alone.
+func (s *server) forkAcross(w http.ResponseWriter, r *http.Request, id string, count int, timeout time.Duration) bool {
+	if s.edge == nil {
+		return false
+	}
+	sb, err := s.svc.Get(r.Context(), id)
+	if err != nil || sb.State != sandbox.StateRunning {
+		return false // the local fork answers as it does
+	}
+	out, ok := s.edge.ForkAcross(r.Context(), sb, count, timeout, func(n int) []edge.ForkResult {
+		results, err := s.svc.Fork(r.Context(), id, n, timeout)
+		var out []edge.ForkResult
+		if err != nil && len(results) == 0 {
+			for i := 0; i < n; i++ {
+				out = append(out, edge.ForkResult{Error: &errorBody{Code: statusOf(err), Message: err.Error()}})
 			}
-			writeError(w, s.log, r, err)
-			return
 		}
-		rec := httptest.NewRecorder()
-		if resv.Local {
-			lr := r.Clone(context.WithValue(r.Context(), reservationKey{}, resv.ID))
-			lr.Body = io.NopCloser(bytes.NewReader(body))
-			s.routes.serve(rec, lr, s.log)
-		} else {
-			s.createOn(r, rec, resv, body)
+		for _, res := range results {
+			if res.Sandbox != nil {
+				out = append(out, edge.ForkResult{Sandbox: s.toSandbox(res.Sandbox)})
+			} else if res.Err != nil {
+				out = append(out, edge.ForkResult{Error: &errorBody{Code: statusOf(res.Err), Message: res.Err.Error()}})
+			}
 		}
-		refused := rec.Code == http.StatusTooManyRequests || rec.Code == http.StatusServiceUnavailable || rec.Code == http.StatusBadGateway
-		if rec.Code >= 300 {
-			s.cl.Cancel(context.WithoutCancel(r.Context()), resv)
+		return out
+	})
+	if !ok {
+		return false
+	}
+	for _, o := range out {
+		if o.Sandbox != nil {
+			writeJSON(w, http.StatusCreated, out)
+			return true
 		}
-		if refused && attempt+1 < maxPlacements {
-			s.log.Info("cluster: node refused a create: trying another", "node", resv.Node, "status", rec.Code)
-			exclude = append(exclude, resv.Node)
-			continue
-		}
-		for k, v := range rec.Header() {
-			w.Header()[k] = v
-		}
-		w.WriteHeader(rec.Code)
-		_, _ = w.Write(rec.Body.Bytes())
+	}
+	writeJSONError(w, http.StatusInternalServerError, "fork: every child failed")
+	return true
+}
+
+// Routes between nodes: POST /ember/sandboxes/{id}/adopt, which an edge sends to the node it
+// placed a stored paused sandbox on, and POST /ember/forks, children of a fork image.
+func (s *server) moveRoutes(rt *router) {
+	rt.handle(http.MethodPost, "/ember/sandboxes/{id}/adopt", s.adoptSandbox)
+	rt.handle(http.MethodPost, "/ember/forks", s.forkHere)
+}
+
+func (s *server) adoptSandbox(w http.ResponseWriter, r *http.Request, p params) error {
+	if err := edge.NodesOnly(r); err != nil {
+		return err
+	}
+	if !validSandboxID(p["id"]) {
+		return notFound("sandbox %s not found", quoteID(p["id"]))
+	}
+	if err := s.edge.AdoptHere(r, p["id"]); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func (s *server) forkHere(w http.ResponseWriter, r *http.Request, _ params) error {
+	out, err := s.edge.ForkHere(w, r, MaxForkCount)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusCreated, out)
+	return nil
+}
+
+// nodeLocal is this node's API as the cluster edge serves with it (edge.Local).
+type nodeLocal struct{ s *server }
+
+func (l nodeLocal) WriteError(w http.ResponseWriter, r *http.Request, err error) {
+	writeError(w, l.s.log, r, err)
+}
+
+func (l nodeLocal) ServeControl(w http.ResponseWriter, r *http.Request) {
+	l.s.routes.serve(w, r, l.s.log)
+}
+
+// ServeForwarded serves a forwarded control request as authenticated: the edge that sent it
+// checked the client's key, and its node proof checked.
+func (l nodeLocal) ServeForwarded(w http.ResponseWriter, r *http.Request) {
+	l.s.serveControl(w, r.WithContext(context.WithValue(r.Context(), nodeAuthenticated{}, true)))
+}
+
+func (l nodeLocal) ServeSandbox(w http.ResponseWriter, r *http.Request, id, port string) {
+	p, err := parsePort(port)
+	if err != nil {
+		writeError(w, l.s.log, r, err)
 		return
+	}
+	l.s.serveSandbox(w, r, id, p)
+}
+
+// WriteLost answers for a sandbox that died with its node: 404 on the control plane (E2B's
+// wording, then the node and the time), the SDK's "not running" 502 on the sandbox plane.
+func (l nodeLocal) WriteLost(w http.ResponseWriter, r *http.Request, id string, gone *sandbox.GoneError, sandboxPlane bool) {
+	switch {
+	case gone == nil:
+		writeNotRunning(w, id)
+	case sandboxPlane:
+		writeNotRunningTo(w, r, id, gone)
+	default:
+		writeJSONError(w, http.StatusNotFound, sandboxNotFoundMsg(id)+": it was "+gone.Reason+" at "+gone.At.UTC().Format(time.RFC3339))
 	}
 }
 
-// createOn forwards a create to the node holding its reservation.
-func (s *server) createOn(r *http.Request, rec *httptest.ResponseRecorder, resv *cluster.Reservation, body []byte) {
-	out, err := http.NewRequestWithContext(r.Context(), r.Method, strings.TrimSuffix(resv.URL, "/")+r.URL.RequestURI(), bytes.NewReader(body))
-	if err != nil {
-		writeError(rec, s.log, r, err)
-		return
-	}
-	out.Header = r.Header.Clone()
-	dropClientKey(out.Header) // cluster_auth.go
-	out.Header.Set(HeaderForwarded, s.cl.NodeID())
-	out.Header.Set(HeaderReservation, resv.ID)
-	s.signForward(out)
-	resp, err := s.nodeTransport.RoundTrip(out)
-	if err != nil {
-		s.log.Warn("cluster: node unreachable for a create", "node", resv.Node, "err", err)
-		writeJSONError(rec, http.StatusBadGateway, "node "+resv.Node+" did not answer")
-		return
-	}
-	defer resp.Body.Close()
-	for k, v := range resp.Header {
-		rec.Header()[k] = v
-	}
-	rec.WriteHeader(resp.StatusCode)
-	_, _ = io.Copy(rec, io.LimitReader(resp.Body, 16<<20))
+func (l nodeLocal) WriteStored(w http.ResponseWriter, _ *http.Request, sb *sandbox.Sandbox) {
+	writeJSON(w, http.StatusOK, l.s.toDetail(sb))
 }
 
-// listEverywhere gathers a list from every live node (each filters and pages the same way)
-// and merges the pages.
-func (s *server) listEverywhere(w http.ResponseWriter, r *http.Request) {
-	lost, r, ask, err := s.lostForList(r) // ember's state=lost (cluster_lost.go)
-	if err != nil {
-		writeError(w, s.log, r, err)
-		return
-	}
-	if ask {
-		stored, err := s.unheldForList(r) // no node lists them (cluster_stored.go)
-		if err != nil {
-			writeError(w, s.log, r, err)
-			return
-		}
-		lost = append(lost, stored...)
-	}
-	v2 := strings.HasPrefix(r.URL.Path, "/v2/")
-	q := r.URL.Query()
-	limit, desc := 0, true
-	if v2 {
-		var err error
-		if limit, err = limitParam(q.Get("limit")); err != nil {
-			writeError(w, s.log, r, err)
-			return
-		}
-		desc = !strings.EqualFold(q.Get("order"), "asc")
-	}
-	type answer struct {
-		items []listedSandboxJSON
-		next  string
-		code  int
-		err   []byte
-	}
-	nodes := s.cl.Live()
-	if !ask {
-		nodes = nil
-	}
-	answers := make([]answer, len(nodes))
-	var wg sync.WaitGroup
-	for i, n := range nodes {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			rec := httptest.NewRecorder()
-			if n.ID == s.cl.NodeID() {
-				s.routes.serve(rec, r.Clone(r.Context()), s.log)
-			} else {
-				out, err := http.NewRequestWithContext(r.Context(), r.Method, strings.TrimSuffix(n.URL, "/")+r.URL.RequestURI(), nil)
-				if err != nil {
-					return
-				}
-				out.Header = r.Header.Clone()
-				dropClientKey(out.Header) // cluster_auth.go
-				out.Header.Set(HeaderForwarded, s.cl.NodeID())
-				s.signForward(out)
-				resp, err := s.nodeTransport.RoundTrip(out)
-				if err != nil {
-					s.log.Warn("cluster: list: node unreachable", "node", n.ID, "err", err)
-					return // a node that does not answer lists nothing
-				}
-				defer resp.Body.Close()
-				rec.Code = resp.StatusCode
-				rec.Header().Set(HeaderNextToken, resp.Header.Get(HeaderNextToken))
-				_, _ = io.Copy(rec.Body, io.LimitReader(resp.Body, 64<<20))
-			}
-			a := answer{code: rec.Code, next: rec.Header().Get(HeaderNextToken)}
-			if rec.Code != http.StatusOK {
-				a.err = rec.Body.Bytes()
-			} else if json.Unmarshal(rec.Body.Bytes(), &a.items) != nil {
-				a.code, a.err = http.StatusBadGateway, []byte(`{"code":502,"message":"bad list from node `+n.ID+`"}`)
-			}
-			answers[i] = a
-		}()
-	}
-	wg.Wait()
-	var items []pageItem[listedSandboxJSON]
-	for _, it := range lost {
-		items = append(items, pageItem[listedSandboxJSON]{at: it.StartedAt, id: it.SandboxID, v: it})
-	}
-	more := false
-	for _, a := range answers {
-		if a.code != 0 && a.code != http.StatusOK {
-			// A bad query is bad everywhere: the first node's answer says why.
-			w.Header().Set("Content-Type", "application/json")
-			w.WriteHeader(a.code)
-			_, _ = w.Write(a.err)
-			return
-		}
-		more = more || a.next != ""
-		for _, it := range a.items {
-			items = append(items, pageItem[listedSandboxJSON]{at: it.StartedAt, id: it.SandboxID, v: it})
-		}
-	}
-	if limit <= 0 {
-		limit = len(items) + 1
-	}
-	page, next := paginate(items, desc, nil, limit)
-	if next == "" && more && len(page) > 0 {
-		last := page[len(page)-1]
-		next = encodeCursor(cursor{at: last.StartedAt, id: last.SandboxID})
-	}
-	if next != "" && v2 {
-		w.Header().Set(HeaderNextToken, next)
-	}
-	if page == nil {
-		page = []listedSandboxJSON{}
-	}
-	writeJSON(w, http.StatusOK, page)
+func (l nodeLocal) Holds(ctx context.Context, id string) bool {
+	_, err := l.s.svc.Get(ctx, id)
+	return statusOf(err) != http.StatusNotFound
 }
+
+func (l nodeLocal) SignedOwner(ctx context.Context, q edge.SignedQuery) (string, error) {
+	sbx, err := l.s.signedSandbox(ctx, q)
+	if err != nil || sbx == nil {
+		return "", err
+	}
+	return sbx.ID, nil
+}
+
+func (l nodeLocal) SandboxJSON(sb *sandbox.Sandbox) any { return l.s.toSandbox(sb) }
+
+func (l nodeLocal) MaxBodyBytes() int64 { return l.s.cfg.MaxBodyBytes }
+
+// nodeAuthenticated marks, in a request's context, a forwarded request whose node proof
+// checked (nodeLocal.ServeForwarded only).
+type nodeAuthenticated struct{}
 
 // Node routes: GET /nodes, GET /nodes/{id}, POST /nodes/{id}/drain, DELETE /nodes/{id}/drain.
 
@@ -542,11 +256,9 @@ func (s *server) nodeRoutes(rt *router) {
 	rt.handle(http.MethodDelete, "/nodes/{id}/drain", s.drainNode(false))
 }
 
-var errNoCluster = &httpError{status: http.StatusNotFound, msg: "this node is not part of a cluster (ember serve --etcd-endpoints)"}
-
 func (s *server) listNodes(w http.ResponseWriter, _ *http.Request, _ params) error {
 	if s.cl == nil {
-		return errNoCluster
+		return edge.ErrNoCluster
 	}
 	writeJSON(w, http.StatusOK, s.cl.Nodes())
 	return nil
@@ -554,7 +266,7 @@ func (s *server) listNodes(w http.ResponseWriter, _ *http.Request, _ params) err
 
 func (s *server) getNode(w http.ResponseWriter, _ *http.Request, p params) error {
 	if s.cl == nil {
-		return errNoCluster
+		return edge.ErrNoCluster
 	}
 	v, err := s.cl.Node(p["id"])
 	if err != nil {
@@ -567,7 +279,7 @@ func (s *server) getNode(w http.ResponseWriter, _ *http.Request, p params) error
 func (s *server) drainNode(on bool) handlerFunc {
 	return func(w http.ResponseWriter, r *http.Request, p params) error {
 		if s.cl == nil {
-			return errNoCluster
+			return edge.ErrNoCluster
 		}
 		if _, err := s.cl.Node(p["id"]); err != nil {
 			return notFound("node %s not found", quoteID(p["id"]))

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/cluster/edge"
 )
 
 // A client that sends the headers nodes use between themselves gets refused (401 without a
@@ -38,8 +40,8 @@ func TestClusterForwardedNeedsANodeProof(t *testing.T) {
 	before := count()
 	now := strconv.FormatInt(time.Now().Unix(), 10)
 	stale := time.Now().Add(-5 * time.Minute).Unix()
-	staleProof := "v1." + strconv.FormatInt(stale, 10) + "." + nodeProof(a.cl.Secret(), http.MethodPost, "/sandboxes", stale, http.Header{
-		HeaderForwarded: {"b"}, HeaderReservation: {"r1"}})
+	staleProof := "v1." + strconv.FormatInt(stale, 10) + "." + edge.NodeProof(a.cl.Secret(), http.MethodPost, "/sandboxes", stale, http.Header{
+		edge.HeaderForwarded: {"b"}, edge.HeaderReservation: {"r1"}})
 	for _, tc := range []struct {
 		name, proof string
 		status      int
@@ -49,9 +51,9 @@ func TestClusterForwardedNeedsANodeProof(t *testing.T) {
 		{"forged proof", "v1." + now + "." + strings.Repeat("ab", 32), http.StatusForbidden},
 		{"stale proof", staleProof, http.StatusUnauthorized},
 	} {
-		hdr := []string{HeaderForwarded, "b", HeaderReservation, "r1"}
+		hdr := []string{edge.HeaderForwarded, "b", edge.HeaderReservation, "r1"}
 		if tc.proof != "" {
-			hdr = append(hdr, HeaderNodeProof, tc.proof)
+			hdr = append(hdr, edge.HeaderNodeProof, tc.proof)
 		}
 		// A create pinned to a, past placement.
 		r := a.env.ctl(http.MethodPost, "/sandboxes", `{"templateID":"base"}`, hdr...)
@@ -59,7 +61,7 @@ func TestClusterForwardedNeedsANodeProof(t *testing.T) {
 			t.Fatalf("%s: pinned create: %d %s, want %d", tc.name, r.status, r.body, tc.status)
 		}
 		// The sandbox plane of b's sandbox, served by a as if a held it.
-		r = a.env.do(http.MethodPost, "/echo", "x", append(hdr, HeaderForwarded, "b", headerFwdSandbox, onB, headerFwdPort, "")...)
+		r = a.env.do(http.MethodPost, "/echo", "x", append(hdr, edge.HeaderForwarded, "b", edge.HeaderFwdSandbox, onB, edge.HeaderFwdPort, "")...)
 		if r.status != tc.status {
 			t.Fatalf("%s: sandbox plane as the owner: %d %s, want %d", tc.name, r.status, r.body, tc.status)
 		}
@@ -75,18 +77,18 @@ func TestClusterForwardedNeedsANodeProof(t *testing.T) {
 	}
 	var echo guestEcho
 	r.json(t, &echo)
-	if echo.Body != "hi" || echo.Headers[HeaderNodeProof] != "" || echo.Headers[HeaderForwarded] != "" {
+	if echo.Body != "hi" || echo.Headers[edge.HeaderNodeProof] != "" || echo.Headers[edge.HeaderForwarded] != "" {
 		t.Fatalf("guest saw %+v", echo)
 	}
 	// A proof made with the cluster secret is served (what the nodes send each other).
 	at := time.Now().Unix()
-	h := http.Header{HeaderForwarded: {"b"}}
-	proof := "v1." + strconv.FormatInt(at, 10) + "." + nodeProof(a.cl.Secret(), http.MethodGet, "/sandboxes", at, h)
-	if r := a.env.ctl(http.MethodGet, "/sandboxes", "", HeaderForwarded, "b", HeaderNodeProof, proof); r.status != http.StatusOK {
+	h := http.Header{edge.HeaderForwarded: {"b"}}
+	proof := "v1." + strconv.FormatInt(at, 10) + "." + edge.NodeProof(a.cl.Secret(), http.MethodGet, "/sandboxes", at, h)
+	if r := a.env.ctl(http.MethodGet, "/sandboxes", "", edge.HeaderForwarded, "b", edge.HeaderNodeProof, proof); r.status != http.StatusOK {
 		t.Fatalf("a signed forwarded list: %d %s", r.status, r.body)
 	}
 	// The proof covers the request target: the same proof on another path is forged.
-	if r := a.env.ctl(http.MethodGet, "/sandboxes/"+onB, "", HeaderForwarded, "b", HeaderNodeProof, proof); r.status != http.StatusForbidden {
+	if r := a.env.ctl(http.MethodGet, "/sandboxes/"+onB, "", edge.HeaderForwarded, "b", edge.HeaderNodeProof, proof); r.status != http.StatusForbidden {
 		t.Fatalf("a proof replayed on another path: %d %s", r.status, r.body)
 	}
 	// The routes only nodes call refuse a client, whatever its API key.

@@ -9,6 +9,7 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
+	"github.com/ember-sandbox/ember/internal/cluster/edge"
 )
 
 // A node's URL comes from etcd, so whatever listens at it must never receive a client's API
@@ -20,7 +21,7 @@ func TestClusterForwardsCarryNoClientKey(t *testing.T) {
 	var seen []http.Header
 	record := func(h http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if r.Header.Get(HeaderForwarded) != "" {
+			if r.Header.Get(edge.HeaderForwarded) != "" {
 				mu.Lock()
 				seen = append(seen, r.Header.Clone())
 				mu.Unlock()
@@ -79,7 +80,7 @@ func TestClusterForwardsCarryNoClientKey(t *testing.T) {
 		if h.Get("X-API-Key") != "" || h.Get("Authorization") != "" {
 			t.Fatalf("a forwarded the client's key: %v", h)
 		}
-		if h.Get(HeaderNodeProof) == "" {
+		if h.Get(edge.HeaderNodeProof) == "" {
 			t.Fatalf("a forwarded a request without its node proof: %v", h)
 		}
 	}

@@ -28,7 +28,7 @@ func (s *server) lostForList(r *http.Request) (items []listedSandboxJSON, out *h
 			return nil, r, true, badRequest("startedAfter must be an RFC 3339 time")
 		}
 	}
-	all, err := s.cl.LostSandboxes(r.Context())
+	all, err := s.edge.Lost(r)
 	if err != nil {
 		return nil, r, true, err
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/cluster/edge"
 )
 
 // A signed uploadUrl()/downloadUrl() request names no sandbox; sent to an edge that does not
@@ -52,13 +53,13 @@ func TestClusterSignedFilesReachAnyNode(t *testing.T) {
 		t.Fatalf("a signature no sandbox made: %d %s, want 401", r.status, r.body)
 	}
 	// The owner lookup is for nodes only.
-	if r := b.env.do(http.MethodPost, signedOwnerPath, `{"path":"/a.txt"}`); r.status == http.StatusOK {
+	if r := b.env.do(http.MethodPost, "/ember/signed-files/owner", `{"path":"/a.txt"}`); r.status == http.StatusOK {
 		t.Fatalf("a client's owner lookup: %d %s", r.status, r.body)
 	}
 }
 
 // Signed URLs need no key, and each one for a sandbox the edge does not hold costs a lookup on
-// every other node: an edge sends at most a burst of fanoutBurst of them, then answers 429 with
+// every other node: an edge sends at most a burst of edge.FanoutBurst of them, then answers 429 with
 // Retry-After; a signed URL of one of its own sandboxes still works meanwhile.
 func TestClusterSignedFilesFanoutLimited(t *testing.T) {
 	nodes := newTestCluster(t, 2)
@@ -67,9 +68,9 @@ func TestClusterSignedFilesFanoutLimited(t *testing.T) {
 	bad := auth.FileSignature("/a.txt", auth.OpRead, "user", "not-a-token", exp)
 	q := "/files?path=%2Fa.txt&username=user&signature=" + url.QueryEscape(bad) + "&signature_expiration=" + strconv.FormatInt(exp, 10)
 	// The burst goes through (401: no sandbox made it); then the limit answers, once requests
-	// come faster than fanoutRate a second (they do on loopback).
+	// come faster than edge.FanoutRate a second (they do on loopback).
 	first := -1
-	for i := 0; i < 50*fanoutBurst && first < 0; i++ {
+	for i := 0; i < 50*edge.FanoutBurst && first < 0; i++ {
 		r := a.env.do(http.MethodGet, q, "")
 		switch r.status {
 		case http.StatusUnauthorized:
@@ -82,8 +83,8 @@ func TestClusterSignedFilesFanoutLimited(t *testing.T) {
 			t.Fatalf("request %d: %d %s", i, r.status, r.body)
 		}
 	}
-	if first < fanoutBurst {
-		t.Fatalf("first 429 at request %d, want none before the burst of %d is spent", first, fanoutBurst)
+	if first < edge.FanoutBurst {
+		t.Fatalf("first 429 at request %d, want none before the burst of %d is spent", first, edge.FanoutBurst)
 	}
 	// a's own sandbox is found without any fan-out.
 	var sb struct {

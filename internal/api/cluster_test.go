@@ -15,6 +15,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
+	cedge "github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -180,7 +181,7 @@ func TestClusterAnyNodeIsAnEdge(t *testing.T) {
 				t.Fatalf("sandbox plane %s (on %s) through %s: %d %s", id, owner[id].id, edge.id, r.status, r.body)
 			}
 			r.json(t, &echo)
-			if echo.Body != "hello "+id || echo.Path != "/echo" || echo.Headers[HeaderForwarded] != "" || echo.Headers["X-Api-Key"] != "" {
+			if echo.Body != "hello "+id || echo.Path != "/echo" || echo.Headers[cedge.HeaderForwarded] != "" || echo.Headers["X-Api-Key"] != "" {
 				t.Fatalf("guest saw %+v", echo)
 			}
 			// By host, as the SDK's getHost() URLs.
@@ -379,8 +380,8 @@ func TestClusterNotHereRetries(t *testing.T) {
 	// edge's cache had fallen behind).
 	c := newClusterNodeWith(t, e, "c", nil, noSync, func(h http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if r.Header.Get(HeaderForwarded) != "" && moved.Load() == 0 {
-				id := r.Header.Get(headerFwdSandbox)
+			if r.Header.Get(cedge.HeaderForwarded) != "" && moved.Load() == 0 {
+				id := r.Header.Get(cedge.HeaderFwdSandbox)
 				route, _ := json.Marshal(cluster.Route{Node: "b", Epoch: b.cl.Epoch(), Since: time.Now()})
 				if _, err := etcd.Put(ctx, "/ember/sandboxes/"+id, string(route)); err != nil {
 					t.Error(err)
@@ -423,7 +424,7 @@ func TestClusterNotHereRetries(t *testing.T) {
 		t.Fatalf("through a stale route: %d %s", res.status, res.body)
 	}
 	res.json(t, &echo)
-	if echo.Body != "payload" || moved.Load() != 1 || res.header.Get(HeaderNotHere) != "" {
-		t.Fatalf("echo %+v, moved %d, not-here %q", echo, moved.Load(), res.header.Get(HeaderNotHere))
+	if echo.Body != "payload" || moved.Load() != 1 || res.header.Get(cedge.HeaderNotHere) != "" {
+		t.Fatalf("echo %+v, moved %d, not-here %q", echo, moved.Load(), res.header.Get(cedge.HeaderNotHere))
 	}
 }

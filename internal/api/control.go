@@ -4,6 +4,7 @@ import (
 	"net/http"
 	"strconv"
 
+	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -54,31 +55,42 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodGet, "/api-keys", s.listAPIKeys)
 	rt.handle(http.MethodDelete, "/api-keys/{id}", s.deleteAPIKey)
 	s.nodeRoutes(rt)
-	s.moveRoutes(rt) // cluster_move.go
+	s.moveRoutes(rt) // cluster.go
 	return rt
 }
 
 func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params) error {
+	sj, err := s.createFrom(w, r, edge.ReservationOf(r.Context()))
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusCreated, sj)
+	return nil
+}
+
+// createFrom creates the sandbox r's body asks for, consuming a placement reservation ("" =
+// none): the route's work, and the cluster edge's when it places a create here.
+func (s *server) createFrom(w http.ResponseWriter, r *http.Request, reservation string) (*sandboxJSON, error) {
 	var req struct {
 		newSandboxRequest
 		Network *networkJSON `json:"network"`
 	}
 	if err := s.decodeJSON(w, r, &req, true); err != nil {
-		return err
+		return nil, err
 	}
 	if req.TemplateID == "" {
-		return badRequest("templateID is required")
+		return nil, badRequest("templateID is required")
 	}
 	if !validTemplateID(req.TemplateID) {
-		return badRequest("invalid templateID %s", quoteID(req.TemplateID))
+		return nil, badRequest("invalid templateID %s", quoteID(req.TemplateID))
 	}
 	timeout, err := timeoutSeconds("timeout", req.Timeout, sandbox.DefaultTimeout, false)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	network, err := req.Network.toConfig()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	sbx, err := s.svc.Create(r.Context(), sandbox.CreateRequest{
 		TemplateID:      req.TemplateID,
@@ -90,13 +102,13 @@ func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params)
 		AutoResume:      autoResume(req.AutoResume),
 		AllowInternet:   req.AllowInternetAccess,
 		Network:         network,
-		Reservation:     reservationOf(r.Context()),
+		Reservation:     reservation,
 	})
 	if err != nil {
-		return err
+		return nil, err
 	}
-	writeJSON(w, http.StatusCreated, s.toSandbox(sbx))
-	return nil
+	sj := s.toSandbox(sbx)
+	return &sj, nil
 }
 
 func (s *server) getSandbox(w http.ResponseWriter, r *http.Request, p params) error {
@@ -392,7 +404,7 @@ func (s *server) fork(w http.ResponseWriter, r *http.Request, p params) error {
 		// From a step checkpoint: on this node, where it is (checkpoints.go).
 		results, err = s.forkCheckpoint(r, id, *req.CheckpointID, int(count), d)
 	} else {
-		if s.forkAcross(w, r, id, int(count), d) { // cluster mode: children on other nodes too (cluster_move.go)
+		if s.forkAcross(w, r, id, int(count), d) { // cluster mode: children on other nodes too (cluster.go)
 			return nil
 		}
 		results, err = s.svc.Fork(r.Context(), id, int(count), d)

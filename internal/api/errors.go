@@ -18,10 +18,7 @@ import (
 
 // errorBody is E2B's error shape. The JS SDK reads `code` from the body (not the status) to
 // tell 404 and 409 apart, so code always equals the HTTP status.
-type errorBody struct {
-	Code    int    `json:"code"`
-	Message string `json:"message"`
-}
+type errorBody = errdefs.Body
 
 // httpError is an error the edge itself decides (bad input, auth, routing), with its status.
 type httpError struct {
@@ -30,6 +27,9 @@ type httpError struct {
 }
 
 func (e *httpError) Error() string { return e.msg }
+
+// HTTPStatus makes the status errdefs's (errdefs.StatusCoder).
+func (e *httpError) HTTPStatus() int { return e.status }
 
 func badRequest(format string, args ...any) error {
 	return &httpError{status: http.StatusBadRequest, msg: fmt.Sprintf(format, args...)}
@@ -72,31 +72,28 @@ func sandboxNotFoundMsg(raw string) string {
 // "template '<id>' not found"; the id is the one the service's error quotes.
 func templateNotFoundAsE2B(h handlerFunc) handlerFunc {
 	return func(w http.ResponseWriter, r *http.Request, p params) error {
-		err := h(w, r, p)
-		if err == nil || statusOf(err) != http.StatusNotFound {
-			return err
-		}
-		if m := quotedTemplateRe.FindStringSubmatch(err.Error()); m != nil {
-			if id, uerr := strconv.Unquote(`"` + m[1] + `"`); uerr == nil {
-				return &httpError{status: http.StatusNotFound, msg: "template " + quoteTemplate(id) + " not found"}
-			}
-		}
+		return templateNotFoundE2B(h(w, r, p))
+	}
+}
+
+// templateNotFoundE2B is templateNotFoundAsE2B for one create's error.
+func templateNotFoundE2B(err error) error {
+	if err == nil || statusOf(err) != http.StatusNotFound {
 		return err
 	}
+	if m := quotedTemplateRe.FindStringSubmatch(err.Error()); m != nil {
+		if id, uerr := strconv.Unquote(`"` + m[1] + `"`); uerr == nil {
+			return &httpError{status: http.StatusNotFound, msg: "template " + quoteTemplate(id) + " not found"}
+		}
+	}
+	return err
 }
 
 var quotedTemplateRe = regexp.MustCompile(`template "((?:[^"\\]|\\.)*)"`)
 
-// statusOf is the one place errors become HTTP statuses.
+// statusOf is the one place errors become HTTP statuses (errdefs.HTTPStatus: an httpError's
+// own, an answer another node gave, else the category's).
 func statusOf(err error) int {
-	var he *httpError
-	if errors.As(err, &he) {
-		return he.status
-	}
-	var mbe *http.MaxBytesError
-	if errors.As(err, &mbe) {
-		return http.StatusRequestEntityTooLarge
-	}
 	return errdefs.HTTPStatus(err)
 }
 
@@ -109,6 +106,11 @@ func writeError(w http.ResponseWriter, log *slog.Logger, r *http.Request, err er
 	case status == http.StatusInternalServerError:
 		log.Error("api error", "method", r.Method, "path", r.URL.Path, "err", err)
 		msg = "internal error"
+		// Another node's answer was already written for a client.
+		var re *errdefs.StatusError
+		if errors.As(err, &re) {
+			msg = re.Message
+		}
 		// A sandbox that died as it started: say why, and where its logs are kept.
 		var le *runtime.LaunchError
 		if errors.As(err, &le) {
@@ -116,11 +118,8 @@ func writeError(w http.ResponseWriter, log *slog.Logger, r *http.Request, err er
 		}
 	case status >= 500:
 		log.Warn("api error", "method", r.Method, "path", r.URL.Path, "status", status, "err", err)
-	case status == http.StatusTooManyRequests:
-		// The SDKs retry a 429 only when Retry-After is an integer number of seconds.
-		w.Header().Set("Retry-After", "1")
 	}
-	writeJSONError(w, status, msg)
+	errdefs.WriteBody(w, status, msg) // with Retry-After on a 429
 }
 
 func writeJSONError(w http.ResponseWriter, status int, msg string) {

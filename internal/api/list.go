@@ -170,14 +170,27 @@ func matchesMetadata(sb *sandbox.Sandbox, md map[string]string) bool {
 }
 
 func (s *server) listSandboxesV2(w http.ResponseWriter, r *http.Request, _ params) error {
-	q := r.URL.Query()
-	md, err := metadataFilter(q)
+	out, next, err := s.listV2(r)
 	if err != nil {
 		return err
 	}
+	if next != "" {
+		w.Header().Set(HeaderNextToken, next)
+	}
+	writeJSON(w, http.StatusOK, out)
+	return nil
+}
+
+// listV2 is this node's page of a v2 list, and the next page's token.
+func (s *server) listV2(r *http.Request) (_ []listedSandboxJSON, next string, _ error) {
+	q := r.URL.Query()
+	md, err := metadataFilter(q)
+	if err != nil {
+		return nil, "", err
+	}
 	states, lost, err := stateFilter(q)
 	if err != nil {
-		return err
+		return nil, "", err
 	}
 	if len(states) == 0 && !lost {
 		states = []sandbox.State{sandbox.StateRunning, sandbox.StatePaused}
@@ -185,7 +198,7 @@ func (s *server) listSandboxesV2(w http.ResponseWriter, r *http.Request, _ param
 	var after time.Time
 	if v := q.Get("startedAfter"); v != "" {
 		if after, err = time.Parse(time.RFC3339Nano, v); err != nil {
-			return badRequest("startedAfter must be an RFC 3339 time")
+			return nil, "", badRequest("startedAfter must be an RFC 3339 time")
 		}
 	}
 	desc := true
@@ -194,21 +207,21 @@ func (s *server) listSandboxesV2(w http.ResponseWriter, r *http.Request, _ param
 	case "asc":
 		desc = false
 	default:
-		return badRequest("order must be asc or desc")
+		return nil, "", badRequest("order must be asc or desc")
 	}
 	limit, err := limitParam(q.Get("limit"))
 	if err != nil {
-		return err
+		return nil, "", err
 	}
 	cur, err := decodeCursor(q.Get("nextToken"))
 	if err != nil {
-		return err
+		return nil, "", err
 	}
 	f := sandbox.ListFilter{Metadata: md, States: states, TemplateID: q.Get("template"), StartedAfter: after}
 	var sbxs []*sandbox.Sandbox
 	if len(states) > 0 { // only lost ones asked: this node holds none (the edge adds the cluster's)
 		if sbxs, err = s.svc.List(r.Context(), f); err != nil {
-			return err
+			return nil, "", err
 		}
 	}
 	items := make([]pageItem[*sandbox.Sandbox], 0, len(sbxs))
@@ -223,11 +236,7 @@ func (s *server) listSandboxesV2(w http.ResponseWriter, r *http.Request, _ param
 	for _, sb := range page {
 		out = append(out, s.toListed(sb))
 	}
-	if next != "" {
-		w.Header().Set(HeaderNextToken, next)
-	}
-	writeJSON(w, http.StatusOK, out)
-	return nil
+	return out, next, nil
 }
 
 // keepListed re-applies the filter at the edge, so a Service that filters loosely cannot leak
@@ -251,21 +260,31 @@ func (s *server) keepListed(sb *sandbox.Sandbox, f sandbox.ListFilter) bool {
 // listSandboxesV1 is JS 1.x's list: running sandboxes only, no pagination. An explicit state
 // filter (ember's extension, for `state=lost`) is honoured as in v2.
 func (s *server) listSandboxesV1(w http.ResponseWriter, r *http.Request, _ params) error {
+	out, err := s.listV1(r)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusOK, out)
+	return nil
+}
+
+// listV1 is this node's v1 list.
+func (s *server) listV1(r *http.Request) ([]listedSandboxJSON, error) {
 	q := r.URL.Query()
 	md, err := metadataFilter(q)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	f := sandbox.ListFilter{Metadata: md, States: []sandbox.State{sandbox.StateRunning}}
 	if _, ok := q["state"]; ok {
 		if f.States, _, err = stateFilter(q); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	var sbxs []*sandbox.Sandbox
 	if len(f.States) > 0 {
 		if sbxs, err = s.svc.List(r.Context(), f); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	items := make([]pageItem[*sandbox.Sandbox], 0, len(sbxs))
@@ -279,6 +298,5 @@ func (s *server) listSandboxesV1(w http.ResponseWriter, r *http.Request, _ param
 	for _, sb := range page {
 		out = append(out, s.toListed(sb))
 	}
-	writeJSON(w, http.StatusOK, out)
-	return nil
+	return out, nil
 }

@@ -195,17 +195,8 @@ func (s *server) serveSignedFiles(w http.ResponseWriter, r *http.Request, sig st
 		s.serveSandbox(w, r, sbx.ID, sandbox.EnvdPort)
 		return
 	}
-	// In a cluster, the sandbox may be another node's (cluster_signed.go).
-	id := s.signedOwnerElsewhere(r, signedQuery{Path: path, Operation: op, User: user, Exp: exp, Signature: sig})
-	if id == errFanoutLimited {
-		w.Header().Set("Retry-After", "1")
-		writeJSONError(w, http.StatusTooManyRequests, "too many signed file requests for sandboxes on other nodes: retry shortly")
-		return
-	}
-	if id != "" {
-		if !s.routeSandbox(w, r, id, "", true) {
-			s.serveSandbox(w, r, id, sandbox.EnvdPort)
-		}
+	// In a cluster, the sandbox may be another node's (internal/cluster/edge).
+	if s.edge != nil && s.edge.ServeSigned(w, r, signedQuery{Path: path, Operation: op, User: user, Exp: exp, Signature: sig}) {
 		return
 	}
 	writeError(w, s.log, r, &httpError{status: http.StatusUnauthorized, msg: "invalid signature"})

@@ -4,8 +4,6 @@ import (
 	"context"
 	"crypto/subtle"
 	"errors"
-	"sync"
-	"time"
 
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -58,44 +56,4 @@ func (s *server) signedSandbox(ctx context.Context, q signedQuery) (*sandbox.San
 		}
 	}
 	return nil, nil
-}
-
-// Signed-URL lookups an edge sends to the other nodes: fanoutRate a second on average, up to
-// fanoutBurst at once. A signed URL of a sandbox on the edge itself never costs one; past the
-// limit a request for another node's sandbox answers 429 with Retry-After.
-const (
-	fanoutRate  = 50
-	fanoutBurst = 100
-)
-
-// errFanoutLimited is what signedOwnerElsewhere returns instead of an id when over the limit
-// (never a valid sandbox id: it has a space).
-const errFanoutLimited = "fan-out limited"
-
-// fanoutLimit is a token bucket (the zero value is full).
-type fanoutLimit struct {
-	mu     sync.Mutex
-	tokens float64
-	last   time.Time
-	now    func() time.Time // tests
-}
-
-func (l *fanoutLimit) allow() bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	now := time.Now()
-	if l.now != nil {
-		now = l.now()
-	}
-	if l.last.IsZero() {
-		l.tokens = fanoutBurst
-	} else {
-		l.tokens = min(fanoutBurst, l.tokens+now.Sub(l.last).Seconds()*fanoutRate)
-	}
-	l.last = now
-	if l.tokens < 1 {
-		return false
-	}
-	l.tokens--
-	return true
 }

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -73,7 +74,7 @@ func (s *server) builder() (sandbox.TemplateBuilder, error) {
 	if !ok {
 		return nil, &httpError{status: http.StatusNotImplemented, msg: "template builds are not supported by this server"}
 	}
-	return s.sharedBuilder(b), nil // cluster_move.go
+	return edge.ShareBuilder(b, s.svc), nil // shared templates in a cluster
 }
 
 type templateRequestV3 struct {

@@ -26,11 +26,18 @@ var (
 	ErrExhausted = errors.New("resource exhausted")
 )
 
-// HTTPStatus maps an error to the HTTP status the API returns for it.
+// HTTPStatus maps an error to the HTTP status the API returns for it: the status an error
+// names itself (StatusCoder), else its category's.
 func HTTPStatus(err error) int {
+	var sc StatusCoder
+	var mbe *http.MaxBytesError
 	switch {
 	case err == nil:
 		return http.StatusOK
+	case errors.As(err, &sc):
+		return sc.HTTPStatus()
+	case errors.As(err, &mbe):
+		return http.StatusRequestEntityTooLarge
 	case errors.Is(err, ErrNotFound):
 		return http.StatusNotFound
 	case errors.Is(err, ErrConflict):
