@@ -5,6 +5,7 @@ package bench
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -18,11 +19,8 @@ import (
 	"testing"
 	"time"
 
-	"connectrpc.com/connect"
-
-	"github.com/ember-sandbox/ember/api/gen/process"
-	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 	"github.com/ember-sandbox/ember/internal/daemon"
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/testutil"
 )
@@ -124,35 +122,21 @@ type hdr struct{ id, token string }
 func (h hdr) RoundTrip(r *http.Request) (*http.Response, error) {
 	r = r.Clone(r.Context())
 	r.Header.Set("E2b-Sandbox-Id", h.id)
-	r.Header.Set("E2b-Sandbox-Port", "49983")
+	r.Header.Set("E2b-Sandbox-Port", strconv.Itoa(envdclient.Port))
 	r.Header.Set("X-Access-Token", h.token)
 	return http.DefaultTransport.RoundTrip(r)
 }
 
 // run runs a command line in a sandbox through the API's sandbox plane and returns stdout.
 func (n *node) run(sb *sandbox.Sandbox, cmdline string) (string, error) {
-	pc := processconnect.NewProcessClient(&http.Client{Transport: hdr{sb.ID, sb.AccessToken}}, n.url)
-	no := false
-	stream, err := pc.Start(context.Background(), connect.NewRequest(&process.StartRequest{
-		Process: &process.ProcessConfig{Cmd: "/bin/bash", Args: []string{"-l", "-c", cmdline}}, Stdin: &no}))
-	if err != nil {
-		return "", err
-	}
-	defer stream.Close()
+	c := envdclient.New(&http.Client{Transport: hdr{sb.ID, sb.AccessToken}}, n.url, "")
 	var out strings.Builder
-	code := -1
-	for stream.Receive() {
-		ev := stream.Msg().GetEvent()
-		out.Write(ev.GetData().GetStdout())
-		if ev.GetEnd() != nil {
-			code = int(ev.GetEnd().GetExitCode())
-		}
-	}
-	if err := stream.Err(); err != nil {
+	res, err := c.Run(context.Background(), envdclient.Command{Line: cmdline}, envdclient.Output{Stdout: func(b []byte) { out.Write(b) }})
+	if err != nil && !errors.Is(err, envdclient.ErrNoEnd) {
 		return out.String(), err
 	}
-	if code != 0 {
-		return out.String(), fmt.Errorf("exit %d", code)
+	if res.ExitCode != 0 {
+		return out.String(), fmt.Errorf("exit %d", res.ExitCode)
 	}
 	return out.String(), nil
 }
