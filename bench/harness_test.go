@@ -7,10 +7,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"sort"
 	"strconv"
@@ -23,13 +21,13 @@ import (
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/testutil"
+	testnode "github.com/ember-sandbox/ember/internal/testutil/node"
 )
 
 // node is an in-process ember node serving its API on loopback.
 type node struct {
-	*daemon.Node
+	*testnode.Node
 	url, key, dataDir string
-	srv               *http.Server
 }
 
 var (
@@ -52,42 +50,20 @@ func getNode(b *testing.B, poolSize int) *node {
 // startNode starts a node; mod, if set, changes its configuration (a second node needs a node id
 // and CIDR of its own).
 func startNode(runsc string, poolSize int, mod func(*daemon.Config)) (*node, error) {
-	root := testutil.RepoRoot()
 	tmp, err := os.MkdirTemp("", "ember-bench-")
 	if err != nil {
 		return nil, err
 	}
-	envd := filepath.Join(tmp, "envd")
-	cmd := exec.Command("go", "build", "-o", envd, "./cmd/envd")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("build envd: %v: %s", err, out)
-	}
-	cache := os.Getenv("EMBER_CACHE_DIR")
-	if cache == "" {
-		cache = filepath.Join(root, ".cache")
+	bins, err := testnode.Build(tmp, false)
+	if err != nil {
+		return nil, err
 	}
 	dataDir := filepath.Join(tmp, "data")
-	layerFS = "host filesystem (" + fsType(tmp) + ")"
-	if _, err := exec.LookPath("mkfs.btrfs"); err == nil && os.Getenv("EMBER_BENCH_LAYER_FS") != "host" {
-		// Sandbox layers on btrfs: checkpoints clone them as O(1) subvolume snapshots.
-		img := filepath.Join(tmp, "layers.img")
-		if f, err := os.Create(img); err == nil {
-			f.Truncate(64 << 30)
-			f.Close()
-			os.MkdirAll(dataDir, 0o755)
-			if out, err := exec.Command("mkfs.btrfs", "-q", img).CombinedOutput(); err != nil {
-				return nil, fmt.Errorf("mkfs.btrfs: %v %s", err, out)
-			}
-			if out, err := exec.Command("mount", "-o", "loop", img, dataDir).CombinedOutput(); err != nil {
-				return nil, fmt.Errorf("mount layers fs: %v %s", err, out)
-			}
-			layerFS = "btrfs (loop device on " + fsType(tmp) + ")"
-		}
+	if layerFS, err = testnode.LayerFS(tmp, dataDir, 64<<30); err != nil {
+		return nil, err
 	}
 	cfg := daemon.Config{
-		DataDir: dataDir, CacheDir: cache, Runsc: runsc, Envd: envd, PoolSize: poolSize, SlotPoolSize: -1,
+		DataDir: dataDir, CacheDir: testnode.CacheDir(), Runsc: runsc, Envd: bins.Envd, PoolSize: poolSize, SlotPoolSize: -1,
 		PrestartSize: 1, PrestartMax: 8, // ember serve's defaults
 		// EMBER_BENCH_POOL_REFILL_WEIGHT=-1: refills at the sandboxes' CPU weight (an A/B of it).
 		PoolRefillWeight: atoiOr(os.Getenv("EMBER_BENCH_POOL_REFILL_WEIGHT"), 0),
@@ -100,21 +76,11 @@ func startNode(runsc string, poolSize int, mod func(*daemon.Config)) (*node, err
 	if mod != nil {
 		mod(&cfg)
 	}
-	n, err := daemon.Open(context.Background(), cfg)
+	n, err := testnode.Start(context.Background(), cfg)
 	if err != nil {
 		return nil, err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return nil, err
-	}
-	srv := &http.Server{Handler: n.Handler}
-	go srv.Serve(ln)
-	key, err := os.ReadFile(filepath.Join(dataDir, "api-key"))
-	if err != nil {
-		return nil, err
-	}
-	return &node{Node: n, url: "http://" + ln.Addr().String(), key: strings.TrimSpace(string(key)), dataDir: dataDir, srv: srv}, nil
+	return &node{Node: n, url: n.URL, key: n.Key, dataDir: dataDir}, nil
 }
 
 type hdr struct{ id, token string }
@@ -210,31 +176,14 @@ func memAvailableKiB() int64 {
 func TestMain(m *testing.M) {
 	code := m.Run()
 	if theNode != nil {
-		theNode.srv.Close()
 		theNode.Close()
-		cleanupDataDir(theNode.dataDir)
+		testnode.RemoveDataDir(theNode.dataDir)
 	}
 	os.Exit(code)
 }
 
-// cleanupDataDir removes a test data dir, including the namespace mount runsc keeps in its root
-// and the loop-mounted layer filesystem.
-func cleanupDataDir(dataDir string) {
-	exec.Command("umount", filepath.Join(dataDir, "runsc", "null-netns")).Run()
-	exec.Command("umount", dataDir).Run()
-	os.RemoveAll(filepath.Dir(dataDir))
-}
-
 // layerFS names the filesystem that holds the sandboxes' writable layers in this run.
 var layerFS string
-
-func fsType(p string) string {
-	out, err := exec.Command("stat", "-f", "-c", "%T", p).Output()
-	if err != nil {
-		return "unknown"
-	}
-	return strings.TrimSpace(string(out))
-}
 
 // envOr is the environment variable's value, or def when it is unset (EMBER_BENCH_NODE and
 // EMBER_BENCH_CIDR let two benchmark runs share a host).

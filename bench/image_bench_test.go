@@ -36,6 +36,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/template"
 	"github.com/ember-sandbox/ember/internal/testutil"
+	testnode "github.com/ember-sandbox/ember/internal/testutil/node"
 )
 
 // uncompressed layers: a file (the debootstrap base) or bytes.
@@ -120,10 +121,7 @@ func BenchmarkImage(b *testing.B) {
 	testutil.RequireRoot(b)
 	n := startImageNode(b)
 	ctx := context.Background()
-	cache := os.Getenv("EMBER_CACHE_DIR")
-	if cache == "" {
-		cache = filepath.Join(testutil.RepoRoot(), ".cache")
-	}
+	cache := testnode.CacheDir()
 	tarballs, _ := filepath.Glob(filepath.Join(cache, "debootstrap", "debootstrap-bookworm-*.tar"))
 	testutil.Need(b, len(tarballs) > 0, "no debootstrap tarball in the cache (the base template build makes it)")
 	work := filepath.Join(n.dataDir, "bench-image")
@@ -359,7 +357,7 @@ func startRestore(b *testing.B, n *imageNode, dir string, cases []stackCase, cou
 }
 
 type imageNode struct {
-	*daemon.Node
+	*testnode.Node
 	dataDir, fs string
 }
 
@@ -373,42 +371,29 @@ func startImageNode(b *testing.B) *imageNode {
 	if err != nil {
 		b.Fatal(err)
 	}
-	envd := filepath.Join(tmp, "envd")
-	cmd := exec.Command("go", "build", "-o", envd, "./cmd/envd")
-	cmd.Dir = testutil.RepoRoot()
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		b.Fatalf("build envd: %v: %s", err, out)
+	bins, err := testnode.Build(tmp, false)
+	if err != nil {
+		b.Fatal(err)
 	}
 	dataDir := filepath.Join(tmp, "data")
 	os.MkdirAll(dataDir, 0o755)
-	fs := fsType(tmp)
-	if _, err := exec.LookPath("mkfs.btrfs"); err == nil && os.Getenv("EMBER_BENCH_LAYER_FS") != "host" {
-		img := filepath.Join(tmp, "layers.img")
-		f, _ := os.Create(img)
-		f.Truncate(32 << 30)
-		f.Close()
-		if out, err := exec.Command("mkfs.btrfs", "-q", img).CombinedOutput(); err != nil {
-			b.Fatalf("mkfs.btrfs: %v %s", err, out)
-		}
-		if out, err := exec.Command("mount", "-o", "loop", img, dataDir).CombinedOutput(); err != nil {
-			b.Fatalf("mount: %v %s", err, out)
-		}
-		fs = "btrfs (loop device on " + fs + ")"
+	fs, err := testnode.LayerFS(tmp, dataDir, 32<<30)
+	if err != nil {
+		b.Fatal(err)
 	}
-	n, err := daemon.Open(context.Background(), daemon.Config{
-		DataDir: dataDir, CacheDir: filepath.Join(tmp, "cache"), Runsc: runsc, Envd: envd, PoolSize: 0, SlotPoolSize: -1,
+	n, err := testnode.Start(context.Background(), daemon.Config{
+		DataDir: dataDir, CacheDir: filepath.Join(tmp, "cache"), Runsc: runsc, Envd: bins.Envd, PoolSize: 0, SlotPoolSize: -1,
 		NodeID: envOr("EMBER_BENCH_NODE", "bench") + "i", CIDR: envOr("EMBER_BENCH_CIDR", "10.240.0.0/16"),
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Out:    io.Discard,
 	})
 	if err != nil {
-		cleanupDataDir(dataDir)
+		testnode.RemoveDataDir(dataDir)
 		b.Fatal(err)
 	}
 	b.Cleanup(func() {
 		n.Close()
-		cleanupDataDir(dataDir)
+		testnode.RemoveDataDir(dataDir)
 	})
 	return &imageNode{Node: n, dataDir: dataDir, fs: fs}
 }

@@ -27,6 +27,7 @@ import (
 	"github.com/ember-sandbox/ember/api/gen/process"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/testutil"
+	testnode "github.com/ember-sandbox/ember/internal/testutil/node"
 )
 
 // daemon is one `ember serve` process on a data directory, with a node id and CIDR of its own
@@ -169,25 +170,16 @@ func newDaemonOpts(runsc string, o daemonOpts) (*daemon, error) {
 	if o.DataDir == "" {
 		o.DataDir = filepath.Join(buildDir, o.NodeID)
 	}
-	root := testutil.RepoRoot()
-	bin := filepath.Join(buildDir, "ember")
-	envd := filepath.Join(buildDir, "envd")
 	buildMu.Lock()
 	defer buildMu.Unlock()
 	if !built {
-		for _, b := range []struct {
-			out, pkg string
-			env      []string
-		}{{envd, "./cmd/envd", []string{"CGO_ENABLED=0"}}, {bin, "./cmd/ember", nil}} {
-			cmd := exec.Command("go", "build", "-o", b.out, b.pkg)
-			cmd.Dir = root
-			cmd.Env = append(os.Environ(), b.env...)
-			if out, err := cmd.CombinedOutput(); err != nil {
-				return nil, fmt.Errorf("go build %s: %v\n%s", b.pkg, err, out)
-			}
+		bins, err := testnode.Build(buildDir, true)
+		if err != nil {
+			return nil, err
 		}
-		built = true
+		builtBins, built = bins, true
 	}
+	bin, envd := builtBins.Ember, builtBins.Envd
 	d := &daemon{bin: bin, envd: envd, runsc: runsc, dataDir: o.DataDir, nodeID: o.NodeID, cidr: o.CIDR,
 		flags: o.Flags, log: &bytes.Buffer{}}
 	nodeMu.Lock()
@@ -197,8 +189,9 @@ func newDaemonOpts(runsc string, o daemonOpts) (*daemon, error) {
 }
 
 var (
-	buildMu sync.Mutex
-	built   bool // the binaries are built once per test process
+	buildMu   sync.Mutex
+	built     bool // the binaries are built once per test process
+	builtBins testnode.Binaries
 )
 
 func freePort() string {
@@ -283,10 +276,7 @@ func (d *daemon) start() error {
 	if d.addr == "" {
 		d.addr = freePort()
 	}
-	cache := os.Getenv("EMBER_CACHE_DIR")
-	if cache == "" {
-		cache = filepath.Join(testutil.RepoRoot(), ".cache")
-	}
+	cache := testnode.CacheDir()
 	args := []string{"serve", "--listen", d.addr, "--data-dir", d.dataDir, "--cache-dir", cache,
 		"--runsc", d.runsc, "--envd", d.envd, "--templates", "base", "--verbose",
 		"--node-id", d.nodeID, "--cidr", d.cidr,
