@@ -5,11 +5,10 @@ package bench
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"sort"
 	"strconv"
@@ -18,21 +17,18 @@ import (
 	"testing"
 	"time"
 
-	"connectrpc.com/connect"
-
-	"github.com/ember-sandbox/ember/api/gen/process"
-	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 	"github.com/ember-sandbox/ember/internal/daemon"
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/layerfs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/testutil"
+	testnode "github.com/ember-sandbox/ember/internal/testutil/node"
 )
 
 // node is an in-process ember node serving its API on loopback.
 type node struct {
-	*daemon.Node
+	*testnode.Node
 	url, key, dataDir string
-	srv               *http.Server
 }
 
 var (
@@ -55,21 +51,13 @@ func getNode(b *testing.B, poolSize int) *node {
 // startNode starts a node; mod, if set, changes its configuration (a second node needs a node id
 // and CIDR of its own).
 func startNode(runsc string, poolSize int, mod func(*daemon.Config)) (*node, error) {
-	root := testutil.RepoRoot()
 	tmp, err := os.MkdirTemp("", "ember-bench-")
 	if err != nil {
 		return nil, err
 	}
-	envd := filepath.Join(tmp, "envd")
-	cmd := exec.Command("go", "build", "-o", envd, "./cmd/envd")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("build envd: %v: %s", err, out)
-	}
-	cache := os.Getenv("EMBER_CACHE_DIR")
-	if cache == "" {
-		cache = filepath.Join(root, ".cache")
+	bins, err := testnode.Build(tmp, false)
+	if err != nil {
+		return nil, err
 	}
 	dataDir := filepath.Join(tmp, "data")
 	// The data dir on the host filesystem, as `make run` has it: where that cannot clone files
@@ -77,7 +65,7 @@ func startNode(runsc string, poolSize int, mod func(*daemon.Config)) (*node, err
 	// EMBER_BENCH_LAYER_FS=host: the host filesystem as it is (captures copy on ext4).
 	layerMode := os.Getenv("EMBER_BENCH_LAYER_FS")
 	cfg := daemon.Config{
-		DataDir: dataDir, CacheDir: cache, Runsc: runsc, Envd: envd, PoolSize: poolSize, SlotPoolSize: -1,
+		DataDir: dataDir, CacheDir: testnode.CacheDir(), Runsc: runsc, Envd: bins.Envd, PoolSize: poolSize, SlotPoolSize: -1,
 		PrestartSize: 1, PrestartMax: 8, // ember serve's defaults
 		// EMBER_BENCH_POOL_REFILL_WEIGHT=-1: refills at the sandboxes' CPU weight (an A/B of it).
 		PoolRefillWeight: atoiOr(os.Getenv("EMBER_BENCH_POOL_REFILL_WEIGHT"), 0),
@@ -91,22 +79,12 @@ func startNode(runsc string, poolSize int, mod func(*daemon.Config)) (*node, err
 	if mod != nil {
 		mod(&cfg)
 	}
-	n, err := daemon.Open(context.Background(), cfg)
+	n, err := testnode.Start(context.Background(), cfg)
 	if err != nil {
 		return nil, err
 	}
 	layerFS = describeLayerFS(n.LayerFS, tmp)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return nil, err
-	}
-	srv := &http.Server{Handler: n.Handler}
-	go srv.Serve(ln)
-	key, err := os.ReadFile(filepath.Join(dataDir, "api-key"))
-	if err != nil {
-		return nil, err
-	}
-	return &node{Node: n, url: "http://" + ln.Addr().String(), key: strings.TrimSpace(string(key)), dataDir: dataDir, srv: srv}, nil
+	return &node{Node: n, url: n.URL, key: n.Key, dataDir: dataDir}, nil
 }
 
 type hdr struct{ id, token string }
@@ -114,35 +92,21 @@ type hdr struct{ id, token string }
 func (h hdr) RoundTrip(r *http.Request) (*http.Response, error) {
 	r = r.Clone(r.Context())
 	r.Header.Set("E2b-Sandbox-Id", h.id)
-	r.Header.Set("E2b-Sandbox-Port", "49983")
+	r.Header.Set("E2b-Sandbox-Port", strconv.Itoa(envdclient.Port))
 	r.Header.Set("X-Access-Token", h.token)
 	return http.DefaultTransport.RoundTrip(r)
 }
 
 // run runs a command line in a sandbox through the API's sandbox plane and returns stdout.
 func (n *node) run(sb *sandbox.Sandbox, cmdline string) (string, error) {
-	pc := processconnect.NewProcessClient(&http.Client{Transport: hdr{sb.ID, sb.AccessToken}}, n.url)
-	no := false
-	stream, err := pc.Start(context.Background(), connect.NewRequest(&process.StartRequest{
-		Process: &process.ProcessConfig{Cmd: "/bin/bash", Args: []string{"-l", "-c", cmdline}}, Stdin: &no}))
-	if err != nil {
-		return "", err
-	}
-	defer stream.Close()
+	c := envdclient.New(&http.Client{Transport: hdr{sb.ID, sb.AccessToken}}, n.url, "")
 	var out strings.Builder
-	code := -1
-	for stream.Receive() {
-		ev := stream.Msg().GetEvent()
-		out.Write(ev.GetData().GetStdout())
-		if ev.GetEnd() != nil {
-			code = int(ev.GetEnd().GetExitCode())
-		}
-	}
-	if err := stream.Err(); err != nil {
+	res, err := c.Run(context.Background(), envdclient.Command{Line: cmdline}, envdclient.Output{Stdout: func(b []byte) { out.Write(b) }})
+	if err != nil && !errors.Is(err, envdclient.ErrNoEnd) {
 		return out.String(), err
 	}
-	if code != 0 {
-		return out.String(), fmt.Errorf("exit %d", code)
+	if res.ExitCode != 0 {
+		return out.String(), fmt.Errorf("exit %d", res.ExitCode)
 	}
 	return out.String(), nil
 }
@@ -216,21 +180,10 @@ func memAvailableKiB() int64 {
 func TestMain(m *testing.M) {
 	code := m.Run()
 	if theNode != nil {
-		theNode.srv.Close()
 		theNode.Close()
-		cleanupDataDir(theNode.dataDir)
+		testnode.RemoveDataDir(theNode.dataDir)
 	}
 	os.Exit(code)
-}
-
-// cleanupDataDir removes a test data dir, including the namespace mount runsc keeps in its root
-// and the loop-mounted layer filesystem.
-func cleanupDataDir(dataDir string) {
-	exec.Command("umount", filepath.Join(dataDir, "runsc", "null-netns")).Run()
-	if err := layerfs.Unmount(dataDir, 10*time.Second); err != nil {
-		fmt.Fprintln(os.Stderr, "bench:", err)
-	}
-	os.RemoveAll(filepath.Dir(dataDir))
 }
 
 // layerFS names the filesystem that holds the sandboxes' writable layers in this run.
@@ -242,14 +195,6 @@ func describeLayerFS(r layerfs.Result, hostDir string) string {
 		return "btrfs image loop-mounted over the data dir on " + layerfs.FSType(hostDir) + " (--layer-fs=auto, ember's default)"
 	}
 	return "the host filesystem (" + layerfs.FSType(hostDir) + ", --layer-fs=" + map[bool]string{true: "host", false: "auto"}[r.Action == "host"] + ")"
-}
-
-func fsType(p string) string {
-	out, err := exec.Command("stat", "-f", "-c", "%T", p).Output()
-	if err != nil {
-		return "unknown"
-	}
-	return strings.TrimSpace(string(out))
 }
 
 // envOr is the environment variable's value, or def when it is unset (EMBER_BENCH_NODE and

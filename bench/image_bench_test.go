@@ -36,6 +36,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/template"
 	"github.com/ember-sandbox/ember/internal/testutil"
+	testnode "github.com/ember-sandbox/ember/internal/testutil/node"
 )
 
 // uncompressed layers: a file (the debootstrap base) or bytes.
@@ -120,10 +121,7 @@ func BenchmarkImage(b *testing.B) {
 	testutil.RequireRoot(b)
 	n := startImageNode(b)
 	ctx := context.Background()
-	cache := os.Getenv("EMBER_CACHE_DIR")
-	if cache == "" {
-		cache = filepath.Join(testutil.RepoRoot(), ".cache")
-	}
+	cache := testnode.CacheDir()
 	tarballs, _ := filepath.Glob(filepath.Join(cache, "debootstrap", "debootstrap-bookworm-*.tar"))
 	testutil.Need(b, len(tarballs) > 0, "no debootstrap tarball in the cache (the base template build makes it)")
 	work := filepath.Join(n.dataDir, "bench-image")
@@ -359,7 +357,7 @@ func startRestore(b *testing.B, n *imageNode, dir string, cases []stackCase, cou
 }
 
 type imageNode struct {
-	*daemon.Node
+	*testnode.Node
 	dataDir, fs string
 }
 
@@ -373,29 +371,26 @@ func startImageNode(b *testing.B) *imageNode {
 	if err != nil {
 		b.Fatal(err)
 	}
-	envd := filepath.Join(tmp, "envd")
-	cmd := exec.Command("go", "build", "-o", envd, "./cmd/envd")
-	cmd.Dir = testutil.RepoRoot()
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		b.Fatalf("build envd: %v: %s", err, out)
+	bins, err := testnode.Build(tmp, false)
+	if err != nil {
+		b.Fatal(err)
 	}
 	dataDir := filepath.Join(tmp, "data")
 	os.MkdirAll(dataDir, 0o755)
-	n, err := daemon.Open(context.Background(), daemon.Config{
-		DataDir: dataDir, CacheDir: filepath.Join(tmp, "cache"), Runsc: runsc, Envd: envd, PoolSize: 0, SlotPoolSize: -1,
+	n, err := testnode.Start(context.Background(), daemon.Config{
+		DataDir: dataDir, CacheDir: filepath.Join(tmp, "cache"), Runsc: runsc, Envd: bins.Envd, PoolSize: 0, SlotPoolSize: -1,
 		NodeID: envOr("EMBER_BENCH_NODE", "bench") + "i", CIDR: envOr("EMBER_BENCH_CIDR", "10.240.0.0/16"),
 		LayerFS: os.Getenv("EMBER_BENCH_LAYER_FS"),
 		Logger:  slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Out:     io.Discard,
 	})
 	if err != nil {
-		cleanupDataDir(dataDir)
+		testnode.RemoveDataDir(dataDir)
 		b.Fatal(err)
 	}
 	b.Cleanup(func() {
 		n.Close()
-		cleanupDataDir(dataDir)
+		testnode.RemoveDataDir(dataDir)
 	})
 	return &imageNode{Node: n, dataDir: dataDir, fs: describeLayerFS(n.LayerFS, tmp)}
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/testutil"
+	testnode "github.com/ember-sandbox/ember/internal/testutil/node"
 )
 
 // BenchmarkIdleMemory: private memory per idle sandbox at N = 50, by host process (the runsc
@@ -69,9 +70,8 @@ func BenchmarkIdleMemory(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer func() {
-		nb.srv.Close()
 		nb.Close()
-		cleanupDataDir(nb.dataDir)
+		testnode.RemoveDataDir(nb.dataDir)
 	}()
 	ctx := context.Background()
 	const count = 50

@@ -20,6 +20,7 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster/edge"
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -183,7 +184,7 @@ func (s *server) matchHost(host string) (port int, id string, ok bool, err error
 // parsePort parses a guest port; "" means envd's port.
 func parsePort(v string) (int, error) {
 	if v == "" {
-		return sandbox.EnvdPort, nil
+		return envdclient.Port, nil
 	}
 	p, err := strconv.Atoi(v)
 	if err != nil || p < 1 || p > 65535 {

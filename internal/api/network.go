@@ -5,6 +5,7 @@ import (
 	"crypto/subtle"
 	"net/http"
 
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -138,7 +139,7 @@ type proxyHostKey struct{}
 // traffic access token the request lacks (ok false), else returns ctx carrying the Host the
 // guest should see, if masked.
 func (s *server) guestAccess(ctx context.Context, w http.ResponseWriter, r *http.Request, id string, port int) (context.Context, bool) {
-	if port == sandbox.EnvdPort {
+	if port == envdclient.Port {
 		return ctx, true
 	}
 	sbx, err := s.svc.Get(ctx, id)

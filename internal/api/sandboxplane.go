@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -136,7 +137,7 @@ func (s *server) serveSandbox(w http.ResponseWriter, r *http.Request, id string,
 	if !ok {
 		return
 	}
-	if port == sandbox.EnvdPort {
+	if port == envdclient.Port {
 		ctx = sandbox.WithEnvdToken(ctx, r.Header.Get("X-Access-Token"))
 	}
 	base, err := s.svc.GuestURL(ctx, id, port)
@@ -192,7 +193,7 @@ func (s *server) serveSignedFiles(w http.ResponseWriter, r *http.Request, sig st
 			writeNotRunning(w, sbx.ID)
 			return
 		}
-		s.serveSandbox(w, r, sbx.ID, sandbox.EnvdPort)
+		s.serveSandbox(w, r, sbx.ID, envdclient.Port)
 		return
 	}
 	// In a cluster, the sandbox may be another node's (internal/cluster/edge).

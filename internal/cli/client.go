@@ -12,7 +12,6 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 )
 
@@ -170,8 +169,9 @@ func (c *client) exec(ctx context.Context, id string, args []string, user, cwd s
 		return -1, err
 	}
 	hc := &http.Client{Transport: &sandboxTransport{id: id, token: info.EnvdAccessToken, base: http.DefaultTransport}}
-	res, err := envdclient.Run(ctx, processconnect.NewProcessClient(hc, c.base),
-		envdclient.Command{Line: shellJoin(args), User: user, Cwd: cwd, Envs: envs, Wait: true},
+	// The transport carries the access token with the routing headers.
+	res, err := envdclient.New(hc, c.base, "").Run(ctx,
+		envdclient.Command{Line: shellJoin(args), User: user, Cwd: cwd, Envs: envs},
 		envdclient.Output{Stdout: func(b []byte) { os.Stdout.Write(b) }, Stderr: func(b []byte) { os.Stderr.Write(b) }})
 	if err != nil {
 		return -1, err

@@ -32,9 +32,6 @@ import (
 // GuestIfName is the name of the slot's interface inside its namespace.
 const GuestIfName = "eth0"
 
-// EnvdPort is the port envd listens on inside every sandbox, reached at GuestIP.
-const EnvdPort = 49983
-
 // NetNSDir is where named network namespaces are bind-mounted (the same place as `ip netns`).
 const NetNSDir = "/run/netns"
 

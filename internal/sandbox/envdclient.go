@@ -5,7 +5,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 )
 
@@ -15,8 +14,17 @@ import (
 // out-of-band Exec: gVisor kills exec'd processes on restore, while envd's children survive.
 func (m *Manager) envdCommandAs(ctx context.Context, base, token, user, cmdline string, wait bool) (int, string, error) {
 	var out tailBuffer
-	res, err := envdclient.Run(ctx, processconnect.NewProcessClient(m.client, base),
-		envdclient.Command{Line: cmdline, User: user, Token: token, Wait: wait}, envdclient.Output{Stdout: out.write, Stderr: out.write})
+	envd := envdclient.New(m.client, base, token)
+	cmd := envdclient.Command{Line: cmdline, User: user}
+	if !wait {
+		p, err := envd.Start(ctx, cmd)
+		if err != nil {
+			return -1, "", err
+		}
+		p.Close() // disconnecting does not stop the process
+		return -1, "", nil
+	}
+	res, err := envd.Run(ctx, cmd, envdclient.Output{Stdout: out.write, Stderr: out.write})
 	return res.ExitCode, out.String(), err
 }
 
@@ -64,7 +72,6 @@ const warmupTimeout = 10 * time.Second
 func (m *Manager) warmGuest(ctx context.Context, guestIP, token string) error {
 	ctx, cancel := context.WithTimeout(ctx, warmupTimeout)
 	defer cancel()
-	_, err := envdclient.Run(ctx, processconnect.NewProcessClient(m.guest, envdBase(guestIP)),
-		envdclient.Command{Line: "/bin/true", Token: token, Wait: true}, envdclient.Output{})
+	_, err := envdclient.New(m.guest, envdBase(guestIP), token).Run(ctx, envdclient.Command{Line: "/bin/true"}, envdclient.Output{})
 	return err
 }

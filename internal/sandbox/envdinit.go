@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"net/http"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
@@ -55,23 +54,23 @@ func launchDials(dial dialFunc) dialFunc {
 	}
 }
 
-// sendWhenUp sends the request newReq makes through client (initClient, or the guest
-// transports, whose dial launchDials marks for it) once envd accepts a connection: attempts that
-// could not connect are retried (backing off from 2 to 50 ms) for up to EnvdTimeout; any other
-// outcome is returned.
-func (m *Manager) sendWhenUp(ctx context.Context, client *http.Client, newReq func(context.Context) *http.Request) (*http.Response, error) {
+// sendWhenUp makes one request to envd with send (through initClient, or the guest transports,
+// whose dial launchDials marks for it) once envd accepts a connection: attempts that could not
+// connect are retried (backing off from 2 to 50 ms) for up to EnvdTimeout; any other outcome is
+// returned.
+func (m *Manager) sendWhenUp(ctx context.Context, send func(context.Context) error) error {
 	wctx, cancel := context.WithTimeout(ctx, m.cfg.EnvdTimeout)
 	defer cancel()
 	delay := 2 * time.Millisecond
 	for {
-		resp, err := client.Do(newReq(context.WithValue(ctx, launchDialKey{}, true)))
+		err := send(context.WithValue(ctx, launchDialKey{}, true))
 		var de dialError
 		if err == nil || !errors.As(err, &de) || ctx.Err() != nil {
-			return resp, err
+			return err
 		}
 		select {
 		case <-wctx.Done():
-			return nil, fmt.Errorf("envd did not come up: %v: %w", err, errdefs.ErrUnavailable)
+			return fmt.Errorf("envd did not come up: %v: %w", err, errdefs.ErrUnavailable)
 		case <-time.After(delay):
 		}
 		if delay < 50*time.Millisecond {

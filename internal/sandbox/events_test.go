@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/sandbox"
@@ -126,11 +127,11 @@ func TestEventsReportEveryTransitionOnce(t *testing.T) {
 	woken := n.create(sandbox.CreateRequest{Timeout: time.Second, AutoPause: true, AutoResume: &yes})
 	rec.eventually(t, killed.ID, "started:created", "ended:"+sandbox.EndTimeout)
 	rec.eventually(t, woken.ID, "started:created", "paused")
-	if _, err := n.m.GuestURL(ctx, woken.ID, sandbox.EnvdPort); err != nil {
+	if _, err := n.m.GuestURL(ctx, woken.ID, envdclient.Port); err != nil {
 		t.Fatalf("traffic did not wake it: %v", err)
 	}
 	rec.want(t, woken.ID, "started:created", "paused", "resumed")
-	if _, err := n.m.GuestURL(ctx, woken.ID, sandbox.EnvdPort); err != nil {
+	if _, err := n.m.GuestURL(ctx, woken.ID, envdclient.Port); err != nil {
 		t.Fatal(err)
 	}
 	rec.want(t, woken.ID, "started:created", "paused", "resumed")
@@ -201,7 +202,7 @@ func TestRefusedStartEndsTheSandbox(t *testing.T) {
 		t.Fatal(err)
 	}
 	refuse.Store(sandbox.EventResumed, true)
-	if _, err := n.m.GuestURL(ctx, sb.ID, sandbox.EnvdPort); !errors.Is(err, refused) {
+	if _, err := n.m.GuestURL(ctx, sb.ID, envdclient.Port); !errors.Is(err, refused) {
 		t.Fatalf("wake refused by the listener: %v", err)
 	}
 	rec.want(t, sb.ID, "started:created", "paused", "resumed", "ended:"+sandbox.EndKilled)

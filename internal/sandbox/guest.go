@@ -3,13 +3,13 @@ package sandbox
 import (
 	"context"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"strconv"
 	"sync"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
@@ -98,16 +98,7 @@ const warmTimeout = 3 * time.Second
 func (gt *guestTransport) warm(hostport string) {
 	ctx, cancel := context.WithTimeout(context.Background(), warmTimeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+hostport+"/health", nil)
-	if err != nil {
-		return
-	}
-	res, err := gt.RoundTrip(req)
-	if err != nil {
-		return
-	}
-	_, _ = io.Copy(io.Discard, res.Body)
-	res.Body.Close()
+	_ = envdclient.New(&http.Client{Transport: gt}, "http://"+hostport, "").Health(ctx)
 }
 
 // close drops the transport of guest IP addr and closes all its connections, idle or not.

@@ -1,17 +1,15 @@
 package sandbox
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
@@ -260,7 +258,7 @@ func envdBase(guestIP string) string {
 	if err != nil {
 		return "http://invalid"
 	}
-	return "http://" + netip.AddrPortFrom(ip, EnvdPort).String()
+	return "http://" + netip.AddrPortFrom(ip, envdclient.Port).String()
 }
 
 // watch notices when a running sandbox's instance stops by itself (killed from outside, out
@@ -297,22 +295,17 @@ func (m *Manager) watch(e *entry, instance string) {
 func (m *Manager) waitEnvd(ctx context.Context, client *http.Client, base string) error {
 	ctx, cancel := context.WithTimeout(ctx, m.cfg.EnvdTimeout)
 	defer cancel()
+	envd := envdclient.New(client, base, "")
 	delay := 2 * time.Millisecond
 	var last error
 	for {
 		// A short bound per attempt: a lost first SYN on a fresh veth would otherwise cost the
 		// kernel's 1 s retransmit.
 		actx, acancel := context.WithTimeout(ctx, 250*time.Millisecond)
-		req, _ := http.NewRequestWithContext(actx, http.MethodGet, base+"/health", nil)
-		resp, err := client.Do(req)
+		err := envd.Health(actx)
 		acancel()
 		if err == nil {
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode/100 == 2 {
-				return nil
-			}
-			err = fmt.Errorf("status %d", resp.StatusCode)
+			return nil
 		}
 		last = err
 		select {
@@ -324,15 +317,6 @@ func (m *Manager) waitEnvd(ctx context.Context, client *http.Client, base string
 			delay *= 2
 		}
 	}
-}
-
-type initRequest struct {
-	EnvVars        map[string]string `json:"envVars"`
-	AccessToken    string            `json:"accessToken"`
-	DefaultUser    string            `json:"defaultUser"`
-	DefaultWorkdir string            `json:"defaultWorkdir"`
-	Hostname       string            `json:"hostname"`
-	Timestamp      time.Time         `json:"timestamp"`
 }
 
 // initTimeout bounds envd's /init (a wedged guest must not hold a create forever).
@@ -363,31 +347,16 @@ func (m *Manager) initEnvd(ctx context.Context, client *http.Client, base string
 			}
 		}
 	}
-	body, _ := json.Marshal(initRequest{
+	body := envdclient.InitRequest{
 		EnvVars:        env,
 		AccessToken:    sb.AccessToken,
 		DefaultUser:    user,
 		DefaultWorkdir: workdir,
 		Hostname:       "sandbox",
 		Timestamp:      time.Now().UTC(),
-	})
-	resp, err := m.sendWhenUp(ctx, client, func(ctx context.Context) *http.Request {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, base+"/init", bytes.NewReader(body))
-		req.Header.Set("Content-Type", "application/json")
-		if oldToken != "" {
-			req.Header.Set("X-Access-Token", oldToken)
-		}
-		return req
-	})
-	if err != nil {
-		return fmt.Errorf("envd init: %w", err)
 	}
-	defer resp.Body.Close()
-	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-	if resp.StatusCode/100 != 2 {
-		return fmt.Errorf("envd init: status %d: %s", resp.StatusCode, msg)
-	}
-	return nil
+	envd := envdclient.New(client, base, oldToken)
+	return m.sendWhenUp(ctx, func(ctx context.Context) error { return envd.Init(ctx, body) })
 }
 
 // ---- fault injection (tests) ----

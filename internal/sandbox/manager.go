@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
@@ -343,7 +344,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		client: &http.Client{Transport: &http.Transport{DialContext: cfg.Dial, DisableKeepAlives: true}},
 		// /init: connection failures marked, so they can be retried (envdinit.go).
 		initClient: &http.Client{Transport: &http.Transport{DialContext: markDials(cfg.Dial), DisableKeepAlives: true}},
-		guestT:     newGuestTransports(launchDials(cfg.Dial), EnvdPort),
+		guestT:     newGuestTransports(launchDials(cfg.Dial), envdclient.Port),
 		live:       map[string]*entry{},
 		stop:       make(chan struct{}),
 		faults:     &faults{fail: cfg.Fail},

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/sandbox"
@@ -108,7 +109,7 @@ func (n *node) create(req sandbox.CreateRequest) *sandbox.Sandbox {
 // guest calls the fake envd of a running sandbox through the Manager's guest transport.
 func (n *node) guest(id, method, path, body string) (int, string) {
 	n.t.Helper()
-	base, err := n.m.GuestURL(context.Background(), id, sandbox.EnvdPort)
+	base, err := n.m.GuestURL(context.Background(), id, envdclient.Port)
 	if err != nil {
 		return 0, err.Error()
 	}
@@ -305,7 +306,7 @@ func TestDeadSandboxIsNoticed(t *testing.T) {
 			if !errors.Is(err, errdefs.ErrNotFound) || !strings.Contains(err.Error(), string(reason)) {
 				t.Fatalf("get: %v, want not found naming %q", err, reason)
 			}
-			if _, err := n.m.GuestURL(context.Background(), sb.ID, sandbox.EnvdPort); !errors.Is(err, errdefs.ErrNotFound) {
+			if _, err := n.m.GuestURL(context.Background(), sb.ID, envdclient.Port); !errors.Is(err, errdefs.ErrNotFound) {
 				t.Fatalf("guest url of a dead sandbox: %v", err)
 			}
 			n.assertHolds(0)

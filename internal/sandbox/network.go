@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
@@ -105,7 +106,7 @@ func (n *NetworkConfig) ForNew() *NetworkConfig {
 // GuestHost returns the Host header a request to guest port should carry ("" = keep the
 // client's): MaskRequestHost with ${PORT} substituted. envd's port is never masked.
 func (n *NetworkConfig) GuestHost(port int) string {
-	if n == nil || n.MaskRequestHost == "" || port == EnvdPort {
+	if n == nil || n.MaskRequestHost == "" || port == envdclient.Port {
 		return ""
 	}
 	return strings.ReplaceAll(n.MaskRequestHost, MaskRequestHostPort, fmt.Sprint(port))
@@ -114,7 +115,7 @@ func (n *NetworkConfig) GuestHost(port int) string {
 // GuestToken returns the traffic access token requests to guest port must carry ("" = none
 // needed). envd's port has its own access token and is never gated by this one.
 func (n *NetworkConfig) GuestToken(port int) string {
-	if n == nil || port == EnvdPort || n.AllowPublicTraffic == nil || *n.AllowPublicTraffic {
+	if n == nil || port == envdclient.Port || n.AllowPublicTraffic == nil || *n.AllowPublicTraffic {
 		return ""
 	}
 	return n.TrafficAccessToken

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
@@ -92,11 +93,11 @@ func TestNetworkConfigForNew(t *testing.T) {
 	if n.AllowOut[0] != "1.1.1.1" {
 		t.Fatal("ForNew shares the allow list")
 	}
-	if a.GuestToken(8080) != a.TrafficAccessToken || a.GuestToken(EnvdPort) != "" {
-		t.Fatalf("GuestToken: %q / %q", a.GuestToken(8080), a.GuestToken(EnvdPort))
+	if a.GuestToken(8080) != a.TrafficAccessToken || a.GuestToken(envdclient.Port) != "" {
+		t.Fatalf("GuestToken: %q / %q", a.GuestToken(8080), a.GuestToken(envdclient.Port))
 	}
-	if a.GuestHost(8080) != "h:8080" || a.GuestHost(EnvdPort) != "" {
-		t.Fatalf("GuestHost: %q / %q", a.GuestHost(8080), a.GuestHost(EnvdPort))
+	if a.GuestHost(8080) != "h:8080" || a.GuestHost(envdclient.Port) != "" {
+		t.Fatalf("GuestHost: %q / %q", a.GuestHost(8080), a.GuestHost(envdclient.Port))
 	}
 	if (&NetworkConfig{}).ForNew().TrafficAccessToken != "" || (*NetworkConfig)(nil).ForNew() != nil {
 		t.Fatal("public traffic must not get a token")

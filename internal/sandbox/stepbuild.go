@@ -13,7 +13,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/image"
@@ -864,8 +863,8 @@ func (g *guestRun) root(ctx context.Context, cmd string, out func(string)) error
 func (g *guestRun) run(ctx context.Context, cmd, user, cwd string, env map[string]string, out func(string)) (int, error) {
 	lw := &lineWriter{emit: out}
 	o := envdclient.Output{Stdout: lw.write, Stderr: lw.write}
-	res, err := envdclient.Run(ctx, processconnect.NewProcessClient(g.m.client, g.base),
-		envdclient.Command{Line: cmd, User: user, Cwd: cwd, Envs: env, Token: g.token, Wait: true}, o)
+	res, err := envdclient.New(g.m.client, g.base, g.token).Run(ctx,
+		envdclient.Command{Line: cmd, User: user, Cwd: cwd, Envs: env}, o)
 	lw.flush()
 	return res.ExitCode, err
 }

@@ -2,8 +2,6 @@ package sandbox
 
 import (
 	"time"
-
-	"github.com/ember-sandbox/ember/internal/envdclient"
 )
 
 // State of a sandbox as users see it.
@@ -32,9 +30,6 @@ const DefaultTimeout = 300 * time.Second
 
 // MaxTimeout bounds the timeout a caller may ask for.
 const MaxTimeout = 24 * time.Hour
-
-// EnvdPort is where envd listens inside every sandbox.
-const EnvdPort = envdclient.Port
 
 // EnvdVersion is the envd protocol version ember's envd implements (gates SDK features).
 const EnvdVersion = "0.6.4"

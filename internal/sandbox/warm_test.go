@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -81,7 +82,7 @@ func TestFirstRequestReusesTheLaunchConnection(t *testing.T) {
 			before := maps.Clone(dials)
 			mu.Unlock()
 			sb := n.create(sandbox.CreateRequest{})
-			addr := net.JoinHostPort(sb.Runtime.GuestIP, strconv.Itoa(sandbox.EnvdPort))
+			addr := net.JoinHostPort(sb.Runtime.GuestIP, strconv.Itoa(envdclient.Port))
 			if code, body := n.guest(sb.ID, http.MethodGet, "/health", ""); code/100 != 2 {
 				t.Fatalf("first request: %d %s", code, body)
 			}

@@ -6,8 +6,8 @@ package e2e
 import (
 	"bytes"
 	"context"
-	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -25,8 +25,9 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/ember-sandbox/ember/api/gen/process"
-	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
+	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/testutil"
+	testnode "github.com/ember-sandbox/ember/internal/testutil/node"
 )
 
 // daemon is one `ember serve` process on a data directory, with a node id and CIDR of its own
@@ -170,25 +171,16 @@ func newDaemonOpts(runsc string, o daemonOpts) (*daemon, error) {
 	if o.DataDir == "" {
 		o.DataDir = filepath.Join(buildDir, o.NodeID)
 	}
-	root := testutil.RepoRoot()
-	bin := filepath.Join(buildDir, "ember")
-	envd := filepath.Join(buildDir, "envd")
 	buildMu.Lock()
 	defer buildMu.Unlock()
 	if !built {
-		for _, b := range []struct {
-			out, pkg string
-			env      []string
-		}{{envd, "./cmd/envd", []string{"CGO_ENABLED=0"}}, {bin, "./cmd/ember", nil}} {
-			cmd := exec.Command("go", "build", "-o", b.out, b.pkg)
-			cmd.Dir = root
-			cmd.Env = append(os.Environ(), b.env...)
-			if out, err := cmd.CombinedOutput(); err != nil {
-				return nil, fmt.Errorf("go build %s: %v\n%s", b.pkg, err, out)
-			}
+		bins, err := testnode.Build(buildDir, true)
+		if err != nil {
+			return nil, err
 		}
-		built = true
+		builtBins, built = bins, true
 	}
+	bin, envd := builtBins.Ember, builtBins.Envd
 	d := &daemon{bin: bin, envd: envd, runsc: runsc, dataDir: o.DataDir, nodeID: o.NodeID, cidr: o.CIDR,
 		flags: o.Flags, log: &bytes.Buffer{}}
 	nodeMu.Lock()
@@ -198,8 +190,9 @@ func newDaemonOpts(runsc string, o daemonOpts) (*daemon, error) {
 }
 
 var (
-	buildMu sync.Mutex
-	built   bool // the binaries are built once per test process
+	buildMu   sync.Mutex
+	built     bool // the binaries are built once per test process
+	builtBins testnode.Binaries
 )
 
 func freePort() string {
@@ -284,10 +277,7 @@ func (d *daemon) start() error {
 	if d.addr == "" {
 		d.addr = freePort()
 	}
-	cache := os.Getenv("EMBER_CACHE_DIR")
-	if cache == "" {
-		cache = filepath.Join(testutil.RepoRoot(), ".cache")
-	}
+	cache := testnode.CacheDir()
 	args := []string{"serve", "--listen", d.addr, "--data-dir", d.dataDir, "--cache-dir", cache,
 		"--runsc", d.runsc, "--envd", d.envd, "--templates", "base", "--verbose",
 		"--node-id", d.nodeID, "--cidr", d.cidr,
@@ -491,14 +481,15 @@ type sandboxHeaders struct {
 func (h sandboxHeaders) RoundTrip(r *http.Request) (*http.Response, error) {
 	r = r.Clone(r.Context())
 	r.Header.Set("E2b-Sandbox-Id", h.id)
-	r.Header.Set("E2b-Sandbox-Port", "49983")
+	r.Header.Set("E2b-Sandbox-Port", strconv.Itoa(envdclient.Port))
 	r.Header.Set("X-Access-Token", h.token)
 	return http.DefaultTransport.RoundTrip(r)
 }
 
-func (d *daemon) processClient(s sbx) processconnect.ProcessClient {
+// envdClient is a client of s's envd through the daemon's sandbox plane.
+func (d *daemon) envdClient(s sbx) *envdclient.Client {
 	hc := &http.Client{Transport: sandboxHeaders{s.SandboxID, s.EnvdAccessToken}}
-	return processconnect.NewProcessClient(hc, "http://"+d.addr)
+	return envdclient.New(hc, "http://"+d.addr, "")
 }
 
 // run runs a bash command line in the sandbox through envd (as E2B's commands.run does).
@@ -524,68 +515,33 @@ func (d *daemon) runFor(timeout time.Duration, s sbx, cmdline string) (result, e
 	return d.runCtx(ctx, s, cmdline, "")
 }
 
-// runCtx runs a bash command line in the sandbox through envd, bounded by ctx.
+// runCtx runs a bash command line in the sandbox through envd, bounded by ctx. A stream that
+// ends without the process's end gives exit code -999 and no error.
 func (d *daemon) runCtx(ctx context.Context, s sbx, cmdline, user string) (result, error) {
-	no := false
-	req := connect.NewRequest(&process.StartRequest{
-		Process: &process.ProcessConfig{Cmd: "/bin/bash", Args: []string{"-l", "-c", cmdline}},
-		Stdin:   &no,
-	})
-	if user != "" {
-		req.Header().Set("Authorization", "Basic "+basic(user))
-	}
-	stream, err := d.processClient(s).Start(ctx, req)
-	if err != nil {
-		return result{}, err
-	}
-	defer stream.Close()
-	var r result
 	var out, errb strings.Builder
-	r.exitCode = -999
-	for stream.Receive() {
-		ev := stream.Msg().GetEvent()
-		switch {
-		case ev.GetStart() != nil:
-			r.pid = ev.GetStart().GetPid()
-		case ev.GetData() != nil:
-			out.Write(ev.GetData().GetStdout())
-			errb.Write(ev.GetData().GetStderr())
-		case ev.GetEnd() != nil:
-			r.exitCode = int(ev.GetEnd().GetExitCode())
-		}
+	res, err := d.envdClient(s).Run(ctx, envdclient.Command{Line: cmdline, User: user},
+		envdclient.Output{Stdout: func(b []byte) { out.Write(b) }, Stderr: func(b []byte) { errb.Write(b) }})
+	r := result{stdout: out.String(), stderr: errb.String(), exitCode: res.ExitCode, pid: res.Pid}
+	if errors.Is(err, envdclient.ErrNoEnd) {
+		r.exitCode, err = -999, nil
 	}
-	r.stdout, r.stderr = out.String(), errb.String()
-	if err := stream.Err(); err != nil {
-		return r, err
-	}
-	return r, nil
+	return r, err
 }
 
 // background starts a long-running command and returns its pid without waiting.
 func (d *daemon) background(t *testing.T, s sbx, cmdline string) uint32 {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	no := false
-	stream, err := d.processClient(s).Start(ctx, connect.NewRequest(&process.StartRequest{
-		Process: &process.ProcessConfig{Cmd: "/bin/bash", Args: []string{"-l", "-c", cmdline}},
-		Stdin:   &no,
-	}))
+	p, err := d.envdClient(s).Start(context.Background(), envdclient.Command{Line: cmdline})
 	if err != nil {
-		cancel()
 		t.Fatalf("start %q: %v", cmdline, err)
 	}
-	if !stream.Receive() || stream.Msg().GetEvent().GetStart() == nil {
-		cancel()
-		t.Fatalf("start %q: no start event: %v", cmdline, stream.Err())
-	}
-	pid := stream.Msg().GetEvent().GetStart().GetPid()
-	cancel() // disconnecting does not kill the process
-	return pid
+	p.Close() // disconnecting does not kill the process
+	return p.Pid
 }
 
 func (d *daemon) listPids(t *testing.T, s sbx) map[uint32]string {
 	t.Helper()
-	resp, err := d.processClient(s).List(context.Background(), connect.NewRequest(&process.ListRequest{}))
+	resp, err := d.envdClient(s).Processes().List(context.Background(), connect.NewRequest(&process.ListRequest{}))
 	if err != nil {
 		t.Fatalf("list processes: %v", err)
 	}
@@ -595,8 +551,6 @@ func (d *daemon) listPids(t *testing.T, s sbx) map[uint32]string {
 	}
 	return out
 }
-
-func basic(user string) string { return base64.StdEncoding.EncodeToString([]byte(user + ":")) }
 
 var httpClient = &http.Client{Timeout: 10 * time.Second}
 

@@ -27,6 +27,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/types"
 
 	"github.com/ember-sandbox/ember/internal/testutil"
+	testnode "github.com/ember-sandbox/ember/internal/testutil/node"
 )
 
 // fileLayer is an uncompressed layer read from a tar file (the debootstrap base rootfs).
@@ -117,10 +118,7 @@ func baseFile(t *testing.T, tarball, name string) string {
 
 func debootstrapTarball(t *testing.T) string {
 	t.Helper()
-	cache := os.Getenv("EMBER_CACHE_DIR")
-	if cache == "" {
-		cache = filepath.Join(testutil.RepoRoot(), ".cache")
-	}
+	cache := testnode.CacheDir()
 	m, _ := filepath.Glob(filepath.Join(cache, "debootstrap", "debootstrap-bookworm-*.tar"))
 	testutil.Need(t, len(m) > 0, "no debootstrap tarball in the cache (the base template build makes it)")
 	return m[0]
