@@ -226,8 +226,8 @@ func TestMemoryLimitStopsSandbox(t *testing.T) {
 	sp := runtime.Spec{ID: "gv-memoom01", RootFS: drivertest.BusyboxRootFS(t), StateDir: t.TempDir(), Args: []string{"/bin/sleep", "1000"}, MemoryMB: 256}
 	startInstance(t, d, sp)
 	if sw := gvisor.InstanceCgroupFile(d, sp.ID, "memory.memsw.limit_in_bytes"); sw != "" {
-		if n := cgroupInt(t, d, sp.ID, "memory.memsw.limit_in_bytes", ""); n != 256<<20 {
-			t.Errorf("memory+swap limit %d, want %d (no swapping past the limit)", n, 256<<20)
+		if n, l := cgroupInt(t, d, sp.ID, "memory.memsw.limit_in_bytes", ""), cgroupInt(t, d, sp.ID, "memory.limit_in_bytes", ""); n != l || n != gvisor.HostMemoryLimit(256<<20) {
+			t.Errorf("memory+swap limit %d, memory limit %d, want both %d (256 MiB + headroom, no swapping past the limit)", n, l, gvisor.HostMemoryLimit(256<<20))
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

@@ -1,0 +1,170 @@
+package envd
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// fakeProc is a /proc with a meminfo and processes (pid -> resident MiB) a test changes.
+type fakeProc struct {
+	t    *testing.T
+	dir  string
+	mu   sync.Mutex
+	rss  map[int]uint64 // MiB
+	base uint64         // MiB in use outside the processes
+	tot  uint64         // MiB
+}
+
+func newFakeProc(t *testing.T, totalMiB, baseMiB uint64) *fakeProc {
+	f := &fakeProc{t: t, dir: t.TempDir(), rss: map[int]uint64{}, base: baseMiB, tot: totalMiB}
+	f.sync()
+	return f
+}
+
+func (f *fakeProc) set(pid int, mib uint64) {
+	f.mu.Lock()
+	f.rss[pid] = mib
+	f.mu.Unlock()
+	f.sync()
+}
+
+// sync writes meminfo and every process's files (a killed process is a zombie: state Z, no rss).
+func (f *fakeProc) sync() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	used := f.base
+	for _, r := range f.rss {
+		used += r
+	}
+	avail := uint64(0)
+	if used < f.tot {
+		avail = f.tot - used
+	}
+	write := func(p, s string) {
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			f.t.Fatal(err)
+		}
+		if err := os.WriteFile(p+".tmp", []byte(s), 0o644); err != nil {
+			f.t.Fatal(err)
+		}
+		if err := os.Rename(p+".tmp", p); err != nil {
+			f.t.Fatal(err)
+		}
+	}
+	write(filepath.Join(f.dir, "meminfo"), fmt.Sprintf("MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\n", f.tot<<10, avail<<10, avail<<10))
+	for pid, r := range f.rss {
+		d := filepath.Join(f.dir, strconv.Itoa(pid))
+		state := "S"
+		if r == 0 {
+			state = "Z"
+		}
+		pages := (r << 20) / uint64(os.Getpagesize())
+		write(filepath.Join(d, "statm"), fmt.Sprintf("%d %d 0 0 0 0 0\n", pages*2, pages))
+		write(filepath.Join(d, "stat"), fmt.Sprintf("%d (p %d) %s 1 1 1\n", pid, pid, state))
+		write(filepath.Join(d, "comm"), fmt.Sprintf("p%d\n", pid))
+	}
+}
+
+// kill is the guard's Kill: the process exits and its memory comes back.
+func (f *fakeProc) kill(killed chan<- int) func(int, syscall.Signal) error {
+	return func(pid int, sig syscall.Signal) error {
+		if sig != syscall.SIGKILL {
+			f.t.Errorf("signal %v, want SIGKILL", sig)
+		}
+		f.mu.Lock()
+		_, ok := f.rss[pid]
+		f.mu.Unlock()
+		if !ok {
+			return syscall.ESRCH
+		}
+		f.set(pid, 0)
+		killed <- pid
+		return nil
+	}
+}
+
+func startGuard(t *testing.T, f *fakeProc, protect ...int) <-chan int {
+	killed := make(chan int, 16)
+	g := newOOMGuard(slog.New(slog.DiscardHandler), oomGuardConfig{Proc: f.dir, Kill: f.kill(killed), Protect: protect, MaxInterval: 20 * time.Millisecond, Settle: 200 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	go g.run(ctx)
+	t.Cleanup(func() { cancel(); <-g.stopped })
+	return killed
+}
+
+// When the guest's memory runs out the guard kills the largest process, never pid 1, envd or a
+// protected one, and only one for one allocation.
+func TestOOMGuardKillsTheLargestProcess(t *testing.T) {
+	f := newFakeProc(t, 1024, 40)
+	f.set(1, 900) // init (envd in a sandbox): never
+	f.set(os.Getpid(), 5)
+	f.set(20, 30)
+	f.set(21, 10)
+	f.set(22, 8) // protected
+	killed := startGuard(t, f, 22)
+	select {
+	case pid := <-killed:
+		t.Fatalf("killed %d with memory to spare", pid)
+	case <-time.After(100 * time.Millisecond):
+	}
+	f.set(1, 20)
+	f.set(30, 950) // the allocation: 40+20+5+30+10+8+950 > 1024
+	select {
+	case pid := <-killed:
+		if pid != 30 {
+			t.Fatalf("killed %d, want 30 (the largest)", pid)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("nothing killed 2 s after the memory ran out")
+	}
+	select {
+	case pid := <-killed:
+		t.Fatalf("also killed %d after the memory came back", pid)
+	case <-time.After(300 * time.Millisecond):
+	}
+}
+
+// Memory a process does not hold (a file in a memory filesystem): the guard kills what it can,
+// largest first, and then, with nothing left to kill, it waits.
+func TestOOMGuardWithNothingToKill(t *testing.T) {
+	f := newFakeProc(t, 1024, 1020)
+	f.set(1, 10)
+	f.set(20, 3)
+	killed := startGuard(t, f)
+	select {
+	case pid := <-killed:
+		if pid != 20 {
+			t.Fatalf("killed %d, want 20", pid)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("nothing killed")
+	}
+	select {
+	case pid := <-killed:
+		t.Fatalf("killed %d: nothing but pid 1 was left", pid)
+	case <-time.After(400 * time.Millisecond):
+	}
+}
+
+// The guard looks more often as the free memory shrinks: before it could be gone at MaxRate.
+func TestOOMGuardInterval(t *testing.T) {
+	g := newOOMGuard(slog.New(slog.DiscardHandler), oomGuardConfig{})
+	const gib = 1 << 30
+	if d := g.interval(4*gib, 3*gib); d != 250*time.Millisecond {
+		t.Errorf("idle: %v", d)
+	}
+	if d := g.interval(gib, 16<<20+40<<20); d < 9*time.Millisecond || d > 10*time.Millisecond {
+		t.Errorf("40 MiB above the reserve: %v, want the 9.8 ms 40 MiB lasts at 4 GiB/s", d)
+	}
+	if d := g.interval(gib, 8<<20); d != 5*time.Millisecond {
+		t.Errorf("out of memory: %v", d)
+	}
+}
