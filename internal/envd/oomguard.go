@@ -35,9 +35,10 @@ type oomGuardConfig struct {
 	MaxRate float64
 	// MinInterval and MaxInterval bound the time between two looks (default 5 ms and 250 ms).
 	MinInterval, MaxInterval time.Duration
-	// Settle is how long the guard waits, after a kill, for the victim's memory to come back
-	// before it picks another (default 1 s).
-	Settle time.Duration
+	// Settle bounds the wait, after a kill, for the victim to die before the guard picks
+	// another (default 1 s); Release bounds the wait for its memory to come back once it has
+	// died (default 50 ms): a burst of many processes needs many kills in a row.
+	Settle, Release time.Duration
 	// Kill sends sig to pid (default syscall.Kill).
 	Kill func(pid int, sig syscall.Signal) error
 	// Protect lists pids never killed besides pid 1 and envd's own.
@@ -74,6 +75,9 @@ func newOOMGuard(log *slog.Logger, cfg oomGuardConfig) *oomGuard {
 	}
 	if cfg.Settle <= 0 {
 		cfg.Settle = time.Second
+	}
+	if cfg.Release <= 0 {
+		cfg.Release = 50 * time.Millisecond
 	}
 	if cfg.Kill == nil {
 		cfg.Kill = syscall.Kill
@@ -134,8 +138,9 @@ func (g *oomGuard) interval(total, avail uint64) time.Duration {
 	return min(max(d, g.cfg.MinInterval), g.cfg.MaxInterval)
 }
 
-// kill SIGKILLs v, then waits until it is gone and its memory is back (or Settle has passed), so
-// one allocation costs one process.
+// kill SIGKILLs v, then waits until it has died (at most Settle) and its memory is back (at most
+// Release more), so that one allocation costs one process, yet a burst of processes gets
+// one kill after another.
 func (g *oomGuard) kill(ctx context.Context, v oomVictim, total, avail uint64) {
 	used := total - avail
 	if err := g.cfg.Kill(v.Pid, syscall.SIGKILL); err != nil {
@@ -149,8 +154,11 @@ func (g *oomGuard) kill(ctx context.Context, v oomVictim, total, avail uint64) {
 		g.onKill(v, used, total)
 	}
 	deadline := time.Now().Add(g.cfg.Settle)
-	for time.Now().Before(deadline) {
-		if !g.alive(v.Pid) {
+	for dead := false; time.Now().Before(deadline); {
+		if !dead && !g.alive(v.Pid) {
+			dead, deadline = true, time.Now().Add(g.cfg.Release)
+		}
+		if dead {
 			if _, a, err := g.meminfo(); err != nil || a > reserve(total) {
 				return
 			}

@@ -59,7 +59,6 @@ func (f *fakeProc) sync() {
 			f.t.Fatal(err)
 		}
 	}
-	write(filepath.Join(f.dir, "meminfo"), fmt.Sprintf("MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\n", f.tot<<10, avail<<10, avail<<10))
 	for pid, r := range f.rss {
 		d := filepath.Join(f.dir, strconv.Itoa(pid))
 		state := "S"
@@ -71,6 +70,8 @@ func (f *fakeProc) sync() {
 		write(filepath.Join(d, "stat"), fmt.Sprintf("%d (p %d) %s 1 1 1\n", pid, pid, state))
 		write(filepath.Join(d, "comm"), fmt.Sprintf("p%d\n", pid))
 	}
+	// meminfo last: a guard that sees the memory gone sees the process that holds it.
+	write(filepath.Join(f.dir, "meminfo"), fmt.Sprintf("MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\n", f.tot<<10, avail<<10, avail<<10))
 }
 
 // kill is the guard's Kill: the process exits and its memory comes back.
@@ -166,5 +167,32 @@ func TestOOMGuardInterval(t *testing.T) {
 	}
 	if d := g.interval(gib, 8<<20); d != 5*time.Millisecond {
 		t.Errorf("out of memory: %v", d)
+	}
+}
+
+// A burst of processes (a fork bomb holding memory): the guard kills one after another as soon
+// as each is dead, not one per Settle, until the rest fit.
+func TestOOMGuardKeepsPaceWithABurst(t *testing.T) {
+	f := newFakeProc(t, 1024, 40)
+	f.set(1, 10)
+	killed := startGuard(t, f)
+	t0 := time.Now()
+	for pid := 100; pid < 120; pid++ { // 20 x 100 MiB: 11 must go
+		f.set(pid, 100)
+	}
+	n := 0
+	for n < 11 {
+		select {
+		case <-killed:
+			n++
+		case <-time.After(time.Second): // one Settle: the old guard's pace was one kill per Settle
+			t.Fatalf("%d kills after %s, want 11", n, time.Since(t0))
+		}
+	}
+	t.Logf("11 kills in %s", time.Since(t0))
+	select {
+	case pid := <-killed:
+		t.Fatalf("a 12th kill (%d): the other 9 fit", pid)
+	case <-time.After(300 * time.Millisecond):
 	}
 }
