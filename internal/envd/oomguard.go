@@ -3,11 +3,13 @@ package envd
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -49,7 +51,6 @@ type oomGuard struct {
 	cfg     oomGuardConfig
 	log     *slog.Logger
 	self    int
-	onKill  func(victim oomVictim, used, total uint64) // tests
 	stopped chan struct{}
 }
 
@@ -91,26 +92,46 @@ func reserve(total uint64) uint64 {
 	return min(max(total/64, 8<<20), 64<<20)
 }
 
+// mem is one look at the guest's memory (bytes).
+type mem struct {
+	total, avail uint64
+	// used is what the guest uses, past total too: MemAvailable stops at 0, so it is also
+	// estimated from the uncapped counters (AnonPages + Cached - Shmem: anonymous, page cache,
+	// mapped and tmpfs memory, the Sentry's accounting of everything but its own kernel's).
+	used uint64
+}
+
+func (m mem) low() bool { return m.avail <= reserve(m.total) }
+
+// excess is how much must be freed to bring the guest back to twice the reserve free.
+func (m mem) excess() uint64 {
+	target := m.total - min(m.total, 2*reserve(m.total))
+	if m.used <= target {
+		return 0
+	}
+	return m.used - target
+}
+
 // run watches until ctx is done. If the guest's memory cannot be read it logs why and returns.
 func (g *oomGuard) run(ctx context.Context) {
 	defer close(g.stopped)
-	total, avail, err := g.meminfo()
-	if err != nil || total == 0 {
+	m, err := g.meminfo()
+	if err != nil || m.total == 0 {
 		g.log.Warn("out-of-memory guard off: the guest's memory is unreadable", "err", err)
 		return
 	}
-	g.log.Debug("out-of-memory guard on", "total_mib", total>>20, "reserve_mib", reserve(total)>>20)
+	g.log.Debug("out-of-memory guard on", "total_mib", m.total>>20, "reserve_mib", reserve(m.total)>>20)
 	var nothing bool // nothing left to kill: logged once until memory is back
 	for {
-		if avail <= reserve(total) {
-			v, ok := g.victim()
+		if m.low() {
+			vs := g.victims(m.excess())
 			switch {
-			case ok:
+			case len(vs) > 0:
 				nothing = false
-				g.kill(ctx, v, total, avail)
+				g.kill(ctx, vs, m)
 			case !nothing:
 				nothing = true
-				g.log.Warn("out of memory and no process to kill", "used_mib", (total-avail)>>20, "total_mib", total>>20)
+				g.log.Warn("out of memory and no process to kill", "used_mib", m.used>>20, "total_mib", m.total>>20)
 			}
 		} else {
 			nothing = false
@@ -118,48 +139,50 @@ func (g *oomGuard) run(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(g.interval(total, avail)):
+		case <-time.After(g.interval(m)):
 		}
-		t, a, err := g.meminfo()
-		if err == nil && t > 0 {
-			total, avail = t, a
+		if n, err := g.meminfo(); err == nil && n.total > 0 {
+			m = n
 		}
 	}
 }
 
 // interval is the wait before the next look: the time the free memory above the reserve would
 // last at MaxRate, within [MinInterval, MaxInterval].
-func (g *oomGuard) interval(total, avail uint64) time.Duration {
-	r := reserve(total)
-	if avail <= r {
+func (g *oomGuard) interval(m mem) time.Duration {
+	r := reserve(m.total)
+	if m.avail <= r {
 		return g.cfg.MinInterval
 	}
-	d := time.Duration(float64(avail-r) / g.cfg.MaxRate * float64(time.Second))
+	d := time.Duration(float64(m.avail-r) / g.cfg.MaxRate * float64(time.Second))
 	return min(max(d, g.cfg.MinInterval), g.cfg.MaxInterval)
 }
 
-// kill SIGKILLs v, then waits until it has died (at most Settle) and its memory is back (at most
-// Release more), so that one allocation costs one process, yet a burst of processes gets
-// one kill after another.
-func (g *oomGuard) kill(ctx context.Context, v oomVictim, total, avail uint64) {
-	used := total - avail
-	if err := g.cfg.Kill(v.Pid, syscall.SIGKILL); err != nil {
-		if !errors.Is(err, syscall.ESRCH) {
-			g.log.Warn("out of memory: kill failed", "pid", v.Pid, "err", err)
+// kill SIGKILLs vs, then waits until they have died (at most Settle) and their memory is back
+// (at most Release more), so that one allocation costs one process, yet a burst of processes
+// (a fork bomb) is met kill after kill.
+func (g *oomGuard) kill(ctx context.Context, vs []oomVictim, m mem) {
+	var sent []int
+	for _, v := range vs {
+		if err := g.cfg.Kill(v.Pid, syscall.SIGKILL); err != nil {
+			if !errors.Is(err, syscall.ESRCH) {
+				g.log.Warn("out of memory: kill failed", "pid", v.Pid, "err", err)
+			}
+			continue
 		}
-		return
+		sent = append(sent, v.Pid)
+		g.log.Warn("out of memory: killed process", "pid", v.Pid, "comm", v.Comm, "rss_mib", v.RSS>>20, "used_mib", m.used>>20, "total_mib", m.total>>20)
 	}
-	g.log.Warn("out of memory: killed process", "pid", v.Pid, "comm", v.Comm, "rss_mib", v.RSS>>20, "used_mib", used>>20, "total_mib", total>>20)
-	if g.onKill != nil {
-		g.onKill(v, used, total)
+	if len(sent) == 0 {
+		return
 	}
 	deadline := time.Now().Add(g.cfg.Settle)
 	for dead := false; time.Now().Before(deadline); {
-		if !dead && !g.alive(v.Pid) {
+		if !dead && !slices.ContainsFunc(sent, g.alive) {
 			dead, deadline = true, time.Now().Add(g.cfg.Release)
 		}
 		if dead {
-			if _, a, err := g.meminfo(); err != nil || a > reserve(total) {
+			if n, err := g.meminfo(); err != nil || !n.low() {
 				return
 			}
 		}
@@ -171,13 +194,15 @@ func (g *oomGuard) kill(ctx context.Context, v oomVictim, total, avail uint64) {
 	}
 }
 
-// meminfo reads MemTotal and MemAvailable (bytes).
-func (g *oomGuard) meminfo() (total, avail uint64, err error) {
+// meminfo reads the guest's memory.
+func (g *oomGuard) meminfo() (mem, error) {
 	b, err := os.ReadFile(filepath.Join(g.cfg.Proc, "meminfo"))
 	if err != nil {
-		return 0, 0, err
+		return mem{}, err
 	}
+	var m mem
 	var haveAvail bool
+	var anon, cached, shmem uint64
 	sc := bufio.NewScanner(bytes.NewReader(b))
 	for sc.Scan() {
 		k, v, ok := strings.Cut(sc.Text(), ":")
@@ -197,43 +222,66 @@ func (g *oomGuard) meminfo() (total, avail uint64, err error) {
 		}
 		switch k {
 		case "MemTotal":
-			total = n
+			m.total = n
 		case "MemAvailable":
-			avail, haveAvail = n, true
+			m.avail, haveAvail = n, true
+		case "AnonPages":
+			anon = n
+		case "Cached":
+			cached = n
+		case "Shmem":
+			shmem = n
 		}
 	}
 	if !haveAvail {
-		return 0, 0, errors.New("no MemAvailable in meminfo")
+		return mem{}, errors.New("no MemAvailable in meminfo")
 	}
-	return total, avail, nil
+	m.used = m.total - min(m.avail, m.total)
+	if u := anon + cached - min(shmem, anon+cached); u > m.used {
+		m.used = u
+	}
+	return m, nil
 }
 
-// victim is the process with the largest resident set, leaving out pid 1, envd, the protected
-// pids and processes that have exited (zombies hold no memory).
-func (g *oomGuard) victim() (oomVictim, bool) {
+// victims are the processes to kill to free excess bytes: the one with the largest resident
+// set, then the next largest while the sum of their resident sets is short of excess (a burst of
+// many processes past the memory). Left out: pid 1, envd, the protected pids and processes that
+// have exited (zombies hold no memory).
+func (g *oomGuard) victims(excess uint64) []oomVictim {
 	ents, err := os.ReadDir(g.cfg.Proc)
 	if err != nil {
-		return oomVictim{}, false
+		return nil
 	}
-	var best oomVictim
+	var all []oomVictim
 	for _, e := range ents {
 		pid, err := strconv.Atoi(e.Name())
 		if err != nil || pid <= 1 || pid == g.self || g.protected(pid) {
 			continue
 		}
-		rss, ok := g.rss(pid)
-		if !ok || rss == 0 || rss < best.RSS || (rss == best.RSS && pid < best.Pid) {
-			continue
+		if rss, ok := g.rss(pid); ok && rss > 0 && g.alive(pid) {
+			all = append(all, oomVictim{Pid: pid, RSS: rss})
 		}
-		best = oomVictim{Pid: pid, RSS: rss}
 	}
-	if best.Pid == 0 {
-		return oomVictim{}, false
+	// Largest first; of equals, the newest.
+	slices.SortFunc(all, func(a, b oomVictim) int {
+		if a.RSS != b.RSS {
+			return cmp.Compare(b.RSS, a.RSS)
+		}
+		return cmp.Compare(b.Pid, a.Pid)
+	})
+	var out []oomVictim
+	var freed uint64
+	for _, v := range all {
+		if len(out) > 0 && freed >= excess {
+			break
+		}
+		if c, err := os.ReadFile(filepath.Join(g.cfg.Proc, strconv.Itoa(v.Pid), "comm")); err == nil {
+			v.Comm = strings.TrimSpace(string(c))
+		}
+		out = append(out, v)
+		freed += v.RSS
 	}
-	if c, err := os.ReadFile(filepath.Join(g.cfg.Proc, strconv.Itoa(best.Pid), "comm")); err == nil {
-		best.Comm = strings.TrimSpace(string(c))
-	}
-	return best, true
+	return out
 }
 
 func (g *oomGuard) protected(pid int) bool {

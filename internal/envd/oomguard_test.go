@@ -71,7 +71,8 @@ func (f *fakeProc) sync() {
 		write(filepath.Join(d, "comm"), fmt.Sprintf("p%d\n", pid))
 	}
 	// meminfo last: a guard that sees the memory gone sees the process that holds it.
-	write(filepath.Join(f.dir, "meminfo"), fmt.Sprintf("MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\n", f.tot<<10, avail<<10, avail<<10))
+	write(filepath.Join(f.dir, "meminfo"), fmt.Sprintf("MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\nCached:                0 kB\nAnonPages:      %8d kB\nShmem:                 0 kB\n",
+		f.tot<<10, avail<<10, avail<<10, used<<10))
 }
 
 // kill is the guard's Kill: the process exits and its memory comes back.
@@ -159,19 +160,20 @@ func TestOOMGuardWithNothingToKill(t *testing.T) {
 func TestOOMGuardInterval(t *testing.T) {
 	g := newOOMGuard(slog.New(slog.DiscardHandler), oomGuardConfig{})
 	const gib = 1 << 30
-	if d := g.interval(4*gib, 3*gib); d != 250*time.Millisecond {
+	if d := g.interval(mem{total: 4 * gib, avail: 3 * gib}); d != 250*time.Millisecond {
 		t.Errorf("idle: %v", d)
 	}
-	if d := g.interval(gib, 16<<20+40<<20); d < 9*time.Millisecond || d > 10*time.Millisecond {
+	if d := g.interval(mem{total: gib, avail: 16<<20 + 40<<20}); d < 9*time.Millisecond || d > 10*time.Millisecond {
 		t.Errorf("40 MiB above the reserve: %v, want the 9.8 ms 40 MiB lasts at 4 GiB/s", d)
 	}
-	if d := g.interval(gib, 8<<20); d != 5*time.Millisecond {
+	if d := g.interval(mem{total: gib, avail: 8 << 20}); d != 5*time.Millisecond {
 		t.Errorf("out of memory: %v", d)
 	}
 }
 
-// A burst of processes (a fork bomb holding memory): the guard kills one after another as soon
-// as each is dead, not one per Settle, until the rest fit.
+// A burst of processes (a fork bomb holding memory): the guard kills as many as the memory past
+// the total needs (it reads how far past from the uncapped counters), largest first, until the
+// rest fit.
 func TestOOMGuardKeepsPaceWithABurst(t *testing.T) {
 	f := newFakeProc(t, 1024, 40)
 	f.set(1, 10)
