@@ -121,9 +121,25 @@ func (g *oomGuard) run(ctx context.Context) {
 		return
 	}
 	g.log.Debug("out-of-memory guard on", "total_mib", m.total>>20, "reserve_mib", reserve(m.total)>>20)
-	var nothing bool // nothing left to kill: logged once until memory is back
+	var nothing bool   // nothing left to kill: logged once until memory is back
+	var stalled []int  // processes that were already stopped when the guard stopped the rest
+	var isStalled bool // the guard has stopped every process
+	defer func() {
+		if isStalled {
+			g.resume(stalled)
+		}
+	}()
 	for {
 		if m.low() {
+			if !isStalled {
+				// Stall the guest, as a kernel stalls allocations while its OOM killer works: the
+				// guard is one guest process among those allocating, and with many of them (a fork
+				// bomb) it would get the CPU too rarely to keep up.
+				stalled, isStalled = g.stall(), true
+				if n, err := g.meminfo(); err == nil && n.total > 0 {
+					m = n
+				}
+			}
 			vs := g.victims(m.excess())
 			switch {
 			case len(vs) > 0:
@@ -133,8 +149,16 @@ func (g *oomGuard) run(ctx context.Context) {
 				nothing = true
 				g.log.Warn("out of memory and no process to kill", "used_mib", m.used>>20, "total_mib", m.total>>20)
 			}
+			if len(vs) == 0 { // nothing the guard can do: let the guest run (the host's limit is the last resort)
+				g.resume(stalled)
+				isStalled = false
+			}
 		} else {
 			nothing = false
+			if isStalled {
+				g.resume(stalled)
+				isStalled = false
+			}
 		}
 		select {
 		case <-ctx.Done():
@@ -144,6 +168,38 @@ func (g *oomGuard) run(ctx context.Context) {
 		if n, err := g.meminfo(); err == nil && n.total > 0 {
 			m = n
 		}
+	}
+}
+
+// stall stops every process but envd (kill(-1, SIGSTOP) spares init and the caller) and returns
+// those that were stopped already, which resume leaves stopped.
+func (g *oomGuard) stall() []int {
+	var already []int
+	if ents, err := os.ReadDir(g.cfg.Proc); err == nil {
+		for _, e := range ents {
+			if pid, err := strconv.Atoi(e.Name()); err == nil && pid > 1 && g.state(pid) == 'T' {
+				already = append(already, pid)
+			}
+		}
+	}
+	if err := g.cfg.Kill(-1, syscall.SIGSTOP); err != nil && !errors.Is(err, syscall.ESRCH) {
+		g.log.Warn("out of memory: stopping the processes failed", "err", err)
+	}
+	return already
+}
+
+// resume continues the processes stall stopped.
+func (g *oomGuard) resume(already []int) {
+	ents, err := os.ReadDir(g.cfg.Proc)
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid <= 1 || pid == g.self || slices.Contains(already, pid) {
+			continue
+		}
+		_ = g.cfg.Kill(pid, syscall.SIGCONT)
 	}
 }
 
@@ -312,14 +368,20 @@ func (g *oomGuard) rss(pid int) (uint64, bool) {
 
 // alive reports whether pid still runs (a zombie has exited).
 func (g *oomGuard) alive(pid int) bool {
+	st := g.state(pid)
+	return st != 0 && st != 'Z' && st != 'X'
+}
+
+// state is pid's state letter (/proc/<pid>/stat), 0 if it is gone.
+func (g *oomGuard) state(pid int) byte {
 	b, err := os.ReadFile(filepath.Join(g.cfg.Proc, strconv.Itoa(pid), "stat"))
 	if err != nil {
-		return false
+		return 0
 	}
 	// "pid (comm) S ...": the state follows the last ')'.
 	i := bytes.LastIndexByte(b, ')')
 	if i < 0 || i+2 >= len(b) {
-		return false
+		return 0
 	}
-	return b[i+2] != 'Z' && b[i+2] != 'X'
+	return b[i+2]
 }

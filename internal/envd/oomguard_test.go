@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -21,6 +22,8 @@ type fakeProc struct {
 	rss  map[int]uint64 // MiB
 	base uint64         // MiB in use outside the processes
 	tot  uint64         // MiB
+	// signals are the SIGSTOPs and SIGCONTs sent, "<signal> <pid>".
+	signals []string
 }
 
 func newFakeProc(t *testing.T, totalMiB, baseMiB uint64) *fakeProc {
@@ -78,8 +81,14 @@ func (f *fakeProc) sync() {
 // kill is the guard's Kill: the process exits and its memory comes back.
 func (f *fakeProc) kill(killed chan<- int) func(int, syscall.Signal) error {
 	return func(pid int, sig syscall.Signal) error {
-		if sig != syscall.SIGKILL {
-			f.t.Errorf("signal %v, want SIGKILL", sig)
+		switch {
+		case sig == syscall.SIGSTOP && pid == -1, sig == syscall.SIGCONT && pid > 1:
+			f.mu.Lock()
+			f.signals = append(f.signals, fmt.Sprintf("%v %d", sig, pid))
+			f.mu.Unlock()
+			return nil
+		case sig != syscall.SIGKILL:
+			f.t.Errorf("signal %v to %d, want SIGKILL", sig, pid)
 		}
 		f.mu.Lock()
 		_, ok := f.rss[pid]
@@ -131,6 +140,13 @@ func TestOOMGuardKillsTheLargestProcess(t *testing.T) {
 	case pid := <-killed:
 		t.Fatalf("also killed %d after the memory came back", pid)
 	case <-time.After(300 * time.Millisecond):
+	}
+	// The guest was stalled for the kill (every process stopped), then the rest resumed.
+	f.mu.Lock()
+	sigs := strings.Join(f.signals, ", ")
+	f.mu.Unlock()
+	if !strings.HasPrefix(sigs, "stopped (signal) -1, ") || !strings.Contains(sigs, "continued 20") {
+		t.Errorf("signals %q, want SIGSTOP to all, then SIGCONT to the rest", sigs)
 	}
 }
 
