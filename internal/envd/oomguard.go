@@ -121,21 +121,21 @@ func (g *oomGuard) run(ctx context.Context) {
 		return
 	}
 	g.log.Debug("out-of-memory guard on", "total_mib", m.total>>20, "reserve_mib", reserve(m.total)>>20)
-	var nothing bool   // nothing left to kill: logged once until memory is back
-	var stalled []int  // processes that were already stopped when the guard stopped the rest
-	var isStalled bool // the guard has stopped every process
+	var nothing bool // nothing left to kill: logged once until memory is back
+	var stalled bool // the guard has stopped every process
 	defer func() {
-		if isStalled {
-			g.resume(stalled)
+		if stalled {
+			g.resume()
 		}
 	}()
 	for {
 		if m.low() {
-			if !isStalled {
+			if !stalled {
 				// Stall the guest, as a kernel stalls allocations while its OOM killer works: the
 				// guard is one guest process among those allocating, and with many of them (a fork
 				// bomb) it would get the CPU too rarely to keep up.
-				stalled, isStalled = g.stall(), true
+				g.stall()
+				stalled = true
 				if n, err := g.meminfo(); err == nil && n.total > 0 {
 					m = n
 				}
@@ -150,14 +150,14 @@ func (g *oomGuard) run(ctx context.Context) {
 				g.log.Warn("out of memory and no process to kill", "used_mib", m.used>>20, "total_mib", m.total>>20)
 			}
 			if len(vs) == 0 { // nothing the guard can do: let the guest run (the host's limit is the last resort)
-				g.resume(stalled)
-				isStalled = false
+				g.resume()
+				stalled = false
 			}
 		} else {
 			nothing = false
-			if isStalled {
-				g.resume(stalled)
-				isStalled = false
+			if stalled {
+				g.resume()
+				stalled = false
 			}
 		}
 		select {
@@ -171,35 +171,19 @@ func (g *oomGuard) run(ctx context.Context) {
 	}
 }
 
-// stall stops every process but envd (kill(-1, SIGSTOP) spares init and the caller) and returns
-// those that were stopped already, which resume leaves stopped.
-func (g *oomGuard) stall() []int {
-	var already []int
-	if ents, err := os.ReadDir(g.cfg.Proc); err == nil {
-		for _, e := range ents {
-			if pid, err := strconv.Atoi(e.Name()); err == nil && pid > 1 && g.state(pid) == 'T' {
-				already = append(already, pid)
-			}
-		}
-	}
+// stall stops every process but envd: kill(-1, SIGSTOP) spares init (envd) and the caller, and
+// costs one system call, so it is the first thing the guard does when the memory runs out.
+func (g *oomGuard) stall() {
 	if err := g.cfg.Kill(-1, syscall.SIGSTOP); err != nil && !errors.Is(err, syscall.ESRCH) {
 		g.log.Warn("out of memory: stopping the processes failed", "err", err)
 	}
-	return already
 }
 
-// resume continues the processes stall stopped.
-func (g *oomGuard) resume(already []int) {
-	ents, err := os.ReadDir(g.cfg.Proc)
-	if err != nil {
-		return
-	}
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil || pid <= 1 || pid == g.self || slices.Contains(already, pid) {
-			continue
-		}
-		_ = g.cfg.Kill(pid, syscall.SIGCONT)
+// resume continues the processes stall stopped (a process stopped before the stall, by a user,
+// is continued too: the price of stalling at once).
+func (g *oomGuard) resume() {
+	if err := g.cfg.Kill(-1, syscall.SIGCONT); err != nil && !errors.Is(err, syscall.ESRCH) {
+		g.log.Warn("out of memory: continuing the processes failed", "err", err)
 	}
 }
 

@@ -205,7 +205,7 @@ func readKeyed(path, key string) int64 {
 // resort, with its reason (limitExit).
 const (
 	headroomBase    = 256 << 20 // bytes above MemoryMB, plus guestMemory/headroomDivisor
-	headroomDivisor = 4
+	headroomDivisor = 2
 )
 
 // hostMemoryLimit is the host cgroup limit of a sandbox whose guest sees guest bytes.
@@ -219,7 +219,7 @@ func guestMemory(host uint64) uint64 {
 		return host
 	}
 	mib := (host - headroomBase) >> 20
-	// mib = g + g/4 for whole MiB g: g = ceil(4*mib/5).
+	// mib = g + g/d for whole MiB g: g = ceil(d*mib/(d+1)), or one less.
 	g := (mib*headroomDivisor + headroomDivisor) / (headroomDivisor + 1)
 	for g > 0 && g+g/headroomDivisor > mib {
 		g--

@@ -222,7 +222,7 @@ func cgroupInt(t *testing.T, d *gvisor.Driver, id, file, key string) int64 {
 // Sentry has no OOM killer and dies with any of its stub processes, so the host memcg OOM
 // killer stops the whole sandbox, promptly (the bound: within 2 s), and counts it in
 // memory.oom_control. The allocation is a single 1000 MiB buffer, committed by read(), past
-// 256 MiB + 320 MiB of headroom.
+// 256 MiB + 384 MiB of headroom.
 func TestMemoryLimitStopsSandbox(t *testing.T) {
 	d := newDriver(t, nil)
 	sp := runtime.Spec{ID: "gv-memoom01", RootFS: drivertest.BusyboxRootFS(t), StateDir: t.TempDir(), Args: []string{"/bin/sleep", "1000"}, MemoryMB: 256}

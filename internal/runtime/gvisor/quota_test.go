@@ -109,8 +109,8 @@ func HostMemoryLimit(guest int64) int64 { return hostMemoryLimit(guest) }
 // The host limit lies above the guest's memory by the headroom, and guestMemory gives back the
 // guest's memory (what GET /sandboxes and an OOM reason report) for every whole MiB size.
 func TestMemoryHeadroom(t *testing.T) {
-	if h := hostMemoryLimit(1 << 30); h != (1<<30)+(256<<20)+(256<<20) {
-		t.Errorf("1 GiB guest: host limit %d MiB, want 1536", h>>20)
+	if h := hostMemoryLimit(1 << 30); h != (1<<30)+(256<<20)+(512<<20) {
+		t.Errorf("1 GiB guest: host limit %d MiB, want 1792", h>>20)
 	}
 	for mb := int64(1); mb <= 64<<10; mb++ {
 		if g := guestMemory(uint64(hostMemoryLimit(mb << 20))); g != uint64(mb)<<20 {
