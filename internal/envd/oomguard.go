@@ -33,9 +33,10 @@ type oomGuardConfig struct {
 	// Proc is the procfs root ("/proc").
 	Proc string
 	// MaxRate is the fastest the guest is assumed to allocate (bytes per second): the guard
-	// looks again before the free memory could be gone at that rate. Default 4 GiB/s.
+	// looks again before the free memory could be gone at that rate. Default 16 GiB/s (measured:
+	// 64 processes of a fork bomb committed 850 MiB in 80 ms on 2 cores).
 	MaxRate float64
-	// MinInterval and MaxInterval bound the time between two looks (default 5 ms and 250 ms).
+	// MinInterval and MaxInterval bound the time between two looks (default 5 ms and 50 ms).
 	MinInterval, MaxInterval time.Duration
 	// Settle bounds the wait, after a kill, for the victim to die before the guard picks
 	// another (default 1 s); Release bounds the wait for its memory to come back once it has
@@ -66,13 +67,13 @@ func newOOMGuard(log *slog.Logger, cfg oomGuardConfig) *oomGuard {
 		cfg.Proc = "/proc"
 	}
 	if cfg.MaxRate <= 0 {
-		cfg.MaxRate = 4 << 30
+		cfg.MaxRate = 16 << 30
 	}
 	if cfg.MinInterval <= 0 {
 		cfg.MinInterval = 5 * time.Millisecond
 	}
 	if cfg.MaxInterval <= 0 {
-		cfg.MaxInterval = 250 * time.Millisecond
+		cfg.MaxInterval = 50 * time.Millisecond
 	}
 	if cfg.Settle <= 0 {
 		cfg.Settle = time.Second

@@ -176,11 +176,11 @@ func TestOOMGuardWithNothingToKill(t *testing.T) {
 func TestOOMGuardInterval(t *testing.T) {
 	g := newOOMGuard(slog.New(slog.DiscardHandler), oomGuardConfig{})
 	const gib = 1 << 30
-	if d := g.interval(mem{total: 4 * gib, avail: 3 * gib}); d != 250*time.Millisecond {
+	if d := g.interval(mem{total: 4 * gib, avail: 3 * gib}); d != 50*time.Millisecond {
 		t.Errorf("idle: %v", d)
 	}
-	if d := g.interval(mem{total: gib, avail: 16<<20 + 40<<20}); d < 9*time.Millisecond || d > 10*time.Millisecond {
-		t.Errorf("40 MiB above the reserve: %v, want the 9.8 ms 40 MiB lasts at 4 GiB/s", d)
+	if d := g.interval(mem{total: gib, avail: 16<<20 + 160<<20}); d < 9*time.Millisecond || d > 10*time.Millisecond {
+		t.Errorf("160 MiB above the reserve: %v, want the 9.8 ms 160 MiB lasts at 16 GiB/s", d)
 	}
 	if d := g.interval(mem{total: gib, avail: 8 << 20}); d != 5*time.Millisecond {
 		t.Errorf("out of memory: %v", d)
