@@ -6,7 +6,7 @@ import sys
 import time
 import traceback
 
-from e2b import CommandExitException, Sandbox
+from e2b import CommandExitException, Sandbox, SandboxQuery
 
 
 def test_create_run_files_kill():
@@ -25,7 +25,7 @@ def test_create_run_files_kill():
         names = [e.name for e in sbx.files.list("/home/user/dir")]
         assert names == ["a.txt"], names
         assert sbx.commands.run("cat /home/user/dir/a.txt").stdout == "content of a"
-        ids = [s.sandbox_id for s in Sandbox.list(query={"metadata": {"suite": "ember-python"}}).next_items()]
+        ids = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"suite": "ember-python"})).next_items()]
         assert sbx.sandbox_id in ids, ids
     finally:
         assert sbx.kill()
