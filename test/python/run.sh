@@ -27,7 +27,9 @@ if [[ "${1:-}" == --inner ]]; then
   if [[ "${EMBER_SDK_MODEB:-0}" == 1 ]]; then
     # The SDK's httpx trusts the daemon's CA; names under the test domain resolve to loopback
     # in the test process only (the kit's e2b_resolver; *.localhost needs none).
+    # The kit's e2b_netguard allows names under E2B_DOMAIN only when it has no port: allow them.
     export SSL_CERT_FILE="$EMBER_CA_FILE" E2B_RESOLVE_DOMAIN="${EMBER_TEST_DOMAIN%%:*}"
+    export E2B_NET_ALLOW="${E2B_NET_ALLOW:+$E2B_NET_ALLOW,}.${EMBER_TEST_DOMAIN%%:*}"
   fi
   case "$mode" in
     own)
