@@ -29,7 +29,7 @@ if [[ "${1:-}" == --inner ]]; then
     # in the test process only (the kit's e2b_resolver; *.localhost needs none).
     # The kit's e2b_netguard allows names under E2B_DOMAIN only when it has no port: allow them.
     export SSL_CERT_FILE="$EMBER_CA_FILE" E2B_RESOLVE_DOMAIN="${EMBER_TEST_DOMAIN%%:*}"
-    export E2B_NET_ALLOW="${E2B_NET_ALLOW:+$E2B_NET_ALLOW,}.${EMBER_TEST_DOMAIN%%:*}"
+    [[ "$EMBER_TEST_DOMAIN" == *.localhost* ]] || export E2B_NET_ALLOW="${E2B_NET_ALLOW:+$E2B_NET_ALLOW,}.${EMBER_TEST_DOMAIN%%:*}"
   fi
   case "$mode" in
     own)
@@ -64,7 +64,9 @@ mode=own
 if [[ "${1:-}" == --e2b-suite ]]; then
   mode=e2b
   shift
-  export EMBER_SDK_MODEB=1
+  # *.localhost: the kit's netguard resolves those names to loopback in every test process
+  # (xdist workers and asyncio included).
+  export EMBER_SDK_MODEB=1 EMBER_SDK_TEST_DOMAIN="${EMBER_SDK_TEST_DOMAIN:-ember.localhost}"
 fi
 export EMBER_TEST_CMD="bash '$HERE/run.sh' --inner $mode \"\$@\""
 exec bash "$REPO_ROOT/test/sdk/run.sh" "$@"

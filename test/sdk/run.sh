@@ -14,6 +14,8 @@
 #                        also serves HTTPS (--tls-listen, local CA) for --domain ember.test[:port];
 #                        the tests trust its CA (NODE_EXTRA_CA_CERTS) and resolve *.ember.test to
 #                        127.0.0.1 in-process (test/resolver.cjs). Nothing else changes.
+#   EMBER_SDK_TEST_DOMAIN  the domain in Mode B (default ember.test; test/python uses
+#                        ember.localhost, which the Python kit's netguard resolves to loopback)
 #   EMBER_SDK_TLS_PORT   the HTTPS port in Mode B (default: a free one, named in the domain;
 #                        443 = the portless form https://<port>-<id>.ember.test)
 #   EMBER_CACHE_DIR      holds debootstrap/debootstrap-bookworm-*.tar (default: <repo>/.cache), the
@@ -83,8 +85,8 @@ TLS_FLAGS=()
 if [[ "$MODEB" == 1 ]]; then
   TLS_PORT="${EMBER_SDK_TLS_PORT:-$(node -e 'const s=require("net").createServer();s.listen(0,"127.0.0.1",()=>{console.log(s.address().port);s.close()})')}" \
     || die "could not pick a free TLS port"
-  TEST_DOMAIN="ember.test"
-  [[ "$TLS_PORT" == 443 ]] || TEST_DOMAIN="ember.test:$TLS_PORT"
+  TEST_DOMAIN="${EMBER_SDK_TEST_DOMAIN:-ember.test}"
+  [[ "$TLS_PORT" == 443 ]] || TEST_DOMAIN="$TEST_DOMAIN:$TLS_PORT"
   TLS_FLAGS=(--tls-listen "127.0.0.1:$TLS_PORT" --domain "$TEST_DOMAIN")
 fi
 
