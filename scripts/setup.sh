@@ -14,6 +14,11 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 pkgs=(debootstrap nftables iproute2 runc busybox-static ca-certificates tar btrfs-progs xfsprogs protobuf-compiler libprotobuf-dev)
+# What E2B's Python SDK kit (../shared/e2b-python, README.txt) needs from Debian: the Python tests
+# (test/python, `make sdk`, `make sdk-python`) run the SDK with them.
+pkgs+=(python3-httpx python3-httpcore python3-h2 python3-attr python3-dateutil python3-packaging
+	python3-typing-extensions python3-wcmatch python3-rich python3-protobuf python3-pytest
+	python3-pytest-asyncio python3-pytest-xdist python3-dotenv python3-pytest-timeout python3-socksio)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ "${#missing[@]}" -gt 0 ]; then

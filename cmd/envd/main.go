@@ -20,6 +20,7 @@ func main() {
 	defaultUser := flag.String("default-user", "user", "user that runs commands when a request names none")
 	workdir := flag.String("default-workdir", "", "cwd of commands that name none (default: the user's home)")
 	debug := flag.Bool("debug", false, "log at debug level")
+	oomGuard := flag.Bool("oom-guard", true, "as pid 1, SIGKILL the largest process when the guest runs out of memory")
 	flag.Parse()
 
 	level := slog.LevelInfo
@@ -44,6 +45,7 @@ func main() {
 		DefaultWorkdir: *workdir,
 		BaseEnv:        base,
 		ReapOrphans:    true,
+		OOMGuard:       *oomGuard && os.Getpid() == 1,
 		Logger:         log,
 	})
 	defer srv.Close()

@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"path/filepath"
 	"strconv"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -61,10 +63,13 @@ func newServiceWith(t testing.TB, guestAddr string, mod func(*sandbox.Config)) *
 		Dial: func(ctx context.Context, network, addr string) (net.Conn, error) {
 			host, _, _ := net.SplitHostPort(addr)
 			s.mu.Lock()
-			down := s.down[host]
+			down, closed := s.down[host], s.down[addr]
 			s.mu.Unlock()
 			if down {
 				return nil, fmt.Errorf("dial %s: connection refused", addr)
+			}
+			if closed { // as a guest with nothing listening on the port answers
+				return nil, &net.OpError{Op: "dial", Net: network, Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
 			}
 			c, err := d.DialContext(ctx, network, guestAddr)
 			if err == nil {
@@ -108,6 +113,14 @@ func (s *service) unreachable(sb *sandbox.Sandbox) {
 		c.Close()
 	}
 	delete(s.conns, sb.Runtime.GuestIP)
+}
+
+// closePort makes a running sandbox's guest refuse connections to port, as one with nothing
+// listening there does.
+func (s *service) closePort(sb *sandbox.Sandbox, port int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.down[net.JoinHostPort(sb.Runtime.GuestIP, strconv.Itoa(port))] = true
 }
 
 // add creates a sandbox through the Manager and brings it to state.

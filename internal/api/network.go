@@ -157,10 +157,10 @@ func (s *server) guestAccess(ctx context.Context, w http.ResponseWriter, r *http
 		case got == "":
 			msg = "Sandbox is secured with traffic access token. Token header '" + sandbox.TrafficAccessTokenHeader + "' is missing"
 		case subtle.ConstantTimeCompare([]byte(got), []byte(want)) != 1:
-			msg = "Sandbox is secured with traffic access token. Provided token is invalid."
+			msg = "Sandbox is secured with traffic access token. Provided token in header '" + sandbox.TrafficAccessTokenHeader + "' is invalid"
 		}
 		if msg != "" {
-			writeJSON(w, http.StatusForbidden, notRunningBody{Code: http.StatusForbidden, Message: msg, SandboxID: id})
+			writeJSON(w, http.StatusForbidden, notRunningBody{SandboxID: id, Message: msg, Code: http.StatusForbidden})
 			return ctx, false
 		}
 	}

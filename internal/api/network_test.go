@@ -89,7 +89,7 @@ func TestTrafficAccessToken(t *testing.T) {
 	tok := *sbx.TrafficAccessToken
 	open := e.fake.add(sandbox.StateRunning, nil) // public traffic (the default)
 	const missing = "Sandbox is secured with traffic access token. Token header 'e2b-traffic-access-token' is missing"
-	const invalid = "Sandbox is secured with traffic access token. Provided token is invalid."
+	const invalid = "Sandbox is secured with traffic access token. Provided token in header 'e2b-traffic-access-token' is invalid"
 	host := func(id, port string) []string { return []string{"Host", port + "-" + id + ".ember.test"} }
 	hdr := func(id, port string, extra ...string) []string {
 		return append([]string{"E2b-Sandbox-Id", id, "E2b-Sandbox-Port", port}, extra...)

@@ -9,7 +9,9 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/auth"
@@ -19,12 +21,21 @@ import (
 
 type proxyTargetKey struct{}
 
-// notRunningBody is the 502 the SDKs read as "sandbox not running".
+// notRunningBody is the body of E2B's proxy errors on the sandbox plane (client-proxy's
+// templates, JSON form): the 502 the SDKs read as "sandbox not running", the 502 of a port
+// nothing listens on, the 403s of a traffic access token.
 type notRunningBody struct {
-	Code      int    `json:"code"`
-	Message   string `json:"message"`
 	SandboxID string `json:"sandboxId"`
+	Message   string `json:"message"`
+	Port      int    `json:"port,omitempty"`
+	Code      int    `json:"code"`
 }
+
+// E2B's messages (client-proxy).
+const (
+	msgSandboxNotFound = "The sandbox was not found"
+	msgPortClosed      = "The sandbox is running but port is not open"
+)
 
 func writeNotRunning(w http.ResponseWriter, id string) { writeNotRunningErr(w, id, nil) }
 
@@ -33,10 +44,12 @@ func writeNotRunningErr(w http.ResponseWriter, id string, err error) {
 	writeNotRunningTo(w, nil, id, err)
 }
 
-// writeNotRunningTo answers a request for a sandbox that does not run: E2B's 502, in the form
-// the caller reads. A Connect stream (envd's process and watch streams) gets an end-of-stream
-// error (code unavailable, which the SDKs map as they map the 502), and a unary Connect call an
-// error body, so that Connect clients show the message; everything else gets the JSON 502.
+// writeNotRunningTo answers a request for a sandbox that does not run (unknown, killed, ended,
+// paused without autoResume): E2B's 502, in the form the caller reads. A Connect stream (envd's
+// process and watch streams) gets an end-of-stream error (code unavailable, which the SDKs map
+// as they map the 502), and a unary Connect call an error body, both saying why when ember knows;
+// everything else gets E2B's JSON 502, word for word:
+// {"sandboxId":"<id>","message":"The sandbox was not found","code":502}.
 func writeNotRunningTo(w http.ResponseWriter, r *http.Request, id string, err error) {
 	msg := "sandbox " + quoteID(id) + " is not running or does not exist"
 	var gone *sandbox.GoneError
@@ -61,7 +74,12 @@ func writeNotRunningTo(w http.ResponseWriter, r *http.Request, id string, err er
 			return
 		}
 	}
-	writeJSON(w, http.StatusBadGateway, notRunningBody{Code: http.StatusBadGateway, Message: msg, SandboxID: id})
+	writeJSON(w, http.StatusBadGateway, notRunningBody{SandboxID: id, Message: msgSandboxNotFound, Code: http.StatusBadGateway})
+}
+
+// writePortClosed is E2B's answer for a running sandbox with nothing listening on port.
+func writePortClosed(w http.ResponseWriter, id string, port int) {
+	writeJSON(w, http.StatusBadGateway, notRunningBody{SandboxID: id, Message: msgPortClosed, Port: port, Code: http.StatusBadGateway})
 }
 
 // quoteID keeps hostile ids out of messages' structure and bounds their length.
@@ -95,6 +113,12 @@ func (s *server) newProxy() *httputil.ReverseProxy {
 				return // the client went away
 			}
 			id, _ := r.Context().Value(proxySandboxKey{}).(string)
+			if port, perr := strconv.Atoi(r.URL.Port()); perr == nil && errors.Is(err, syscall.ECONNREFUSED) {
+				// The guest answered: the sandbox runs, its port is closed. (r is the request as
+				// sent: its URL names the guest's port.)
+				writePortClosed(w, id, port)
+				return
+			}
 			s.log.Warn("sandbox proxy error", "sandbox_id", id, "err", err)
 			writeNotRunning(w, id)
 		},

@@ -357,3 +357,62 @@ func (h headerTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	r.Header.Set("X-Access-Token", h.token)
 	return http.DefaultTransport.RoundTrip(r)
 }
+
+// The sandbox plane's refusals are E2B's (client-proxy), status and JSON body word for word:
+// a sandbox that is unknown, killed, ended or paused without autoResume is 502 "The sandbox was
+// not found" (what the SDKs read as not running), a closed port of a running sandbox is 502
+// "The sandbox is running but port is not open" with the port, and a missing or wrong traffic
+// access token 403 naming the header (issue 22, item 4).
+func TestSandboxPlaneErrorBodiesAreE2Bs(t *testing.T) {
+	e := newEnv(t)
+	paused := e.fake.add(sandbox.StatePaused, nil)
+	killed := e.fake.add(sandbox.StateRunning, nil)
+	e.fake.Kill(t.Context(), killed.ID)
+	ended := e.fake.add(sandbox.StateRunning, nil)
+	if err := e.fake.rig.Driver.Crash(ended.Runtime.InstanceID, runtime.ExitOOM); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(2 * time.Second); e.fake.state(ended.ID) != sandbox.StateKilled && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	running := e.fake.add(sandbox.StateRunning, nil)
+	e.fake.closePort(running, 8080)
+	r := e.ctl("POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowPublicTraffic":false}}`)
+	var secured sandboxJSON
+	r.json(t, &secured)
+
+	notFound := func(id string) string {
+		return `{"sandboxId":"` + id + `","message":"The sandbox was not found","code":502}`
+	}
+	for _, tc := range []struct {
+		name   string
+		hdr    []string
+		status int
+		body   string
+	}{
+		{"unknown", []string{"E2b-Sandbox-Id", "nosuch"}, 502, notFound("nosuch")},
+		{"unknown by host", []string{"Host", "3000-nosuch.ember.test"}, 502, notFound("nosuch")},
+		{"killed", []string{"E2b-Sandbox-Id", killed.ID}, 502, notFound(killed.ID)},
+		{"ended (out of memory)", []string{"Host", "49983-" + ended.ID + ".ember.test"}, 502, notFound(ended.ID)},
+		{"paused without autoResume", []string{"Host", "3000-" + paused.ID + ".ember.test"}, 502, notFound(paused.ID)},
+		{"paused, envd port", []string{"E2b-Sandbox-Id", paused.ID}, 502, notFound(paused.ID)},
+		{"port not open", []string{"Host", "8080-" + running.ID + ".ember.test"}, 502,
+			`{"sandboxId":"` + running.ID + `","message":"The sandbox is running but port is not open","port":8080,"code":502}`},
+		{"port not open by header", []string{"E2b-Sandbox-Id", running.ID, "E2b-Sandbox-Port", "8080"}, 502,
+			`{"sandboxId":"` + running.ID + `","message":"The sandbox is running but port is not open","port":8080,"code":502}`},
+		{"traffic token missing", []string{"Host", "3000-" + secured.SandboxID + ".ember.test"}, 403,
+			`{"sandboxId":"` + secured.SandboxID + `","message":"Sandbox is secured with traffic access token. Token header 'e2b-traffic-access-token' is missing","code":403}`},
+		{"traffic token wrong", []string{"Host", "3000-" + secured.SandboxID + ".ember.test", "E2b-Traffic-Access-Token", "nope"}, 403,
+			`{"sandboxId":"` + secured.SandboxID + `","message":"Sandbox is secured with traffic access token. Provided token in header 'e2b-traffic-access-token' is invalid","code":403}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := e.do("GET", "/", "", tc.hdr...)
+			if r.status != tc.status || strings.TrimSpace(string(r.body)) != tc.body {
+				t.Fatalf("got %d %s\nwant %d %s", r.status, r.body, tc.status, tc.body)
+			}
+			if ct := r.header.Get("Content-Type"); !strings.HasPrefix(ct, "application/json") {
+				t.Errorf("Content-Type %q", ct)
+			}
+		})
+	}
+}

@@ -274,23 +274,32 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	shareTemplates := len(cfg.EtcdEndpoints) > 0 && cfg.S3.Endpoint != ""
+	envdSum := envdDigest(cfg.Envd)
 	for _, name := range cfg.Templates {
 		if shareTemplates {
 			break // after joining: the cluster's build, if it has one (startTemplates)
 		}
 		what := "first start only"
 		if t, err := st.GetTemplate(ctx, name); err == nil {
-			if !t.Stale() {
+			switch {
+			case t.Stale():
+				// Its checkpoint would not restore under this version: build it again.
+				what = "it was built by an older ember"
+			case envdChanged(cfg.DataDir, name, t.BuildID, envdSum):
+				// Its checkpoint holds another envd (envdstamp.go).
+				what = "envd changed since it was built"
+			default:
 				continue
 			}
-			// Its checkpoint would not restore under this version: build it again.
-			what = "it was built by an older ember"
 		}
 		fmt.Fprintf(cfg.Out, "Building template %q (%s)...\n", name, what)
-		_, err := mgr.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) })
+		tpl, err := mgr.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) })
 		if err != nil {
 			mgr.Close()
 			return nil, fmt.Errorf("build template %q: %w", name, err)
+		}
+		if err := stampEnvd(cfg.DataDir, name, tpl.BuildID, envdSum); err != nil {
+			cfg.Logger.Warn("envd stamp", "template", name, "err", err)
 		}
 	}
 	met.SetSource(mgr)

@@ -41,6 +41,10 @@ type Config struct {
 	// ReapOrphans makes envd reap zombies that are not its own commands (it must when it is pid 1).
 	// When envd is not pid 1 it also becomes a child subreaper, so orphans reparent to it.
 	ReapOrphans bool
+	// OOMGuard makes envd the guest's out-of-memory killer (oomguard.go): when the memory in use
+	// nears the total (/proc/meminfo), the largest process but envd is SIGKILLed. Only for envd
+	// as a sandbox's init: on a host it would kill the host's processes.
+	OOMGuard bool
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -71,6 +75,8 @@ type Server struct {
 	watchers *watcherRegistry
 	reaper   *reaper
 	cpu      cpuSampler
+	stopOOM  context.CancelFunc // nil without the guard
+	oom      *oomGuard
 
 	handler http.Handler
 }
@@ -99,6 +105,11 @@ func New(cfg Config) *Server {
 	if cfg.ReapOrphans {
 		s.reaper = startReaper(s.log, s.procs)
 		s.procs.reaper = s.reaper
+	}
+	if cfg.OOMGuard {
+		ctx, cancel := context.WithCancel(context.Background())
+		s.stopOOM, s.oom = cancel, newOOMGuard(s.log, oomGuardConfig{})
+		go s.oom.run(ctx)
 	}
 	s.handler = s.routes()
 	return s
@@ -165,6 +176,10 @@ func (s *Server) Close() error {
 	s.watchers.closeAll()
 	if s.reaper != nil {
 		s.reaper.stop()
+	}
+	if s.stopOOM != nil {
+		s.stopOOM()
+		<-s.oom.stopped
 	}
 	return nil
 }

@@ -7,8 +7,10 @@ import (
 )
 
 // A process that allocates far past the sandbox's memory (1 GiB by default) does not hang its
-// caller: gVisor cannot kill only that process, so the sandbox is stopped, the command fails
-// at once, and GET /sandboxes/{id} says "out of memory" (issue 8, limits).
+// caller: envd's guard kills the process and the sandbox lives on (TestOOMKillsOnlyTheProcess
+// holds that strictly), or, when the guard cannot act, the sandbox is stopped, the command fails
+// at once, and GET /sandboxes/{id} says "out of memory" (issue 8, limits; the gvisor package's
+// TestMemoryLimitStopsSandbox shows that last resort without envd).
 func TestMemoryLimitStopsTheSandboxWithAReason(t *testing.T) {
 	d := need(t)
 	s := d.create(t, nil)

@@ -14,6 +14,8 @@
 #                        also serves HTTPS (--tls-listen, local CA) for --domain ember.test[:port];
 #                        the tests trust its CA (NODE_EXTRA_CA_CERTS) and resolve *.ember.test to
 #                        127.0.0.1 in-process (test/resolver.cjs). Nothing else changes.
+#   EMBER_SDK_TEST_DOMAIN  the domain in Mode B (default ember.test; test/python uses
+#                        ember.localhost, which the Python kit's netguard resolves to loopback)
 #   EMBER_SDK_TLS_PORT   the HTTPS port in Mode B (default: a free one, named in the domain;
 #                        443 = the portless form https://<port>-<id>.ember.test)
 #   EMBER_CACHE_DIR      holds debootstrap/debootstrap-bookworm-*.tar (default: <repo>/.cache), the
@@ -25,6 +27,9 @@
 #                        EMBER_SERVE_FLAGS): a node id of its own keeps its netns, nftables table
 #                        and cgroups apart from other daemons on the host
 #   EMBER_SERVE_FLAGS    more `ember serve` flags
+#   EMBER_TEST_CMD       a bash command line run instead of `node --test` (the arguments follow it
+#                        as "$@"), with the same environment; in Mode B also EMBER_CA_FILE (the
+#                        daemon's CA). test/python/run.sh runs the Python tests this way.
 #
 # At exit the script deletes the nftables table, network namespaces and (empty) cgroup parents of
 # its daemon's node id (table inet ember[_<id>], netns e<id>x-* / emb-*, cgroup ember[-<id>])
@@ -54,7 +59,7 @@ die() { log "$*"; exit 1; }
 [[ -x "$EMBER_BIN" ]] || die "EMBER_BIN=$EMBER_BIN is not an executable (build it first: make build)"
 command -v node >/dev/null || die "node is not installed"
 
-if [[ ! -d "$SDK_DIR/node_modules/e2b" ]]; then
+if [[ -z "${EMBER_TEST_CMD:-}" && ! -d "$SDK_DIR/node_modules/e2b" ]]; then
   log "installing the pinned SDK (npm ci)"
   (cd "$SDK_DIR" && npm ci --no-audit --no-fund --loglevel=error) || die "npm ci failed"
 fi
@@ -81,8 +86,8 @@ TLS_FLAGS=()
 if [[ "$MODEB" == 1 ]]; then
   TLS_PORT="${EMBER_SDK_TLS_PORT:-$(node -e 'const s=require("net").createServer();s.listen(0,"127.0.0.1",()=>{console.log(s.address().port);s.close()})')}" \
     || die "could not pick a free TLS port"
-  TEST_DOMAIN="ember.test"
-  [[ "$TLS_PORT" == 443 ]] || TEST_DOMAIN="ember.test:$TLS_PORT"
+  TEST_DOMAIN="${EMBER_SDK_TEST_DOMAIN:-ember.test}"
+  [[ "$TLS_PORT" == 443 ]] || TEST_DOMAIN="$TEST_DOMAIN:$TLS_PORT"
   TLS_FLAGS=(--tls-listen "127.0.0.1:$TLS_PORT" --domain "$TEST_DOMAIN")
 fi
 
@@ -225,6 +230,7 @@ start_registry() {
 unset E2B_TEST_REGISTRY E2B_TEST_REGISTRY_ERROR
 WANT_REGISTRY=$(( $# == 0 ))
 for arg in "$@"; do [[ "$arg" == *template-image* ]] && WANT_REGISTRY=1; done
+[[ -z "${EMBER_TEST_CMD:-}" ]] || WANT_REGISTRY=0 # the Python tests pull no test image
 if [[ "$WANT_REGISTRY" != 1 ]]; then
   :
 elif start_registry; then
@@ -267,19 +273,23 @@ if [[ "$MODEB" == 1 ]]; then
   CA_FILE="$EMBER_DATA_DIR/tls/ca.pem"
   [[ -s "$CA_FILE" ]] || die "Mode B: the daemon wrote no $CA_FILE"
   export EMBER_SDK_MODEB=1 EMBER_TEST_DOMAIN="$TEST_DOMAIN" E2B_DOMAIN="$TEST_DOMAIN"
-  export NODE_EXTRA_CA_CERTS="$CA_FILE"
+  export NODE_EXTRA_CA_CERTS="$CA_FILE" EMBER_CA_FILE="$CA_FILE"
   export NODE_OPTIONS="${NODE_OPTIONS:+$NODE_OPTIONS }--require $SDK_DIR/test/resolver.cjs"
   log "Mode B: https://127.0.0.1:$TLS_PORT, domain $TEST_DOMAIN, CA $CA_FILE"
 fi
 
 cd "$SDK_DIR" || die "cd $SDK_DIR"
-if [[ $# -gt 0 ]]; then
-  args=("$@")
-else
-  args=(test/*.test.mjs)
-fi
 # In the background + wait, so that SIGINT/SIGTERM reach the trap at once.
-node --test --test-concurrency=1 "${args[@]}" &
+if [[ -n "${EMBER_TEST_CMD:-}" ]]; then
+  bash -c "$EMBER_TEST_CMD" ember-test "$@" &
+else
+  if [[ $# -gt 0 ]]; then
+    args=("$@")
+  else
+    args=(test/*.test.mjs)
+  fi
+  node --test --test-concurrency=1 "${args[@]}" &
+fi
 TEST_PID=$!
 wait "$TEST_PID"
 STATUS=$?

@@ -2,6 +2,7 @@ package gvisor
 
 import (
 	"bufio"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -11,6 +12,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	specs "github.com/opencontainers/runtime-spec/specs-go"
 
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
@@ -158,7 +161,7 @@ func (d *Driver) limitExit(id string) (reason runtime.ExitReason, detail string,
 	for _, dir := range d.instanceCgroups(id) {
 		for _, f := range []string{"memory.oom_control", "memory.events"} {
 			if n := readKeyed(filepath.Join(dir, f), "oom_kill"); n > 0 {
-				return runtime.ExitOOM, fmt.Sprintf("memory limit %d MiB exceeded", d.cgroupMemoryLimit(id)>>20), true
+				return runtime.ExitOOM, fmt.Sprintf("memory limit %d MiB exceeded", guestMemory(d.cgroupMemoryLimit(id))>>20), true
 			}
 		}
 	}
@@ -190,4 +193,75 @@ func readKeyed(path, key string) int64 {
 		}
 	}
 	return 0
+}
+
+// The memory guard. gVisor has no OOM killer: a sandbox whose host memory cgroup fills is
+// stopped whole (the host kills the Sentry). So the guest sees MemoryMB (the Sentry's total
+// memory, /proc/meminfo's MemTotal, set by runsc from the cgroup limit it applies at create),
+// and once the instance runs the driver raises the host limit by headroom: envd's guard
+// (internal/envd, oomguard.go) kills the guest's largest process when the guest's use nears
+// MemoryMB, the way a VM's kernel would, and the headroom holds the Sentry's own memory and what
+// the guest allocates between two looks of the guard. The whole-sandbox stop stays the last
+// resort, with its reason (limitExit).
+const (
+	headroomBase    = 256 << 20 // bytes above MemoryMB, plus guestMemory/headroomDivisor
+	headroomDivisor = 2
+)
+
+// hostMemoryLimit is the host cgroup limit of a sandbox whose guest sees guest bytes.
+func hostMemoryLimit(guest int64) int64 { return guest + headroomBase + guest/headroomDivisor }
+
+// guestMemory is the inverse of hostMemoryLimit (whole MiB): the memory the guest sees under a
+// host limit of host bytes. A limit that was never raised (no room for headroom) is returned
+// as it is.
+func guestMemory(host uint64) uint64 {
+	if host <= headroomBase {
+		return host
+	}
+	mib := (host - headroomBase) >> 20
+	// mib = g + g/d for whole MiB g: g = ceil(d*mib/(d+1)), or one less.
+	g := (mib*headroomDivisor + headroomDivisor) / (headroomDivisor + 1)
+	for g > 0 && g+g/headroomDivisor > mib {
+		g--
+	}
+	return g << 20
+}
+
+// raiseMemoryLimit gives the running instance its headroom: the host memory cgroup limit (and
+// memory+swap on cgroup v1, raised first: it may not be below the limit) becomes
+// hostMemoryLimit(MemoryMB). runsc sized the Sentry's total memory from the limit it applied
+// at create, so the guest keeps seeing MemoryMB. It is done after every run, create and
+// restore (runsc applies the spec's limit each time it makes the sandbox's cgroup).
+func (d *Driver) raiseMemoryLimit(id string, memoryMB int) error {
+	if memoryMB <= 0 || d.cfg.IgnoreCgroups {
+		return nil
+	}
+	want := strconv.FormatInt(hostMemoryLimit(int64(memoryMB)<<20), 10)
+	var errs []error
+	for _, dir := range d.instanceCgroups(id) {
+		for _, name := range []string{"memory.memsw.limit_in_bytes", "memory.limit_in_bytes", "memory.max"} {
+			p := filepath.Join(dir, name)
+			if _, err := os.Stat(p); err != nil {
+				continue
+			}
+			if err := os.WriteFile(p, []byte(want), 0o644); err != nil {
+				errs = append(errs, fmt.Errorf("gvisor: memory headroom: %s: %w", name, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// bundleMemoryMB is the MemoryMB an instance was made with: the memory limit of the spec in its
+// bundle (0 if none or unreadable).
+func bundleMemoryMB(stateDir string) int {
+	b, err := os.ReadFile(filepath.Join(stateDir, "bundle", "config.json"))
+	if err != nil {
+		return 0
+	}
+	var sp specs.Spec
+	if json.Unmarshal(b, &sp) != nil || sp.Linux == nil || sp.Linux.Resources == nil || sp.Linux.Resources.Memory == nil || sp.Linux.Resources.Memory.Limit == nil {
+		return 0
+	}
+	return int(*sp.Linux.Resources.Memory.Limit >> 20)
 }

@@ -273,6 +273,9 @@ func (d *Driver) launch(ctx context.Context, spec runtime.Spec, args ...string) 
 	}
 	d.setLogDir(spec.ID, logs)
 	d.forgetExit(spec.ID)
+	if err := d.raiseMemoryLimit(spec.ID, spec.MemoryMB); err != nil {
+		d.log.Warn("no memory headroom: an out-of-memory stops the whole sandbox", "instance", spec.ID, "err", err)
+	}
 	if err := os.Chmod(filepath.Join(d.cfg.Root, spec.ID+"_sandbox:"+spec.ID+".state"), 0o600); err != nil && !errors.Is(err, os.ErrNotExist) {
 		d.log.Warn("state file mode", "instance", spec.ID, "err", err)
 	}
@@ -441,7 +444,7 @@ func (d *Driver) Stats(ctx context.Context, id string) (runtime.Stats, error) {
 	}
 	limit := ev.Data.Memory.Usage.Limit
 	if limit == 0 {
-		limit = d.cgroupMemoryLimit(id)
+		limit = guestMemory(d.cgroupMemoryLimit(id)) // what the guest sees, not its headroom
 	}
 	if limit >= 1<<62 { // cgroup v1 "unlimited"
 		limit = 0

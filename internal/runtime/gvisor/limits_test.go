@@ -218,17 +218,19 @@ func cgroupInt(t *testing.T, d *gvisor.Driver, id, file, key string) int64 {
 	return n
 }
 
-// TestMemoryLimitStopsSandbox pins what going past MemoryMB does with gVisor at this version:
-// the Sentry has no OOM killer and dies with any of its stub processes, so the host memcg OOM
+// TestMemoryLimitStopsSandbox pins what going past the host limit (MemoryMB + headroom) does
+// with gVisor at this version when nothing in the guest acts first (no envd's guard here): the
+// Sentry has no OOM killer and dies with any of its stub processes, so the host memcg OOM
 // killer stops the whole sandbox, promptly (the bound: within 2 s), and counts it in
-// memory.oom_control. The allocation is a single 1000 MiB buffer, committed by read().
+// memory.oom_control. The allocation is a single 1000 MiB buffer, committed by read(), past
+// 256 MiB + 384 MiB of headroom.
 func TestMemoryLimitStopsSandbox(t *testing.T) {
 	d := newDriver(t, nil)
 	sp := runtime.Spec{ID: "gv-memoom01", RootFS: drivertest.BusyboxRootFS(t), StateDir: t.TempDir(), Args: []string{"/bin/sleep", "1000"}, MemoryMB: 256}
 	startInstance(t, d, sp)
 	if sw := gvisor.InstanceCgroupFile(d, sp.ID, "memory.memsw.limit_in_bytes"); sw != "" {
-		if n := cgroupInt(t, d, sp.ID, "memory.memsw.limit_in_bytes", ""); n != 256<<20 {
-			t.Errorf("memory+swap limit %d, want %d (no swapping past the limit)", n, 256<<20)
+		if n, l := cgroupInt(t, d, sp.ID, "memory.memsw.limit_in_bytes", ""), cgroupInt(t, d, sp.ID, "memory.limit_in_bytes", ""); n != l || n != gvisor.HostMemoryLimit(256<<20) {
+			t.Errorf("memory+swap limit %d, memory limit %d, want both %d (256 MiB + headroom, no swapping past the limit)", n, l, gvisor.HostMemoryLimit(256<<20))
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

@@ -106,5 +106,8 @@ func (d *Driver) RestoreInto(ctx context.Context, id, imageDir string) error {
 	// Used: a second RestoreInto is refused before runsc runs.
 	os.Remove(filepath.Join(stateDir, prestartName))
 	d.forgetExit(id)
+	if err := d.raiseMemoryLimit(id, bundleMemoryMB(stateDir)); err != nil {
+		d.log.Warn("no memory headroom: an out-of-memory stops the whole sandbox", "instance", id, "err", err)
+	}
 	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"os"
 	"path/filepath"
+	"strconv"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -82,7 +83,7 @@ func TestLimitExit(t *testing.T) {
 		}
 	}
 	write(mem, "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
-	write(mem, "memory.limit_in_bytes", "268435456\n")
+	write(mem, "memory.limit_in_bytes", strconv.FormatInt(hostMemoryLimit(256<<20), 10)+"\n") // raised: headroom
 	write(pids, "pids.events", "max 0\n")
 	if _, _, ok := d.limitExit("gv-x"); ok {
 		t.Fatal("no counter moved, yet a limit exit")
@@ -100,4 +101,23 @@ func TestLimitExit(t *testing.T) {
 // LimitExitForTest exposes limitExit to the gvisor_test package.
 func LimitExitForTest(d *Driver, id string) (runtime.ExitReason, string, bool) {
 	return d.limitExit(id)
+}
+
+// HostMemoryLimit exposes hostMemoryLimit to the gvisor_test package.
+func HostMemoryLimit(guest int64) int64 { return hostMemoryLimit(guest) }
+
+// The host limit lies above the guest's memory by the headroom, and guestMemory gives back the
+// guest's memory (what GET /sandboxes and an OOM reason report) for every whole MiB size.
+func TestMemoryHeadroom(t *testing.T) {
+	if h := hostMemoryLimit(1 << 30); h != (1<<30)+(256<<20)+(512<<20) {
+		t.Errorf("1 GiB guest: host limit %d MiB, want 1792", h>>20)
+	}
+	for mb := int64(1); mb <= 64<<10; mb++ {
+		if g := guestMemory(uint64(hostMemoryLimit(mb << 20))); g != uint64(mb)<<20 {
+			t.Fatalf("guestMemory(hostMemoryLimit(%d MiB)) = %d MiB", mb, g>>20)
+		}
+	}
+	if g := guestMemory(128 << 20); g != 128<<20 {
+		t.Errorf("a limit never raised: %d MiB, want it as it is", g>>20)
+	}
 }

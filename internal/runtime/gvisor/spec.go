@@ -134,8 +134,10 @@ func rlimits() []specs.POSIXRlimit {
 //
 //   - Memory: memory.limit_in_bytes = MemoryMB, and memory+swap the same (no swap, so a sandbox
 //     over its limit is killed at once instead of swapping); the Sentry reports MemoryMB as its
-//     total memory. gVisor (this version) has no OOM killer of its own and cannot survive the
-//     host killing one of its stub processes, so going past the limit stops the whole sandbox
+//     total memory. Once the instance runs, raiseMemoryLimit lifts both to
+//     hostMemoryLimit(MemoryMB), headroom for envd's guard to kill the guest's largest process
+//     first. gVisor (this version) has no OOM killer of its own and cannot survive the host
+//     killing one of its stub processes, so going past the host limit stops the whole sandbox
 //     (the host OOM killer takes the Sentry): memory.oom_control's oom_kill counts it.
 //   - Pids: a host backstop sized from PidsLimit (DefaultPidsLimit when 0); the per-uid bound
 //     inside is tasksPerUID. Past the host bound the Sentry cannot make host threads and the

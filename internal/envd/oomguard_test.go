@@ -1,0 +1,216 @@
+package envd
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// fakeProc is a /proc with a meminfo and processes (pid -> resident MiB) a test changes.
+type fakeProc struct {
+	t    *testing.T
+	dir  string
+	mu   sync.Mutex
+	rss  map[int]uint64 // MiB
+	base uint64         // MiB in use outside the processes
+	tot  uint64         // MiB
+	// signals are the SIGSTOPs and SIGCONTs sent, "<signal> <pid>".
+	signals []string
+}
+
+func newFakeProc(t *testing.T, totalMiB, baseMiB uint64) *fakeProc {
+	f := &fakeProc{t: t, dir: t.TempDir(), rss: map[int]uint64{}, base: baseMiB, tot: totalMiB}
+	f.sync()
+	return f
+}
+
+func (f *fakeProc) set(pid int, mib uint64) {
+	f.mu.Lock()
+	f.rss[pid] = mib
+	f.mu.Unlock()
+	f.sync()
+}
+
+// sync writes meminfo and every process's files (a killed process is a zombie: state Z, no rss).
+func (f *fakeProc) sync() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	used := f.base
+	for _, r := range f.rss {
+		used += r
+	}
+	avail := uint64(0)
+	if used < f.tot {
+		avail = f.tot - used
+	}
+	write := func(p, s string) {
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			f.t.Fatal(err)
+		}
+		if err := os.WriteFile(p+".tmp", []byte(s), 0o644); err != nil {
+			f.t.Fatal(err)
+		}
+		if err := os.Rename(p+".tmp", p); err != nil {
+			f.t.Fatal(err)
+		}
+	}
+	for pid, r := range f.rss {
+		d := filepath.Join(f.dir, strconv.Itoa(pid))
+		state := "S"
+		if r == 0 {
+			state = "Z"
+		}
+		pages := (r << 20) / uint64(os.Getpagesize())
+		write(filepath.Join(d, "statm"), fmt.Sprintf("%d %d 0 0 0 0 0\n", pages*2, pages))
+		write(filepath.Join(d, "stat"), fmt.Sprintf("%d (p %d) %s 1 1 1\n", pid, pid, state))
+		write(filepath.Join(d, "comm"), fmt.Sprintf("p%d\n", pid))
+	}
+	// meminfo last: a guard that sees the memory gone sees the process that holds it.
+	write(filepath.Join(f.dir, "meminfo"), fmt.Sprintf("MemTotal:       %8d kB\nMemFree:        %8d kB\nMemAvailable:   %8d kB\nCached:                0 kB\nAnonPages:      %8d kB\nShmem:                 0 kB\n",
+		f.tot<<10, avail<<10, avail<<10, used<<10))
+}
+
+// kill is the guard's Kill: the process exits and its memory comes back.
+func (f *fakeProc) kill(killed chan<- int) func(int, syscall.Signal) error {
+	return func(pid int, sig syscall.Signal) error {
+		switch {
+		case (sig == syscall.SIGSTOP || sig == syscall.SIGCONT) && pid == -1:
+			f.mu.Lock()
+			f.signals = append(f.signals, fmt.Sprintf("%v %d", sig, pid))
+			f.mu.Unlock()
+			return nil
+		case sig != syscall.SIGKILL:
+			f.t.Errorf("signal %v to %d, want SIGKILL", sig, pid)
+		}
+		f.mu.Lock()
+		_, ok := f.rss[pid]
+		f.mu.Unlock()
+		if !ok {
+			return syscall.ESRCH
+		}
+		f.set(pid, 0)
+		killed <- pid
+		return nil
+	}
+}
+
+func startGuard(t *testing.T, f *fakeProc, protect ...int) <-chan int {
+	killed := make(chan int, 16)
+	g := newOOMGuard(slog.New(slog.DiscardHandler), oomGuardConfig{Proc: f.dir, Kill: f.kill(killed), Protect: protect, MaxInterval: 20 * time.Millisecond, Settle: 200 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	go g.run(ctx)
+	t.Cleanup(func() { cancel(); <-g.stopped })
+	return killed
+}
+
+// When the guest's memory runs out the guard kills the largest process, never pid 1, envd or a
+// protected one, and only one for one allocation.
+func TestOOMGuardKillsTheLargestProcess(t *testing.T) {
+	f := newFakeProc(t, 1024, 40)
+	f.set(1, 900) // init (envd in a sandbox): never
+	f.set(os.Getpid(), 5)
+	f.set(20, 30)
+	f.set(21, 10)
+	f.set(22, 8) // protected
+	killed := startGuard(t, f, 22)
+	select {
+	case pid := <-killed:
+		t.Fatalf("killed %d with memory to spare", pid)
+	case <-time.After(100 * time.Millisecond):
+	}
+	f.set(1, 20)
+	f.set(30, 950) // the allocation: 40+20+5+30+10+8+950 > 1024
+	select {
+	case pid := <-killed:
+		if pid != 30 {
+			t.Fatalf("killed %d, want 30 (the largest)", pid)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("nothing killed 2 s after the memory ran out")
+	}
+	select {
+	case pid := <-killed:
+		t.Fatalf("also killed %d after the memory came back", pid)
+	case <-time.After(300 * time.Millisecond):
+	}
+	// The guest was stalled for the kill (every process stopped), then the rest resumed.
+	f.mu.Lock()
+	sigs := strings.Join(f.signals, ", ")
+	f.mu.Unlock()
+	if sigs != "stopped (signal) -1, continued -1" {
+		t.Errorf("signals %q, want SIGSTOP to all, then SIGCONT to the rest", sigs)
+	}
+}
+
+// Memory a process does not hold (a file in a memory filesystem): the guard kills what it can,
+// largest first, and then, with nothing left to kill, it waits.
+func TestOOMGuardWithNothingToKill(t *testing.T) {
+	f := newFakeProc(t, 1024, 1020)
+	f.set(1, 10)
+	f.set(20, 3)
+	killed := startGuard(t, f)
+	select {
+	case pid := <-killed:
+		if pid != 20 {
+			t.Fatalf("killed %d, want 20", pid)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("nothing killed")
+	}
+	select {
+	case pid := <-killed:
+		t.Fatalf("killed %d: nothing but pid 1 was left", pid)
+	case <-time.After(400 * time.Millisecond):
+	}
+}
+
+// The guard looks more often as the free memory shrinks: before it could be gone at MaxRate.
+func TestOOMGuardInterval(t *testing.T) {
+	g := newOOMGuard(slog.New(slog.DiscardHandler), oomGuardConfig{})
+	const gib = 1 << 30
+	if d := g.interval(mem{total: 4 * gib, avail: 3 * gib}); d != 50*time.Millisecond {
+		t.Errorf("idle: %v", d)
+	}
+	if d := g.interval(mem{total: gib, avail: 16<<20 + 160<<20}); d < 9*time.Millisecond || d > 10*time.Millisecond {
+		t.Errorf("160 MiB above the reserve: %v, want the 9.8 ms 160 MiB lasts at 16 GiB/s", d)
+	}
+	if d := g.interval(mem{total: gib, avail: 8 << 20}); d != 5*time.Millisecond {
+		t.Errorf("out of memory: %v", d)
+	}
+}
+
+// A burst of processes (a fork bomb holding memory): the guard kills as many as the memory past
+// the total needs (it reads how far past from the uncapped counters), largest first, until the
+// rest fit.
+func TestOOMGuardKeepsPaceWithABurst(t *testing.T) {
+	f := newFakeProc(t, 1024, 40)
+	f.set(1, 10)
+	killed := startGuard(t, f)
+	t0 := time.Now()
+	for pid := 100; pid < 120; pid++ { // 20 x 100 MiB: 11 must go
+		f.set(pid, 100)
+	}
+	n := 0
+	for n < 11 {
+		select {
+		case <-killed:
+			n++
+		case <-time.After(time.Second): // one Settle: the old guard's pace was one kill per Settle
+			t.Fatalf("%d kills after %s, want 11", n, time.Since(t0))
+		}
+	}
+	t.Logf("11 kills in %s", time.Since(t0))
+	select {
+	case pid := <-killed:
+		t.Fatalf("a 12th kill (%d): the other 9 fit", pid)
+	case <-time.After(300 * time.Millisecond):
+	}
+}
