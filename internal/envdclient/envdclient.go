@@ -150,7 +150,8 @@ func Collect(b *strings.Builder) Output {
 // Result is how a process ended.
 type Result struct {
 	Pid      uint32
-	ExitCode int // -1 when it did not end
+	ExitCode int    // -1 when it did not end
+	Status   string // envd's end status, e.g. "exit status 1", "signal: killed"
 }
 
 // ErrNoEnd: the stream ended without the process's end event.
@@ -230,6 +231,7 @@ func (p *Process) Wait(out Output) (Result, error) {
 			}
 		case ev.GetEnd() != nil:
 			res.ExitCode = int(ev.GetEnd().GetExitCode())
+			res.Status = ev.GetEnd().GetStatus()
 			return res, nil
 		}
 	}

@@ -2,15 +2,14 @@ package e2e
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	"connectrpc.com/connect"
-
-	"github.com/ember-sandbox/ember/api/gen/process"
+	"github.com/ember-sandbox/ember/internal/envdclient"
 )
 
 // ended is how a command ended, as envd's end event tells it (what the SDKs turn into
@@ -25,32 +24,17 @@ func (d *daemon) runEnded(t *testing.T, s sbx, cmdline string, timeout time.Dura
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	no := false
 	t0 := time.Now()
-	stream, err := d.processClient(s).Start(ctx, connect.NewRequest(&process.StartRequest{
-		Process: &process.ProcessConfig{Cmd: "/bin/bash", Args: []string{"-l", "-c", cmdline}},
-		Stdin:   &no,
-	}))
-	if err != nil {
-		t.Fatalf("start %q: %v", cmdline, err)
-	}
-	defer stream.Close()
-	e := ended{result: result{exitCode: -999}}
 	var out, errb strings.Builder
-	for stream.Receive() {
-		ev := stream.Msg().GetEvent()
-		switch {
-		case ev.GetData() != nil:
-			out.Write(ev.GetData().GetStdout())
-			errb.Write(ev.GetData().GetStderr())
-		case ev.GetEnd() != nil:
-			e.exitCode = int(ev.GetEnd().GetExitCode())
-			e.status = ev.GetEnd().GetStatus()
-		}
+	res, err := d.envdClient(s).Run(ctx, envdclient.Command{Line: cmdline},
+		envdclient.Output{Stdout: func(b []byte) { out.Write(b) }, Stderr: func(b []byte) { errb.Write(b) }})
+	e := ended{result: result{exitCode: res.ExitCode, pid: res.Pid}, status: res.Status}
+	if errors.Is(err, envdclient.ErrNoEnd) {
+		e.exitCode, err = -999, nil
 	}
 	e.took = time.Since(t0)
 	e.stdout, e.stderr = out.String(), errb.String()
-	if err := stream.Err(); err != nil {
+	if err != nil {
 		t.Fatalf("%q: the stream failed after %s (the sandbox died?): %v\n%s", cmdline, e.took, err, d.logs())
 	}
 	return e
