@@ -1,6 +1,8 @@
 package e2e
 
 import (
+	"fmt"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -135,9 +137,8 @@ func (d *daemon) imageLoops(t *testing.T) []string {
 // sandbox's files, and after a "reboot" (everything gone but the files) the image is mounted
 // again and the snapshot still creates sandboxes with the same file.
 func TestLayerFSCaptureIsACloneAndSurvivesRestarts(t *testing.T) {
-	if ok, err := layerfs.CanClone(buildDir); err != nil || ok {
-		t.Skipf("the test dir's filesystem clones files (or the probe failed: %v): no image needed", err)
-	}
+	ok, err := layerfs.CanClone(buildDir)
+	testutil.Need(t, err == nil && !ok, fmt.Sprintf("a test dir on a filesystem that cannot clone files, as ext4 (clones: %v, probe: %v)", ok, err))
 	// A node id and CIDR of its own, named: EMBER_E2E_NODE_PREFIX and EMBER_E2E_NET_OFFSET
 	// apply to named ones only (automatic ones collide between e2e runs sharing a host).
 	d := newDaemonWith(t, daemonOpts{NodeID: "clfs", CIDR: nodeCIDR(40)})

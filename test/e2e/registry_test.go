@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -24,9 +25,7 @@ func TestFromImageRegistryPolicy(t *testing.T) {
 		fmt.Fprint(w, banner)
 	})
 	ln, err := net.Listen("tcp", "127.0.0.2:0")
-	if err != nil {
-		t.Skipf("no 127.0.0.2 here: %v", err)
-	}
+	testutil.Need(t, err == nil, fmt.Sprintf("a listener on 127.0.0.2: %v", err))
 	hidden := httptest.NewUnstartedServer(h)
 	hidden.Listener.Close()
 	hidden.Listener = ln

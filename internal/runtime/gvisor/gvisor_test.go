@@ -51,9 +51,7 @@ func TestConformanceIgnoreCgroups(t *testing.T) {
 // TestConformanceRunscCLI: the suite with freeze, thaw and checkpoint through runsc's CLI (the
 // fallback benchmarks compare the control socket with).
 func TestConformanceRunscCLI(t *testing.T) {
-	if testing.Short() {
-		t.Skip("short")
-	}
+	testutil.SkipShort(t, "the conformance suite once more, through runsc's CLI")
 	drivertest.Run(t, func(t *testing.T) runtime.Driver {
 		return newDriver(t, func(c *gvisor.Config) { c.RunscCLI = true })
 	}, nil)
