@@ -2,6 +2,7 @@ package api
 
 import (
 	"context"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"net/http"
 	"testing"
 	"time"
@@ -32,11 +33,11 @@ func TestClusterTimedOutSandboxLeavesRouting(t *testing.T) {
 	ctx := context.Background()
 	created := time.Now()
 	// The edge's cache is fed by a watch: it learns the route a moment after the create.
-	waitFor(t, 2*time.Second, "the edge routes the sandbox to its owner", func() bool {
+	testutil.Eventually(t, 2*time.Second, "the edge routes the sandbox to its owner", func() bool {
 		l, _ := edge.cl.Locate(ctx, id, false)
 		return l.Node == owner.id
 	})
-	waitFor(t, 10*time.Second, "the timed-out sandbox leaves every edge's routing", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the timed-out sandbox leaves every edge's routing", func() bool {
 		for _, n := range nodes {
 			if l, _ := n.cl.Locate(ctx, id, false); l.Known() {
 				return false

@@ -2,6 +2,7 @@ package api
 
 import (
 	"context"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"net/http"
 	"sync"
 	"testing"
@@ -37,7 +38,7 @@ func TestClusterForwardsCarryNoClientKey(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.env.key = key
-	waitFor(t, 5*time.Second, "a sees b with its template", func() bool {
+	testutil.Eventually(t, 5*time.Second, "a sees b with its template", func() bool {
 		for _, n := range a.cl.Live() {
 			if _, ok := n.Templates["base"]; ok && n.ID == "b" {
 				return true

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"net/http"
 	"strings"
 	"testing"
@@ -29,7 +30,7 @@ func TestClusterListsLostOnRequest(t *testing.T) {
 	}
 	stopped := time.Now()
 	nodes[2].stop()
-	waitFor(t, clusterTTL+5*time.Second, "c's sandboxes marked lost", func() bool {
+	testutil.Eventually(t, clusterTTL+5*time.Second, "c's sandboxes marked lost", func() bool {
 		var l []listedSandboxJSON
 		nodes[1].env.ctl(http.MethodGet, "/v2/sandboxes?state=lost", "").json(t, &l)
 		return len(l) == len(onC)

@@ -2,6 +2,7 @@ package api
 
 import (
 	"context"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"net/http"
 	"strings"
 	"testing"
@@ -29,7 +30,7 @@ func TestClusterQuorumLoss(t *testing.T) {
 	for _, n := range nodes {
 		n.env.key = key
 	}
-	waitFor(t, 5*time.Second, "both nodes see both", func() bool { return len(nodes[0].cl.Live()) == 2 && len(nodes[1].cl.Live()) == 2 })
+	testutil.Eventually(t, 5*time.Second, "both nodes see both", func() bool { return len(nodes[0].cl.Live()) == 2 && len(nodes[1].cl.Live()) == 2 })
 	owner := map[string]*clusterNode{}
 	var ids []string
 	for i := 0; i < 6 && len(owner) < 4; i++ {
@@ -51,7 +52,7 @@ func TestClusterQuorumLoss(t *testing.T) {
 
 	e.Kill(1)
 	e.Kill(2)
-	waitFor(t, 5*time.Second, "an edge refuses creates", func() bool {
+	testutil.Eventually(t, 5*time.Second, "an edge refuses creates", func() bool {
 		return nodes[0].env.ctl(http.MethodPost, "/sandboxes", `{"templateID":"base"}`).status == http.StatusServiceUnavailable
 	})
 	calls := []struct{ method, path, body string }{
@@ -97,7 +98,7 @@ func TestClusterQuorumLoss(t *testing.T) {
 
 	e.Restart(1)
 	e.Restart(2)
-	waitFor(t, 15*time.Second, "control calls served again", func() bool {
+	testutil.Eventually(t, 15*time.Second, "control calls served again", func() bool {
 		return nodes[0].env.ctl(http.MethodGet, "/sandboxes", "").status == http.StatusOK &&
 			nodes[1].env.ctl(http.MethodGet, "/sandboxes", "").status == http.StatusOK
 	})

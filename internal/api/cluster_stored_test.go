@@ -2,6 +2,7 @@ package api
 
 import (
 	"context"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"net/http"
 	"net/url"
 	"slices"
@@ -62,7 +63,7 @@ func TestClusterListsStoredSandboxOfDeadNode(t *testing.T) {
 	for _, nd := range nodes {
 		nd.env.key = key
 	}
-	waitFor(t, 5*time.Second, "every node sees every node", func() bool {
+	testutil.Eventually(t, 5*time.Second, "every node sees every node", func() bool {
 		for _, nd := range nodes {
 			if len(nd.cl.Live()) != 3 {
 				return false
@@ -110,7 +111,7 @@ func TestClusterListsStoredSandboxOfDeadNode(t *testing.T) {
 	want := alive[0]
 
 	c.stop() // no leave: its lease runs out
-	waitFor(t, clusterTTL+5*time.Second, "c gone", func() bool { return len(a.cl.Live()) == 2 && len(b.cl.Live()) == 2 })
+	testutil.Eventually(t, clusterTTL+5*time.Second, "c gone", func() bool { return len(a.cl.Live()) == 2 && len(b.cl.Live()) == 2 })
 	md := url.QueryEscape(url.Values{"k": {"v"}}.Encode())
 	for _, edge := range []*clusterNode{a, b} {
 		for _, path := range []string{"/v2/sandboxes", "/v2/sandboxes?state=paused", "/sandboxes?state=paused", "/v2/sandboxes?metadata=" + md, "/v2/sandboxes?state=running,lost"} {

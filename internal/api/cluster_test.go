@@ -3,6 +3,7 @@ package api
 import (
 	"context"
 	"encoding/json"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -100,7 +101,7 @@ func newTestCluster(t *testing.T, n int) []*clusterNode {
 	for _, nd := range nodes {
 		nd.env.key = key
 	}
-	waitFor(t, 5*time.Second, "every node sees every node with its template", func() bool {
+	testutil.Eventually(t, 5*time.Second, "every node sees every node with its template", func() bool {
 		for _, nd := range nodes {
 			live := nd.cl.Live()
 			if len(live) != n {
@@ -115,17 +116,6 @@ func newTestCluster(t *testing.T, n int) []*clusterNode {
 		return true
 	})
 	return nodes
-}
-
-func waitFor(t *testing.T, within time.Duration, what string, f func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !f() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not within %v: %s", within, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }
 
 func (n *clusterNode) holds(id string) bool {
@@ -277,7 +267,7 @@ func TestClusterRefusalAndDrain(t *testing.T) {
 	b := newClusterNode(t, e, "b", nil)
 	key, _, _ := a.env.keys.Create(context.Background(), "k")
 	a.env.key, b.env.key = key, key
-	waitFor(t, 5*time.Second, "both nodes", func() bool { return len(a.cl.Live()) == 2 && len(b.cl.Live()) == 2 })
+	testutil.Eventually(t, 5*time.Second, "both nodes", func() bool { return len(a.cl.Live()) == 2 && len(b.cl.Live()) == 2 })
 	onA := 0
 	for i := 0; i < 6; i++ {
 		r := a.env.ctl(http.MethodPost, "/sandboxes", `{"templateID":"base"}`)
@@ -301,7 +291,7 @@ func TestClusterRefusalAndDrain(t *testing.T) {
 	if r := b.env.ctl(http.MethodPost, "/nodes/b/drain", ""); r.status != http.StatusOK || !strings.Contains(string(r.body), `"draining"`) {
 		t.Fatalf("drain: %d %s", r.status, r.body)
 	}
-	waitFor(t, 5*time.Second, "a sees b draining", func() bool { v, _ := a.cl.Node("b"); return v.State == cluster.StateDraining })
+	testutil.Eventually(t, 5*time.Second, "a sees b draining", func() bool { v, _ := a.cl.Node("b"); return v.State == cluster.StateDraining })
 	// a is full, b drained: no room anywhere.
 	if r := b.env.ctl(http.MethodPost, "/sandboxes", `{"templateID":"base"}`); r.status != http.StatusTooManyRequests {
 		t.Fatalf("create with a full and b drained: %d %s", r.status, r.body)
@@ -331,7 +321,7 @@ func TestClusterNodeLoss(t *testing.T) {
 	}
 	stopped := time.Now()
 	nodes[2].stop()
-	waitFor(t, clusterTTL+3*time.Second, "c's sandboxes reported lost", func() bool {
+	testutil.Eventually(t, clusterTTL+3*time.Second, "c's sandboxes reported lost", func() bool {
 		r := nodes[1].env.ctl(http.MethodGet, "/sandboxes/"+onC[0], "")
 		return r.status == http.StatusNotFound && strings.Contains(string(r.body), "lost with node c")
 	})
@@ -393,7 +383,7 @@ func TestClusterNotHereRetries(t *testing.T) {
 	})
 	key, _, _ := a.env.keys.Create(ctx, "k")
 	a.env.key = key
-	waitFor(t, 5*time.Second, "three nodes", func() bool { return len(a.cl.Live()) == 3 })
+	testutil.Eventually(t, 5*time.Second, "three nodes", func() bool { return len(a.cl.Live()) == 3 })
 	// A sandbox on b, routed (wrongly) to c.
 	allocB := func() string {
 		r, err := etcd.Get(ctx, "/ember/alloc/b")
@@ -409,7 +399,7 @@ func TestClusterNotHereRetries(t *testing.T) {
 	}
 	// Its claim ran one sync of b (which counts it): done before the route goes wrong, or
 	// that sync would kill it as the cluster's on c.
-	waitFor(t, 5*time.Second, "b's sync counted the sandbox", func() bool { return allocB() != before })
+	testutil.Eventually(t, 5*time.Second, "b's sync counted the sandbox", func() bool { return allocB() != before })
 	route, _ := json.Marshal(cluster.Route{Node: "c", Epoch: c.cl.Epoch(), Since: time.Now()})
 	r, err := etcd.Put(ctx, "/ember/sandboxes/"+sbx.ID, string(route))
 	if err != nil {

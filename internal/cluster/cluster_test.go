@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -101,18 +102,6 @@ func join(t *testing.T, endpoints []string, id string, slots int, local *fakeLoc
 	return cl
 }
 
-func eventually(t *testing.T, within time.Duration, what string, f func() bool) time.Duration {
-	t.Helper()
-	start := time.Now()
-	for !f() {
-		if time.Since(start) > within {
-			t.Fatalf("not within %v: %s", within, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return time.Since(start)
-}
-
 func nodeState(cl *cluster.Cluster, id string) string {
 	v, err := cl.Node(id)
 	if err != nil {
@@ -129,21 +118,21 @@ func TestNodeLossMarksSandboxesLost(t *testing.T) {
 	a := join(t, e.Endpoints(), "a", 4, la)
 	b := join(t, e.Endpoints(), "b", 4, lb)
 	ctx := context.Background()
-	eventually(t, 5*time.Second, "a sees b", func() bool { return nodeState(a, "b") == cluster.StateActive })
+	testutil.Eventually(t, 5*time.Second, "a sees b", func() bool { return nodeState(a, "b") == cluster.StateActive })
 	if err := b.Claim(ctx, lb.add("sb1"), ""); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "a routes sb1 to b", func() bool {
+	testutil.Eventually(t, 5*time.Second, "a routes sb1 to b", func() bool {
 		l, _ := a.Locate(ctx, "sb1", false)
 		return l.Node == "b" && l.URL == "http://b.test" && !l.Local
 	})
-	eventually(t, 5*time.Second, "b's allocation counts sb1", func() bool {
+	testutil.Eventually(t, 5*time.Second, "b's allocation counts sb1", func() bool {
 		v, _ := a.Node("b")
 		return v.Allocated.Slots == 1 && len(v.Sandboxes) == 1
 	})
 	stopped := time.Now()
 	b.Close() // no Leave: the lease runs out
-	eventually(t, ttl+3*time.Second, "sb1 reported lost", func() bool {
+	testutil.Eventually(t, ttl+3*time.Second, "sb1 reported lost", func() bool {
 		l, err := a.Locate(ctx, "sb1", true)
 		return err == nil && l.Lost != nil && l.Lost.Node == "b"
 	})
@@ -185,30 +174,30 @@ func TestFencingOnPartition(t *testing.T) {
 		t.Fatal(err)
 	}
 	epoch := a.Epoch()
-	eventually(t, 5*time.Second, "b routes sa1 to a", func() bool { l, _ := b.Locate(ctx, "sa1", false); return l.Node == "a" })
+	testutil.Eventually(t, 5*time.Second, "b routes sa1 to a", func() bool { l, _ := b.Locate(ctx, "sa1", false); return l.Node == "a" })
 	cut := time.Now()
 	p.Cut()
 	// OnFence runs once the sandboxes are killed (Fenced is true a moment before).
-	eventually(t, ttl+2*time.Second, "a fenced", func() bool { return fencedAt.Load() != 0 })
+	testutil.Eventually(t, ttl+2*time.Second, "a fenced", func() bool { return fencedAt.Load() != 0 })
 	if d := time.Duration(fencedAt.Load() - cut.UnixNano()); d > ttl+500*time.Millisecond {
 		t.Fatalf("fenced %v after the cut, TTL %v", d, ttl)
 	}
 	if la.has("sa1") {
 		t.Fatal("a fenced but sa1 still runs")
 	}
-	eventually(t, ttl+3*time.Second, "b marks sa1 lost", func() bool {
+	testutil.Eventually(t, ttl+3*time.Second, "b marks sa1 lost", func() bool {
 		l, _ := b.Locate(ctx, "sa1", true)
 		return l.Lost != nil && l.Lost.Node == "a"
 	})
 	// The sandbox the runtime failed to kill while cut off must not come back either.
 	la.add("sa1")
 	p.Mend()
-	eventually(t, 10*time.Second, "a back under a new epoch", func() bool { return !a.Fenced() && a.Epoch() != 0 && a.Epoch() != epoch })
-	eventually(t, 5*time.Second, "a kills the lost sa1", func() bool { return !la.has("sa1") })
+	testutil.Eventually(t, 10*time.Second, "a back under a new epoch", func() bool { return !a.Fenced() && a.Epoch() != 0 && a.Epoch() != epoch })
+	testutil.Eventually(t, 5*time.Second, "a kills the lost sa1", func() bool { return !la.has("sa1") })
 	if l, _ := b.Locate(ctx, "sa1", true); l.Lost == nil {
 		t.Fatalf("sa1 resurrected: %+v", l)
 	}
-	eventually(t, 5*time.Second, "b sees a active again", func() bool { return nodeState(b, "a") == cluster.StateActive })
+	testutil.Eventually(t, 5*time.Second, "b sees a active again", func() bool { return nodeState(b, "a") == cluster.StateActive })
 }
 
 // One etcd member killed changes nothing: no node fences, placement and claims go on.
@@ -219,7 +208,7 @@ func TestOneEtcdMemberKilled(t *testing.T) {
 	b := join(t, e.Endpoints(), "b", 8, lb)
 	ctx := context.Background()
 	ea, eb := a.Epoch(), b.Epoch()
-	eventually(t, 5*time.Second, "a sees both", func() bool { return len(a.Live()) == 2 })
+	testutil.Eventually(t, 5*time.Second, "a sees both", func() bool { return len(a.Live()) == 2 })
 	// The leader, the hardest member to lose: an election follows.
 	leader := e.Leader(e.Client(t))
 	if leader < 0 {
@@ -262,7 +251,7 @@ func TestPlacementNeverOvercommits(t *testing.T) {
 			func(c *cluster.Config) { c.OnPlacementRetry = func() { hooked.Add(1) } }))
 	}
 	for _, en := range edgeNodes {
-		eventually(t, 5*time.Second, "edge sees all nodes", func() bool { return len(en.Live()) == nodes+edges })
+		testutil.Eventually(t, 5*time.Second, "edge sees all nodes", func() bool { return len(en.Live()) == nodes+edges })
 	}
 	ctx := context.Background()
 	var mu sync.Mutex
@@ -317,7 +306,7 @@ func TestCancelExcludeDrain(t *testing.T) {
 	a := join(t, e.Endpoints(), "a", 1, newLocal("base"))
 	b := join(t, e.Endpoints(), "b", 1, newLocal("base"))
 	ctx := context.Background()
-	eventually(t, 5*time.Second, "a sees b", func() bool { return len(a.Live()) == 2 })
+	testutil.Eventually(t, 5*time.Second, "a sees b", func() bool { return len(a.Live()) == 2 })
 	r, err := a.Place(ctx, cluster.PlaceRequest{TemplateID: "base", Exclude: []string{"a"}})
 	if err != nil || r.Node != "b" {
 		t.Fatalf("place excluding a: %+v %v", r, err)
@@ -326,11 +315,11 @@ func TestCancelExcludeDrain(t *testing.T) {
 		t.Fatalf("b is full, got %v", err)
 	}
 	a.Cancel(ctx, r)
-	eventually(t, 5*time.Second, "b has room again", func() bool { v, _ := a.Node("b"); return v.Allocated.Slots == 0 })
+	testutil.Eventually(t, 5*time.Second, "b has room again", func() bool { v, _ := a.Node("b"); return v.Allocated.Slots == 0 })
 	if err := a.Drain(ctx, "b", true); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "b draining", func() bool { return nodeState(a, "b") == cluster.StateDraining })
+	testutil.Eventually(t, 5*time.Second, "b draining", func() bool { return nodeState(a, "b") == cluster.StateDraining })
 	if _, err := a.Place(ctx, cluster.PlaceRequest{TemplateID: "base", Exclude: []string{"a"}}); !errors.Is(err, errdefs.ErrExhausted) {
 		t.Fatalf("b is drained, got %v", err)
 	}
@@ -360,7 +349,7 @@ func TestKeysAreTheClusters(t *testing.T) {
 	if err := kb.Revoke(ctx, k.ID); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "revoked on a", func() bool { return ka.Verify(ctx, plain) != nil })
+	testutil.Eventually(t, 5*time.Second, "revoked on a", func() bool { return ka.Verify(ctx, plain) != nil })
 }
 
 // When the node that would reap is itself dead but not yet expired, another live node takes
@@ -377,13 +366,13 @@ func TestReapingWhenTheReaperIsDeadToo(t *testing.T) {
 	if err := b.Claim(ctx, lb.add("sb1"), ""); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "c sees all", func() bool { return len(c.Live()) == 4 })
+	testutil.Eventually(t, 5*time.Second, "c sees all", func() bool { return len(c.Live()) == 4 })
 	// b stops, then a (the lowest id): b's lease runs out while a, dead, still looks live.
 	stopped := time.Now()
 	b.Close()
 	time.Sleep(ttl / 2)
 	a.Close()
-	eventually(t, ttl+1500*time.Millisecond-time.Since(stopped), "sb1 lost within TTL + 1.5 s of b's stop", func() bool {
+	testutil.Eventually(t, ttl+1500*time.Millisecond-time.Since(stopped), "sb1 lost within TTL + 1.5 s of b's stop", func() bool {
 		l, _ := c.Locate(ctx, "sb1", true)
 		return l.Lost != nil
 	})
@@ -418,7 +407,7 @@ func TestPlacementAvoids(t *testing.T) {
 	join(t, e.Endpoints(), "b", 4, newLocal("base"))
 	join(t, e.Endpoints(), "c", 4, newLocal("base"))
 	ctx := context.Background()
-	eventually(t, 5*time.Second, "a sees b and c", func() bool { return len(a.Live()) == 3 })
+	testutil.Eventually(t, 5*time.Second, "a sees b and c", func() bool { return len(a.Live()) == 3 })
 	for i := 0; i < 6; i++ {
 		used := map[string]bool{}
 		var avoid []string

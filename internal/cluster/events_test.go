@@ -2,6 +2,7 @@ package cluster_test
 
 import (
 	"context"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"slices"
 	"testing"
 	"time"
@@ -26,7 +27,7 @@ func TestEventsKeepRoutingInStep(t *testing.T) {
 	t.Cleanup(mb.Close)
 	ea, eb := cluster.NewEvents(a, ma, nil), cluster.NewEvents(b, mb, nil)
 	ctx := context.Background()
-	eventually(t, 5*time.Second, "a sees b", func() bool { return len(a.Live()) == 2 })
+	testutil.Eventually(t, 5*time.Second, "a sees b", func() bool { return len(a.Live()) == 2 })
 	sbx := func(id string, st sandbox.State) *sandbox.Sandbox {
 		return &sandbox.Sandbox{ID: id, TemplateID: "base", State: st, CPUCount: 1, MemoryMB: 512}
 	}
@@ -100,7 +101,7 @@ func TestEventsKeepRoutingInStep(t *testing.T) {
 	if err := ea.Changed(ctx, sandbox.Event{Kind: sandbox.EventStored, Sandbox: sbx("s2", sandbox.StatePaused), Stored: stored("s2", "paused-s2-1")}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "b sees s2 stored", func() bool { l, _ := b.Locate(ctx, "s2", false); return l.Stored })
+	testutil.Eventually(t, 5*time.Second, "b sees s2 stored", func() bool { l, _ := b.Locate(ctx, "s2", false); return l.Stored })
 	if err := eb.Changed(ctx, sandbox.Event{Kind: sandbox.EventEnded, Sandbox: sbx("s2", sandbox.StateKilled), Reason: sandbox.EndKilled}); err != nil {
 		t.Fatal(err)
 	}

@@ -3,6 +3,7 @@ package cluster_test
 import (
 	"context"
 	"errors"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"sync"
 	"testing"
 	"time"
@@ -74,12 +75,12 @@ func TestStoredPausedSandboxOutlivesItsNode(t *testing.T) {
 	if err := ma.Stored(ctx, stored("sp", "paused-sp-2")); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "the first image deleted", func() bool {
+	testutil.Eventually(t, 5*time.Second, "the first image deleted", func() bool {
 		pa.mu.Lock()
 		defer pa.mu.Unlock()
 		return len(pa.deleted) == 1 && pa.deleted[0] == "paused-sp-1"
 	})
-	eventually(t, 5*time.Second, "b sees sp stored", func() bool { l, _ := b.Locate(ctx, "sp", false); return l.Stored && l.Node == "a" })
+	testutil.Eventually(t, 5*time.Second, "b sees sp stored", func() bool { l, _ := b.Locate(ctx, "sp", false); return l.Stored && l.Node == "a" })
 	if got := mb.StoredImage(ctx, "sp"); got != "paused-sp-2" {
 		t.Fatalf("stored image %q", got)
 	}
@@ -87,7 +88,7 @@ func TestStoredPausedSandboxOutlivesItsNode(t *testing.T) {
 		t.Fatalf("adopt from a live node: %v, want ErrConflict", err)
 	}
 	a.Close() // no Leave: the lease runs out
-	eventually(t, ttl+3*time.Second, "sr reported lost", func() bool {
+	testutil.Eventually(t, ttl+3*time.Second, "sr reported lost", func() bool {
 		l, err := b.Locate(ctx, "sr", true)
 		return err == nil && l.Lost != nil
 	})

@@ -3,6 +3,7 @@ package cluster_test
 import (
 	"context"
 	"errors"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -33,12 +34,12 @@ func TestQuorumLossKillsNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	ea, eb := a.Epoch(), b.Epoch()
-	eventually(t, 5*time.Second, "a routes qb1 to b", func() bool { l, _ := a.Locate(ctx, "qb1", false); return l.Node == "b" })
+	testutil.Eventually(t, 5*time.Second, "a routes qb1 to b", func() bool { l, _ := a.Locate(ctx, "qb1", false); return l.Node == "b" })
 
 	stopped := time.Now()
 	e.Kill(1)
 	e.Kill(2)
-	took := eventually(t, 5*time.Second, "a and b refuse control calls", func() bool {
+	took := testutil.Eventually(t, 5*time.Second, "a and b refuse control calls", func() bool {
 		return a.Available() != nil && b.Available() != nil
 	})
 	t.Logf("control calls refused %v after 2 of 3 members stopped", took)
@@ -60,7 +61,7 @@ func TestQuorumLossKillsNothing(t *testing.T) {
 
 	e.Restart(1)
 	e.Restart(2)
-	back := eventually(t, 15*time.Second, "a and b available again", func() bool {
+	back := testutil.Eventually(t, 15*time.Second, "a and b available again", func() bool {
 		return a.Available() == nil && b.Available() == nil
 	})
 	t.Logf("available again %v after the members restarted (%v after the stop)", back, time.Since(stopped).Round(time.Millisecond))
@@ -98,14 +99,14 @@ func TestCutOffNodeRefusesAndFences(t *testing.T) {
 		t.Fatal(err)
 	}
 	p.Cut()
-	eventually(t, 3*time.Second, "a refuses control calls", func() bool { return a.Available() != nil })
+	testutil.Eventually(t, 3*time.Second, "a refuses control calls", func() bool { return a.Available() != nil })
 	if err := a.Available(); !strings.Contains(err.Error(), "unreachable from node a") {
 		t.Fatalf("a says %v", err)
 	}
-	eventually(t, ttl+2*time.Second, "a fenced", func() bool { return fenced.Load() })
+	testutil.Eventually(t, ttl+2*time.Second, "a fenced", func() bool { return fenced.Load() })
 	if la.has("ca1") {
 		t.Fatal("a fenced but ca1 still runs")
 	}
 	p.Mend()
-	eventually(t, 10*time.Second, "a available again", func() bool { return a.Available() == nil && !a.Fenced() })
+	testutil.Eventually(t, 10*time.Second, "a available again", func() bool { return a.Available() == nil && !a.Fenced() })
 }

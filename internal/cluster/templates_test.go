@@ -2,6 +2,7 @@ package cluster_test
 
 import (
 	"context"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"testing"
 	"time"
 
@@ -17,7 +18,7 @@ func TestSharedTemplatesArePlaceableEverywhere(t *testing.T) {
 	a := join(t, e.Endpoints(), "a", 4, newLocal("base"))
 	b := join(t, e.Endpoints(), "b", 4, newLocal("base"))
 	ctx := context.Background()
-	eventually(t, 5*time.Second, "a sees b", func() bool { return nodeState(a, "b") == cluster.StateActive })
+	testutil.Eventually(t, 5*time.Second, "a sees b", func() bool { return nodeState(a, "b") == cluster.StateActive })
 	if _, err := a.Place(ctx, cluster.PlaceRequest{TemplateID: "py"}); err == nil {
 		t.Fatal("placed a template no node has")
 	}
@@ -30,7 +31,7 @@ func TestSharedTemplatesArePlaceableEverywhere(t *testing.T) {
 	if won, err := a.PublishTemplate(ctx, other, false); err != nil || won.BuildID != "b1" {
 		t.Fatalf("a second registration if absent: %+v %v, want b's b1 kept", won, err)
 	}
-	eventually(t, 5*time.Second, "a lists py", func() bool { return len(a.SharedTemplates()) == 1 })
+	testutil.Eventually(t, 5*time.Second, "a lists py", func() bool { return len(a.SharedTemplates()) == 1 })
 	if got, err := a.SharedTemplate(ctx, "python"); err != nil || got == nil || got.ID != "py" {
 		t.Fatalf("by alias: %+v %v", got, err)
 	}
@@ -49,12 +50,12 @@ func TestSharedTemplatesArePlaceableEverywhere(t *testing.T) {
 	if won, err := a.PublishTemplate(ctx, other, true); err != nil || won.BuildID != "b2" {
 		t.Fatalf("replace: %+v %v", won, err)
 	}
-	eventually(t, 5*time.Second, "b sees the rebuild", func() bool {
+	testutil.Eventually(t, 5*time.Second, "b sees the rebuild", func() bool {
 		got, _ := b.SharedTemplate(ctx, "py")
 		return got != nil && got.BuildID == "b2"
 	})
 	if err := b.UnpublishTemplate(ctx, "py"); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "a forgets py", func() bool { return len(a.SharedTemplates()) == 0 })
+	testutil.Eventually(t, 5*time.Second, "a forgets py", func() bool { return len(a.SharedTemplates()) == 0 })
 }

@@ -3,6 +3,7 @@ package sandbox_test
 import (
 	"context"
 	"errors"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -31,7 +32,7 @@ func (n *node) readMem(id, key string) string {
 // instance after its answer.
 func (n *node) settleHolds(want int) {
 	n.t.Helper()
-	eventually(n.t, 5*time.Second, "the old instance ended", func() bool {
+	testutil.Eventually(n.t, 5*time.Second, "the old instance ended", func() bool {
 		return len(n.rig.Driver.Running()) == want && len(n.rig.Network.InUse()) == want
 	})
 }
@@ -310,7 +311,7 @@ func TestRollbackStandby(t *testing.T) {
 			return err == nil && tree.Standby == cid
 		}
 	}
-	eventually(t, 5*time.Second, "a standby next to the sandbox", hasStandby(a.ID))
+	testutil.Eventually(t, 5*time.Second, "a standby next to the sandbox", hasStandby(a.ID))
 	before := running()
 	n.write(sb.ID, "/f", "2")
 	n.writeMem(sb.ID, "m", "2")
@@ -323,8 +324,8 @@ func TestRollbackStandby(t *testing.T) {
 	}
 	n.expectState(sb.ID, "1")
 	// A new standby of A, next to the sandbox (the old instance ended).
-	eventually(t, 5*time.Second, "a new standby after the swap", hasStandby(a.ID))
-	eventually(t, 5*time.Second, "the old instance ended", func() bool {
+	testutil.Eventually(t, 5*time.Second, "a new standby after the swap", hasStandby(a.ID))
+	testutil.Eventually(t, 5*time.Second, "the old instance ended", func() bool {
 		r := running()
 		return len(r) == 2 && r[got.Runtime.InstanceID]
 	})
@@ -332,7 +333,7 @@ func TestRollbackStandby(t *testing.T) {
 	if err := n.m.DeleteCheckpoint(ctx, sb.ID, a.ID); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "the standby dropped with its checkpoint", func() bool { return len(running()) == 1 })
+	testutil.Eventually(t, 5*time.Second, "the standby dropped with its checkpoint", func() bool { return len(running()) == 1 })
 	// Off: no standby.
 	n.m.CheckpointStandby(false)
 	n.checkpoint(sb.ID)
@@ -342,7 +343,7 @@ func TestRollbackStandby(t *testing.T) {
 	}
 	n.m.CheckpointStandby(true)
 	c := n.checkpoint(sb.ID)
-	eventually(t, 5*time.Second, "a standby", hasStandby(c.ID))
+	testutil.Eventually(t, 5*time.Second, "a standby", hasStandby(c.ID))
 	if err := n.m.Kill(ctx, sb.ID); err != nil {
 		t.Fatal(err)
 	}

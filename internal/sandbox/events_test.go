@@ -3,6 +3,7 @@ package sandbox_test
 import (
 	"context"
 	"errors"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"os"
 	"path/filepath"
 	"slices"
@@ -77,7 +78,7 @@ func (r *recorder) want(t *testing.T, id string, want ...string) {
 
 func (r *recorder) eventually(t *testing.T, id string, want ...string) {
 	t.Helper()
-	eventually(t, 5*time.Second, "events "+strings.Join(want, " "), func() bool { return slices.Equal(r.of(id), want) })
+	testutil.Eventually(t, 5*time.Second, "events "+strings.Join(want, " "), func() bool { return slices.Equal(r.of(id), want) })
 	time.Sleep(50 * time.Millisecond) // and no more
 	r.want(t, id, want...)
 }
@@ -90,7 +91,7 @@ func TestEventsReportEveryTransitionOnce(t *testing.T) {
 	n := newNode(t, func(c *sandbox.Config) { c.Listeners = []sandbox.Listener{rec} })
 	ctx := context.Background()
 	n.build("base")
-	eventually(t, 5*time.Second, "template ready reported", func() bool { return slices.Equal(rec.templates(), []string{"template-ready:base"}) })
+	testutil.Eventually(t, 5*time.Second, "template ready reported", func() bool { return slices.Equal(rec.templates(), []string{"template-ready:base"}) })
 
 	// API: create, pause, resume, kill.
 	sb := n.create(sandbox.CreateRequest{})
@@ -164,7 +165,7 @@ func TestEventsReportEveryTransitionOnce(t *testing.T) {
 	if err := n.m.DeleteTemplate(ctx, "base"); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "template gone reported", func() bool { return slices.Equal(rec2.templates(), []string{"template-gone:base"}) })
+	testutil.Eventually(t, 5*time.Second, "template gone reported", func() bool { return slices.Equal(rec2.templates(), []string{"template-gone:base"}) })
 }
 
 // A listener that refuses a start (the cluster could not route it here) ends the sandbox and
@@ -209,7 +210,7 @@ func TestRefusedStartEndsTheSandbox(t *testing.T) {
 	if _, err := n.m.Get(ctx, sb.ID); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("the refused sandbox: %v", err)
 	}
-	eventually(t, 2*time.Second, "nothing held", func() bool { return len(n.rig.Driver.Running()) == 0 })
+	testutil.Eventually(t, 2*time.Second, "nothing held", func() bool { return len(n.rig.Driver.Running()) == 0 })
 }
 
 // porter is the fake driver with layers that move between nodes (as archives of nothing).

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"io"
 	"log/slog"
 	"net/http"
@@ -164,17 +165,6 @@ func (n *node) sandboxDirs() []string {
 	return out
 }
 
-func eventually(t *testing.T, within time.Duration, what string, ok func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !ok() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not within %s: %s", within, what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func TestCreateFromCheckpointRunsAndKillReleases(t *testing.T) {
 	n := newNode(t, nil)
 	n.build("base")
@@ -211,7 +201,7 @@ func TestTemplateEnvdHoldsATokenFromBoot(t *testing.T) {
 		t.Fatal("template has no init token")
 	}
 	// The pool instance's envd answers only to that token until it is assigned.
-	eventually(t, 5*time.Second, "pool filled", func() bool { return len(n.rig.Driver.Running()) == 1 })
+	testutil.Eventually(t, 5*time.Second, "pool filled", func() bool { return len(n.rig.Driver.Running()) == 1 })
 	inst := n.rig.Driver.Running()[0]
 	if got := n.rig.Driver.Token(inst); got != tpl.InitToken {
 		t.Fatalf("pooled envd token %q, want the template's", got)
@@ -221,7 +211,7 @@ func TestTemplateEnvdHoldsATokenFromBoot(t *testing.T) {
 func TestCreateFromPoolKeepsItsDirectoryAcrossRestart(t *testing.T) {
 	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 2 })
 	n.build("base")
-	eventually(t, 5*time.Second, "pool filled", func() bool { return len(n.rig.Driver.Running()) == 2 })
+	testutil.Eventually(t, 5*time.Second, "pool filled", func() bool { return len(n.rig.Driver.Running()) == 2 })
 	pooled := n.rig.Driver.Running()
 	sb := n.create(sandbox.CreateRequest{})
 	if !slices.Contains(pooled, sb.Runtime.InstanceID) {
@@ -242,7 +232,7 @@ func TestCreateFromPoolKeepsItsDirectoryAcrossRestart(t *testing.T) {
 	}
 	n.write(sb.ID, "/new.txt", "new")
 	// Graceful stop destroyed the old pool instances; the new Manager refills its own.
-	eventually(t, 5*time.Second, "pool refilled", func() bool { return len(n.rig.Driver.Running()) == 3 })
+	testutil.Eventually(t, 5*time.Second, "pool refilled", func() bool { return len(n.rig.Driver.Running()) == 3 })
 }
 
 func TestReconcileAdoptsOnlyWhatTheStoreKnows(t *testing.T) {
@@ -298,7 +288,7 @@ func TestDeadSandboxIsNoticed(t *testing.T) {
 			sb := n.create(sandbox.CreateRequest{})
 			n.assertHolds(1)
 			n.rig.Driver.Crash(sb.Runtime.InstanceID, reason)
-			eventually(t, 2*time.Second, "sandbox leaves running", func() bool {
+			testutil.Eventually(t, 2*time.Second, "sandbox leaves running", func() bool {
 				_, err := n.m.Get(context.Background(), sb.ID)
 				return err != nil
 			})
@@ -332,7 +322,7 @@ func TestPauseResumeKeepsFiles(t *testing.T) {
 	if err := n.m.Pause(context.Background(), sb.ID); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("second pause: %v", err)
 	}
-	eventually(t, 2*time.Second, "paused sandbox holds nothing", func() bool {
+	testutil.Eventually(t, 2*time.Second, "paused sandbox holds nothing", func() bool {
 		return len(n.rig.Driver.Running()) == 0 && len(n.rig.Network.InUse()) == 0
 	})
 	got, resumed, err := n.m.Connect(context.Background(), sb.ID, time.Minute)
@@ -347,7 +337,7 @@ func TestPauseResumeKeepsFiles(t *testing.T) {
 	}
 	// A resumed sandbox is watched again.
 	n.rig.Driver.Crash(got.Runtime.InstanceID, runtime.ExitOOM)
-	eventually(t, 2*time.Second, "resumed sandbox's death noticed", func() bool {
+	testutil.Eventually(t, 2*time.Second, "resumed sandbox's death noticed", func() bool {
 		_, err := n.m.Get(context.Background(), sb.ID)
 		return err != nil
 	})
@@ -433,7 +423,7 @@ func TestTimeoutKillsOrPauses(t *testing.T) {
 	n.build("base")
 	a := n.create(sandbox.CreateRequest{Timeout: time.Second})
 	b := n.create(sandbox.CreateRequest{Timeout: time.Second, AutoPause: true})
-	eventually(t, 5*time.Second, "timeouts handled", func() bool {
+	testutil.Eventually(t, 5*time.Second, "timeouts handled", func() bool {
 		_, errA := n.m.Get(context.Background(), a.ID)
 		sbB, _ := n.m.Get(context.Background(), b.ID)
 		return errA != nil && sbB != nil && sbB.State == sandbox.StatePaused
@@ -504,7 +494,7 @@ func TestCloseDrainsAndDestroysPool(t *testing.T) {
 	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 2 })
 	n.build("base")
 	sb := n.create(sandbox.CreateRequest{NoPool: true})
-	eventually(t, 5*time.Second, "pool filled", func() bool { return len(n.rig.Driver.Running()) == 3 })
+	testutil.Eventually(t, 5*time.Second, "pool filled", func() bool { return len(n.rig.Driver.Running()) == 3 })
 	n.m.Close()
 	if got := n.rig.Driver.Running(); !slices.Equal(got, []string{sb.Runtime.InstanceID}) {
 		t.Fatalf("after close: %v, want only the sandbox's instance", got)
@@ -616,7 +606,7 @@ func TestLifecycleOptions(t *testing.T) {
 	n.putMem(ar.ID, "m", "kept")
 	// Neither: only connect wakes it.
 	plain := n.create(sandbox.CreateRequest{Timeout: time.Second, AutoPause: true, AutoResume: &no})
-	eventually(t, 5*time.Second, "all three paused", func() bool {
+	testutil.Eventually(t, 5*time.Second, "all three paused", func() bool {
 		for _, id := range []string{fs.ID, ar.ID, plain.ID} {
 			if sb, err := n.m.Get(context.Background(), id); err != nil || sb.State != sandbox.StatePaused {
 				return false
@@ -650,7 +640,7 @@ func TestLifecycleOptions(t *testing.T) {
 func TestPoolFollowsDemandWithinBudget(t *testing.T) {
 	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 1; c.PoolMax = 6 })
 	n.build("base")
-	eventually(t, 5*time.Second, "pool at its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
+	testutil.Eventually(t, 5*time.Second, "pool at its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
 	var ids []string
 	for i := 0; i < 30; i++ {
 		ids = append(ids, n.create(sandbox.CreateRequest{}).ID)
@@ -663,12 +653,12 @@ func TestPoolFollowsDemandWithinBudget(t *testing.T) {
 	for _, id := range ids {
 		n.m.Kill(context.Background(), id)
 	}
-	eventually(t, 5*time.Second, "pool grew past its minimum", func() bool { return len(n.rig.Driver.Running()) > 1 })
+	testutil.Eventually(t, 5*time.Second, "pool grew past its minimum", func() bool { return len(n.rig.Driver.Running()) > 1 })
 
 	// The memory budget caps the pool whatever the minimum says.
 	b := newNode(t, func(c *sandbox.Config) { c.PoolSize = 4; c.PoolMemoryMB = 64; c.PoolInstanceMB = 32 })
 	b.build("base")
-	eventually(t, 5*time.Second, "pool filled to its budget", func() bool { return len(b.rig.Driver.Running()) == 2 })
+	testutil.Eventually(t, 5*time.Second, "pool filled to its budget", func() bool { return len(b.rig.Driver.Running()) == 2 })
 	time.Sleep(1500 * time.Millisecond)
 	if got := len(b.rig.Driver.Running()); got != 2 {
 		t.Fatalf("pool of %d instances with a budget for 2", got)
@@ -833,13 +823,13 @@ func TestPauseCutByCrashIsRecovered(t *testing.T) {
 func TestPoolShrinksWhenDemandFalls(t *testing.T) {
 	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 1; c.PoolMax = 6; c.PoolDecay = 2 * time.Second })
 	n.build("base")
-	eventually(t, 5*time.Second, "pool at its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
+	testutil.Eventually(t, 5*time.Second, "pool at its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
 	for i := 0; i < 30; i++ {
 		n.m.Kill(context.Background(), n.create(sandbox.CreateRequest{}).ID)
 	}
-	eventually(t, 5*time.Second, "pool grew", func() bool { return len(n.rig.Driver.Running()) > 1 })
+	testutil.Eventually(t, 5*time.Second, "pool grew", func() bool { return len(n.rig.Driver.Running()) > 1 })
 	// The rate decays with no creates: the pool returns to its minimum.
-	eventually(t, 30*time.Second, "pool shrank back to its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
+	testutil.Eventually(t, 30*time.Second, "pool shrank back to its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
 }
 
 // Templates record the checkpoint format they were built with; one from an older ember is
@@ -887,7 +877,7 @@ func TestPoolDropsARefillOfADeletedTemplate(t *testing.T) {
 		t.Fatal(err)
 	}
 	close(release)
-	eventually(t, 5*time.Second, "the late refill done", func() bool {
+	testutil.Eventually(t, 5*time.Second, "the late refill done", func() bool {
 		for _, ps := range n.m.Pools(context.Background()) {
 			if ps.Refilling {
 				return false
@@ -895,7 +885,7 @@ func TestPoolDropsARefillOfADeletedTemplate(t *testing.T) {
 		}
 		return true
 	})
-	eventually(t, 10*time.Second, "the late refill's instance destroyed", func() bool { return len(n.rig.Driver.Running()) == 0 })
+	testutil.Eventually(t, 10*time.Second, "the late refill's instance destroyed", func() bool { return len(n.rig.Driver.Running()) == 0 })
 }
 
 // An upload that a crash interrupted is removed at start; finished imports stay.

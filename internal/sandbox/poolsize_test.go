@@ -3,6 +3,7 @@ package sandbox_test
 import (
 	"context"
 	"errors"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -42,7 +43,7 @@ func TestPoolGrowsToABurstWithinTheBudget(t *testing.T) {
 		c.Driver = chargingDriver{c.Driver.(*sandboxtest.Driver), 20}
 	})
 	tpl := n.build("base")
-	eventually(t, 5*time.Second, "pool at its minimum", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 1 })
+	testutil.Eventually(t, 5*time.Second, "pool at its minimum", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 1 })
 	for i := 0; i < 20; i++ {
 		n.m.Kill(context.Background(), n.create(sandbox.CreateRequest{}).ID)
 	}
@@ -50,7 +51,7 @@ func TestPoolGrowsToABurstWithinTheBudget(t *testing.T) {
 	if st.Target < 20 || st.Burst < 19 {
 		t.Fatalf("after 20 creates in a loop: %+v; want a target of at least the burst of 20", st)
 	}
-	eventually(t, 10*time.Second, "pool filled to its budget", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 15 })
+	testutil.Eventually(t, 10*time.Second, "pool filled to its budget", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 15 })
 	time.Sleep(1500 * time.Millisecond)
 	st = poolOf(n, tpl.ID, "restored")
 	if st.Ready != 15 || st.InstanceMB != 20 || st.BudgetMB != 300 || st.UsedMB > 300 || len(n.rig.Driver.Running()) != 15 {
@@ -71,13 +72,13 @@ func TestPoolGrowsToABurstWithinTheBudget(t *testing.T) {
 func TestPoolShrinksSlowlyAfterABurst(t *testing.T) {
 	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 1; c.PoolDecay = 2 * time.Second })
 	tpl := n.build("base")
-	eventually(t, 5*time.Second, "pool at its minimum", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 1 })
+	testutil.Eventually(t, 5*time.Second, "pool at its minimum", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 1 })
 	for i := 0; i < 12; i++ {
 		n.m.Kill(context.Background(), n.create(sandbox.CreateRequest{}).ID)
 	}
-	eventually(t, 10*time.Second, "pool grew to the burst", func() bool { return poolOf(n, tpl.ID, "restored").Ready >= 10 })
+	testutil.Eventually(t, 10*time.Second, "pool grew to the burst", func() bool { return poolOf(n, tpl.ID, "restored").Ready >= 10 })
 	grown := time.Now()
-	eventually(t, 30*time.Second, "pool shrank back to its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
+	testutil.Eventually(t, 30*time.Second, "pool shrank back to its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
 	// The burst holds 2 s then halves every 2 s: from 12 to 1 takes about 9 s, never a single
 	// step.
 	if took := time.Since(grown); took < 4*time.Second {
@@ -117,7 +118,7 @@ func TestPoolRefillsRunConcurrentlyWithinTheirBound(t *testing.T) {
 	if _, err := n.m.WarmPool(context.Background(), tpl.ID, 8); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "3 refills in flight", func() bool { return cur.Load() == 3 })
+	testutil.Eventually(t, 5*time.Second, "3 refills in flight", func() bool { return cur.Load() == 3 })
 	time.Sleep(300 * time.Millisecond)
 	if st := poolOf(n, tpl.ID, "restored"); peak.Load() != 3 || st.RefillsInFlight != 3 || len(st.SandboxIDs) != 3 {
 		t.Fatalf("refills at once: peak %d, state %+v; want 3", peak.Load(), st)
@@ -126,7 +127,7 @@ func TestPoolRefillsRunConcurrentlyWithinTheirBound(t *testing.T) {
 	hold = false
 	mu.Unlock()
 	close(release)
-	eventually(t, 10*time.Second, "warmed to 8", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 8 })
+	testutil.Eventually(t, 10*time.Second, "warmed to 8", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 8 })
 }
 
 // An explicit warm-up keeps a pool at N whatever the demand, beyond PoolMax, until it is set
@@ -138,7 +139,7 @@ func TestWarmPool(t *testing.T) {
 	if err != nil || st.Warm != 6 || st.Target != 6 {
 		t.Fatalf("WarmPool: %+v %v", st, err)
 	}
-	eventually(t, 10*time.Second, "warmed to 6", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 6 })
+	testutil.Eventually(t, 10*time.Second, "warmed to 6", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 6 })
 	time.Sleep(2500 * time.Millisecond) // more than a decay period: the floor holds
 	if got := poolOf(n, tpl.ID, "restored").Ready; got != 6 {
 		t.Fatalf("warmed pool holds %d after idling, want 6", got)
@@ -146,7 +147,7 @@ func TestWarmPool(t *testing.T) {
 	if _, err := n.m.WarmPool(context.Background(), "base", 0); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 20*time.Second, "back to its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
+	testutil.Eventually(t, 20*time.Second, "back to its minimum", func() bool { return len(n.rig.Driver.Running()) == 1 })
 
 	src := n.create(sandbox.CreateRequest{})
 	if _, err := n.m.Snapshot(context.Background(), src.ID, "snap1"); err != nil {
@@ -187,7 +188,7 @@ func TestPrestartedInstancesAreNotWarmedUp(t *testing.T) {
 	mu.Lock()
 	dialed = nil // the build's own boot
 	mu.Unlock()
-	eventually(t, 5*time.Second, "one pre-started instance", func() bool { return poolOf(n, tpl.ID, "prestarted").Ready == 1 })
+	testutil.Eventually(t, 5*time.Second, "one pre-started instance", func() bool { return poolOf(n, tpl.ID, "prestarted").Ready == 1 })
 	time.Sleep(200 * time.Millisecond)
 	mu.Lock()
 	defer mu.Unlock()
@@ -220,7 +221,7 @@ func TestPoolRefillsRunAtALowCPUWeight(t *testing.T) {
 		c.Driver = wd
 	})
 	tpl := n.build("base")
-	eventually(t, 5*time.Second, "pool filled", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 1 })
+	testutil.Eventually(t, 5*time.Second, "pool filled", func() bool { return poolOf(n, tpl.ID, "restored").Ready == 1 })
 	inst := n.rig.Driver.Running()[0]
 	wd.mu.Lock()
 	got := append([]int(nil), wd.weights[inst]...)
@@ -246,7 +247,7 @@ func TestPoolRefillsRunAtALowCPUWeight(t *testing.T) {
 		c.Driver = wd2
 	})
 	otpl := o.build("base")
-	eventually(t, 5*time.Second, "pool filled", func() bool { return poolOf(o, otpl.ID, "restored").Ready == 1 })
+	testutil.Eventually(t, 5*time.Second, "pool filled", func() bool { return poolOf(o, otpl.ID, "restored").Ready == 1 })
 	if len(wd2.weights) != 0 || o.rig.Driver.Calls("RestoreInto") != 0 {
 		t.Fatalf("with PoolRefillWeight -1: weights %v, %d restores into", wd2.weights, o.rig.Driver.Calls("RestoreInto"))
 	}

@@ -3,6 +3,7 @@ package sandbox_test
 import (
 	"context"
 	"errors"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -30,7 +31,7 @@ func prestartPools(m *sandbox.Manager) []sandbox.PoolState {
 func TestPrestartedInstancesServePoolMisses(t *testing.T) {
 	n := newNode(t, func(c *sandbox.Config) { c.PrestartSize = 2; c.PrestartMax = 4 })
 	n.build("base")
-	eventually(t, 5*time.Second, "two pre-started instances", func() bool { return len(n.rig.Driver.Prestarted()) == 2 })
+	testutil.Eventually(t, 5*time.Second, "two pre-started instances", func() bool { return len(n.rig.Driver.Prestarted()) == 2 })
 	if got := n.rig.Driver.Running(); len(got) != 0 {
 		t.Fatalf("instances running before any create: %v", got)
 	}
@@ -61,7 +62,7 @@ func TestPrestartedInstancesServePoolMisses(t *testing.T) {
 	if _, err := n.read(b.ID, "/f"); err == nil {
 		t.Fatal("a file written in one sandbox shows in the other")
 	}
-	eventually(t, 5*time.Second, "pre-started pool refilled", func() bool { return len(n.rig.Driver.Prestarted()) >= 2 })
+	testutil.Eventually(t, 5*time.Second, "pre-started pool refilled", func() bool { return len(n.rig.Driver.Prestarted()) >= 2 })
 	if st := prestartPools(n.m); st[0].Hits != 2 {
 		t.Fatalf("pool state after two creates: %+v", st)
 	}
@@ -95,7 +96,7 @@ func TestPrestartedPoolFollowsMissesWithinBudget(t *testing.T) {
 		c.PoolMemoryMB = 32 + 4*16
 	})
 	n.build("base")
-	eventually(t, 5*time.Second, "both pools at their minimum", func() bool {
+	testutil.Eventually(t, 5*time.Second, "both pools at their minimum", func() bool {
 		return len(n.rig.Driver.Running()) == 1 && len(n.rig.Driver.Prestarted()) == 1
 	})
 	var ids []string
@@ -109,7 +110,7 @@ func TestPrestartedPoolFollowsMissesWithinBudget(t *testing.T) {
 	for _, id := range ids {
 		n.m.Kill(context.Background(), id)
 	}
-	eventually(t, 5*time.Second, "pre-started pool grew", func() bool { return len(n.rig.Driver.Prestarted()) > 1 })
+	testutil.Eventually(t, 5*time.Second, "pre-started pool grew", func() bool { return len(n.rig.Driver.Prestarted()) > 1 })
 	time.Sleep(1500 * time.Millisecond)
 	// The two pools share the budget: 4 pre-started beside a full restored pool, more while the
 	// restored pool is empty (a create took it and its refill waits for room).
@@ -139,7 +140,7 @@ func TestFailedRestoreIntoFallsBack(t *testing.T) {
 		return nil
 	}
 	n.build("base")
-	eventually(t, 5*time.Second, "pre-started", func() bool { return len(n.rig.Driver.Prestarted()) == 1 })
+	testutil.Eventually(t, 5*time.Second, "pre-started", func() bool { return len(n.rig.Driver.Prestarted()) == 1 })
 	pre := n.rig.Driver.Prestarted()[0]
 	sb := n.create(sandbox.CreateRequest{})
 	if sb.Runtime.InstanceID == pre || strings.HasPrefix(pre, sb.ID) {
@@ -187,7 +188,7 @@ func TestFailedPrestartReleasesEverything(t *testing.T) {
 				}
 			})
 			n.build("base")
-			eventually(t, 5*time.Second, "a refill tried", func() bool { return n.rig.Driver.Calls("Prestart") > 0 })
+			testutil.Eventually(t, 5*time.Second, "a refill tried", func() bool { return n.rig.Driver.Calls("Prestart") > 0 })
 			time.Sleep(1200 * time.Millisecond) // the ticker's retry, too
 			if ids, _ := n.rig.Driver.List(context.Background()); len(ids) != 0 {
 				t.Fatalf("instances left: %v", ids)
@@ -213,7 +214,7 @@ func TestResumeRestoresIntoPrestarted(t *testing.T) {
 	if err := n.m.Pause(context.Background(), sb.ID); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "an instance pre-started for the resume", func() bool { return len(preFor(n, sb.ID)) == 1 })
+	testutil.Eventually(t, 5*time.Second, "an instance pre-started for the resume", func() bool { return len(preFor(n, sb.ID)) == 1 })
 	pre := preFor(n, sb.ID)[0]
 	found := false
 	for _, p := range n.m.Pools(context.Background()) {
@@ -240,7 +241,7 @@ func TestResumeRestoresIntoPrestarted(t *testing.T) {
 	if err := n.m.Pause(context.Background(), sb.ID); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "pre-started again", func() bool { return len(preFor(n, sb.ID)) == 1 })
+	testutil.Eventually(t, 5*time.Second, "pre-started again", func() bool { return len(preFor(n, sb.ID)) == 1 })
 	if err := n.m.Kill(context.Background(), sb.ID); err != nil {
 		t.Fatal(err)
 	}
@@ -257,7 +258,7 @@ func TestResumeRestoresIntoPrestarted(t *testing.T) {
 	if err := n.m.Pause(context.Background(), other.ID); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, "pre-started for the other", func() bool { return len(preFor(n, other.ID)) == 1 })
+	testutil.Eventually(t, 5*time.Second, "pre-started for the other", func() bool { return len(preFor(n, other.ID)) == 1 })
 	if _, _, err := n.m.ConnectWith(context.Background(), other.ID, sandbox.ConnectOptions{Reboot: true}); err != nil {
 		t.Fatal(err)
 	}
@@ -306,7 +307,7 @@ func TestPrestartMaxZeroDisables(t *testing.T) {
 func TestPrestartedInstanceTakesTheCreatesEgress(t *testing.T) {
 	n := newNode(t, func(c *sandbox.Config) { c.PrestartSize, c.PrestartMax = 1, 1 })
 	n.build("base")
-	eventually(t, 5*time.Second, "pre-started", func() bool { return len(n.rig.Driver.Prestarted()) == 1 })
+	testutil.Eventually(t, 5*time.Second, "pre-started", func() bool { return len(n.rig.Driver.Prestarted()) == 1 })
 	pre := n.rig.Driver.Prestarted()[0]
 	no := false
 	sb := n.create(sandbox.CreateRequest{AllowInternet: &no})

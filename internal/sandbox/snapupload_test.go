@@ -3,6 +3,7 @@ package sandbox_test
 import (
 	"context"
 	"errors"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"os"
 	"path/filepath"
 	"sync"
@@ -120,7 +121,7 @@ func (n *node) snapshotState(id string) (string, string) {
 
 func (n *node) waitSnapshot(id, state string) {
 	n.t.Helper()
-	eventually(n.t, 10*time.Second, "snapshot "+id+" "+state, func() bool {
+	testutil.Eventually(n.t, 10*time.Second, "snapshot "+id+" "+state, func() bool {
 		got, _ := n.snapshotState(id)
 		return got == state
 	})
@@ -199,7 +200,7 @@ func TestDeleteDuringUploadLeavesNothing(t *testing.T) {
 		t.Fatalf("capture after delete: %v", err)
 	}
 	close(g.gate) // a Save that got through would store it now
-	eventually(t, 5*time.Second, "no stored manifest or chunk", func() bool {
+	testutil.Eventually(t, 5*time.Second, "no stored manifest or chunk", func() bool {
 		ids, chunks := g.stored(t)
 		return len(ids) == 0 && chunks == 0
 	})
@@ -315,7 +316,7 @@ func TestCollectWaitsForUploadsInFlight(t *testing.T) {
 	}
 	close(g.gate)
 	n.waitSnapshot("second", sandbox.SnapshotStoredState)
-	eventually(t, 5*time.Second, "a collection after the upload", func() bool { return g.collected() == 1 })
+	testutil.Eventually(t, 5*time.Second, "a collection after the upload", func() bool { return g.collected() == 1 })
 	// The collection kept what second needs: loaded from the store alone, it restores.
 	os.RemoveAll(second.Image)
 	imports := n.rig.Driver.Calls("ImportImage")

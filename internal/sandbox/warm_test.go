@@ -2,6 +2,7 @@ package sandbox_test
 
 import (
 	"context"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"maps"
 	"net"
 	"net/http"
@@ -29,7 +30,7 @@ func TestPoolInstancesRunACommandBeforeTheyAreHandedOut(t *testing.T) {
 		}
 		return 0
 	}
-	eventually(t, 5*time.Second, "pool filled", func() bool { return ready() == 1 })
+	testutil.Eventually(t, 5*time.Second, "pool filled", func() bool { return ready() == 1 })
 	running := n.rig.Driver.Running()
 	if len(running) != 1 {
 		t.Fatalf("running instances %v; want the pool's one", running)
@@ -69,7 +70,7 @@ func TestFirstRequestReusesTheLaunchConnection(t *testing.T) {
 			})
 			tpl := n.build("base")
 			if tc.pool > 0 {
-				eventually(t, 5*time.Second, "pool filled", func() bool {
+				testutil.Eventually(t, 5*time.Second, "pool filled", func() bool {
 					for _, p := range n.m.Pools(context.Background()) {
 						if p.TemplateID == tpl.ID {
 							return p.Ready == tc.pool

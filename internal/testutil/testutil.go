@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"testing"
+	"time"
 )
 
 // Need skips (or, in CI, fails) the test unless ok.
@@ -59,4 +60,22 @@ func SkipShort(t testing.TB, reason string) {
 	if testing.Short() {
 		t.Skip("skipping in -short mode: " + reason)
 	}
+}
+
+// Eventually polls f until it is true, failing the test with what when within passes first. It
+// polls often at first and backs off to every 100 ms; it returns how long it took.
+func Eventually(t testing.TB, within time.Duration, what string, f func() bool) time.Duration {
+	t.Helper()
+	start := time.Now()
+	wait := 5 * time.Millisecond
+	for !f() {
+		if time.Since(start) > within {
+			t.Fatalf("not within %v: %s", within, what)
+		}
+		time.Sleep(wait)
+		if wait < 100*time.Millisecond {
+			wait *= 2
+		}
+	}
+	return time.Since(start)
 }

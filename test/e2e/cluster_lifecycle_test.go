@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"strings"
 	"syscall"
 	"testing"
@@ -69,7 +70,7 @@ func TestClusterTransitionsReachRouting(t *testing.T) {
 			t.Fatalf("pause through %s: %d %s", c.nodeID, code, body)
 		}
 	}
-	waitUntil(t, 30*time.Second, "the reaper paused the timed-out sandbox into the store", func() bool {
+	testutil.Eventually(t, 30*time.Second, "the reaper paused the timed-out sandbox into the store", func() bool {
 		var s sbx
 		if c.api(t, "GET", "/sandboxes/"+timedOut.SandboxID, nil, &s) != 200 || s.State != "paused" {
 			return false
@@ -101,7 +102,7 @@ func TestClusterTransitionsReachRouting(t *testing.T) {
 
 	// One dies by itself (its instance killed): it leaves routing and the store at once.
 	killInstanceOf(t, a, dying)
-	waitUntil(t, 10*time.Second, "A noticed the dead instance", func() bool {
+	testutil.Eventually(t, 10*time.Second, "A noticed the dead instance", func() bool {
 		code, _ := a.apiBody(t, "GET", "/sandboxes/"+dying.SandboxID, nil, nil)
 		return code == 404
 	})
@@ -130,7 +131,7 @@ func TestClusterTransitionsReachRouting(t *testing.T) {
 	for _, p := range a.runscProcs() {
 		_ = syscall.Kill(p.pid, syscall.SIGKILL)
 	}
-	waitUntil(t, 20*time.Second, "A is lost", func() bool { return nodeStateOf(t, b, a.nodeID) == "lost" })
+	testutil.Eventually(t, 20*time.Second, "A is lost", func() bool { return nodeStateOf(t, b, a.nodeID) == "lost" })
 
 	// Through B: lost, or back with the file written after the wake.
 	for _, s := range []sbx{woken, timedOut} {

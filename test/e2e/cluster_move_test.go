@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"os"
 	"path/filepath"
 	"sort"
@@ -43,7 +44,7 @@ func storedCluster(t *testing.T, members int, ids []string, cidrBase int) (*clus
 		nodes = append(nodes, newDaemonWith(t, o))
 		t.Logf("node %s up in %v", nodes[i].nodeID, time.Since(t0).Round(time.Millisecond))
 	}
-	waitUntil(t, 30*time.Second, "every node sees every node", func() bool {
+	testutil.Eventually(t, 30*time.Second, "every node sees every node", func() bool {
 		var ns []nodeJSON
 		return nodes[0].api(t, "GET", "/nodes", nil, &ns) == 200 && len(ns) == len(nodes)
 	})
@@ -120,7 +121,7 @@ func TestClusterTemplatesMove(t *testing.T) {
 		t.Fatalf("snapshot through %s: %d %s", b.nodeID, code, body)
 	}
 	t.Cleanup(func() { a.api(t, "DELETE", "/templates/"+snap.SnapshotID, nil, nil) })
-	waitUntil(t, 2*time.Minute, "the snapshot is the cluster's (listed through "+b.nodeID+")", func() bool {
+	testutil.Eventually(t, 2*time.Minute, "the snapshot is the cluster's (listed through "+b.nodeID+")", func() bool {
 		for _, x := range templatesOf(t, b) {
 			if strings.HasPrefix(x, snap.SnapshotID+"@") {
 				return true
@@ -239,7 +240,7 @@ func TestClusterPausedSandboxesMove(t *testing.T) {
 	drain(t, c, c, false)
 	c.run(t, paused, "echo kept > /home/user/f")
 	c.background(t, paused, "i=0; while true; do i=$((i+1)); echo $i > /home/user/count; sleep 0.1; done")
-	waitUntil(t, 10*time.Second, "the counter runs", func() bool { return counter(t, c, paused) > 5 })
+	testutil.Eventually(t, 10*time.Second, "the counter runs", func() bool { return counter(t, c, paused) > 5 })
 	before := counter(t, c, paused)
 	t0 := time.Now()
 	if code, body := c.apiBody(t, "POST", "/sandboxes/"+paused.SandboxID+"/pause", nil, nil); code != 204 {
@@ -253,7 +254,7 @@ func TestClusterPausedSandboxesMove(t *testing.T) {
 	for _, i := range a.instances() { // and its sandboxes
 		_, _ = a.runscCmd("kill", "--all", i.ID, "KILL")
 	}
-	waitUntil(t, 5*time.Second+15*time.Second, "A is lost", func() bool { return nodeStateOf(t, b, a.nodeID) == "lost" })
+	testutil.Eventually(t, 5*time.Second+15*time.Second, "A is lost", func() bool { return nodeStateOf(t, b, a.nodeID) == "lost" })
 	t.Logf("A seen lost %v after kill -9 (TTL 5s)", time.Since(killed).Round(time.Millisecond))
 
 	// Held by no node, it is listed paused through B and C (from its stored record), and a GET
@@ -289,13 +290,13 @@ func TestClusterPausedSandboxesMove(t *testing.T) {
 	if after < before {
 		t.Fatalf("counter went back from %d to %d: the process restarted", before, after)
 	}
-	waitUntil(t, 10*time.Second, "the counter goes on", func() bool { return counter(t, b, paused) > after })
+	testutil.Eventually(t, 10*time.Second, "the counter goes on", func() bool { return counter(t, b, paused) > after })
 	if n := listedTimes(t, b, "/v2/sandboxes", paused.SandboxID, "running"); n != 1 {
 		t.Fatalf("the moved sandbox listed %d times as running", n)
 	}
 
 	// A's running sandbox is lost; creates avoid A.
-	waitUntil(t, 15*time.Second, "A's running sandbox reported lost", func() bool {
+	testutil.Eventually(t, 15*time.Second, "A's running sandbox reported lost", func() bool {
 		code, body := b.apiBody(t, "GET", "/sandboxes/"+running.SandboxID, nil, nil)
 		return code == 404 && strings.Contains(body, "lost with node "+a.nodeID)
 	})
@@ -310,7 +311,7 @@ func TestClusterPausedSandboxesMove(t *testing.T) {
 	if err := a.start(); err != nil {
 		t.Fatalf("restart %s: %v\n%s", a.nodeID, err, a.logs())
 	}
-	waitUntil(t, 30*time.Second, "the restarted node holds nothing", func() bool {
+	testutil.Eventually(t, 30*time.Second, "the restarted node holds nothing", func() bool {
 		var n nodeJSON
 		return a.api(t, "GET", "/nodes/"+a.nodeID, nil, &n) == 200 && n.State == "active" && len(n.Sandboxes) == 0
 	})
@@ -332,7 +333,7 @@ func TestClusterPausedSandboxesMove(t *testing.T) {
 		holder = c
 	}
 	drain(t, a, holder, true)
-	waitUntil(t, 30*time.Second, "the drained node paused its sandbox into the store", func() bool {
+	testutil.Eventually(t, 30*time.Second, "the drained node paused its sandbox into the store", func() bool {
 		var s sbx
 		return strings.Contains(holder.logLines(paused.SandboxID, 50), "drain: paused into the image store") &&
 			a.api(t, "GET", "/sandboxes/"+paused.SandboxID, nil, &s) == 200 && s.State == "paused"

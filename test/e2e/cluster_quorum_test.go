@@ -3,6 +3,7 @@ package e2e
 import (
 	"encoding/json"
 	"fmt"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"os"
 	"path/filepath"
 	"strings"
@@ -34,7 +35,7 @@ func TestClusterQuorumLoss(t *testing.T) {
 		nodes = append(nodes, newDaemonWith(t, daemonOpts{NodeID: id, CIDR: nodeCIDR(44 + i), Flags: flags}))
 	}
 	a, b := nodes[0], nodes[1]
-	waitUntil(t, 30*time.Second, "both nodes see both", func() bool {
+	testutil.Eventually(t, 30*time.Second, "both nodes see both", func() bool {
 		var ns []nodeJSON
 		return a.api(t, "GET", "/nodes", nil, &ns) == 200 && len(ns) == 2
 	})
@@ -53,7 +54,7 @@ func TestClusterQuorumLoss(t *testing.T) {
 	stopped := time.Now()
 	e.Kill(1)
 	e.Kill(2)
-	waitUntil(t, 10*time.Second, "creates refused", func() bool {
+	testutil.Eventually(t, 10*time.Second, "creates refused", func() bool {
 		code, _, _ := a.call(8*time.Second, "POST", "/sandboxes", map[string]any{"templateID": "base"}, nil)
 		return code == 503
 	})
@@ -85,7 +86,7 @@ func TestClusterQuorumLoss(t *testing.T) {
 	}
 	e.Restart(1)
 	e.Restart(2)
-	waitUntil(t, 30*time.Second, "control calls served again", func() bool {
+	testutil.Eventually(t, 30*time.Second, "control calls served again", func() bool {
 		code, _, _ := a.call(5*time.Second, "GET", "/sandboxes", nil, nil)
 		code2, _, _ := b.call(5*time.Second, "GET", "/sandboxes", nil, nil)
 		return code == 200 && code2 == 200

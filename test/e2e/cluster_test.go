@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"os"
 	"path/filepath"
 	"strings"
@@ -63,7 +64,7 @@ func TestClusterThreeNodes(t *testing.T) {
 		nodes = append(nodes, newDaemonWith(t, o))
 	}
 	a, c := nodes[0], nodes[2]
-	waitUntil(t, 30*time.Second, "every node sees three nodes", func() bool {
+	testutil.Eventually(t, 30*time.Second, "every node sees three nodes", func() bool {
 		var ns []nodeJSON
 		return a.api(t, "GET", "/nodes", nil, &ns) == 200 && len(ns) == 3
 	})
@@ -126,7 +127,7 @@ func TestClusterThreeNodes(t *testing.T) {
 	}
 	killed := time.Now()
 	victim.crash()
-	waitUntil(t, 5*time.Second+10*time.Second, "the dead node's sandboxes reported lost", func() bool {
+	testutil.Eventually(t, 5*time.Second+10*time.Second, "the dead node's sandboxes reported lost", func() bool {
 		code, body := others[0].apiBody(t, "GET", "/sandboxes/"+lost[0], nil, nil)
 		return code == 404 && strings.Contains(body, "lost with node "+victim.nodeID)
 	})
@@ -141,7 +142,7 @@ func TestClusterThreeNodes(t *testing.T) {
 	if err := victim.start(); err != nil {
 		t.Fatalf("restart %s: %v\n%s", victim.nodeID, err, victim.logs())
 	}
-	waitUntil(t, 30*time.Second, "the restarted node holds none of its lost sandboxes", func() bool {
+	testutil.Eventually(t, 30*time.Second, "the restarted node holds none of its lost sandboxes", func() bool {
 		var n nodeJSON
 		if victim.api(t, "GET", "/nodes/"+victim.nodeID, nil, &n) != 200 || n.State != "active" {
 			return false
@@ -165,16 +166,5 @@ func TestClusterThreeNodes(t *testing.T) {
 	}
 	if !took {
 		t.Fatal("the restarted node took no create in 12")
-	}
-}
-
-func waitUntil(t *testing.T, within time.Duration, what string, f func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !f() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not within %v: %s", within, what)
-		}
-		time.Sleep(200 * time.Millisecond)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"net"
 	"net/netip"
 	"os"
@@ -192,7 +193,7 @@ func TestPooledSandboxSurvivesDaemonCrash(t *testing.T) {
 	d.waitInstances(t, 2, 90*time.Second)
 	// A refill's instance runs (restored at a low CPU weight) a moment before the pool counts it
 	// ready (after its warm-up): wait for the pool itself.
-	waitUntil(t, 60*time.Second, "a ready instance in the restored pool", func() bool { return d.restoredPool(t).Ready >= 1 })
+	testutil.Eventually(t, 60*time.Second, "a ready instance in the restored pool", func() bool { return d.restoredPool(t).Ready >= 1 })
 	s := d.create(t, nil)
 	how := d.createdHow(s.SandboxID)
 	t.Logf("sandbox %s created (how=%q)", s.SandboxID, how)
