@@ -52,6 +52,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodPost, "/api-keys", s.createAPIKey)
 	rt.handle(http.MethodGet, "/api-keys", s.listAPIKeys)
 	rt.handle(http.MethodDelete, "/api-keys/{id}", s.deleteAPIKey)
+	s.volumeRoutes(rt) // volumes.go
 	s.nodeRoutes(rt)
 	s.moveRoutes(rt) // cluster_move.go
 	return rt
@@ -79,6 +80,10 @@ func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params)
 	if err != nil {
 		return err
 	}
+	mounts, err := s.resolveVolumeMounts(r, req.VolumeMounts) // volumes.go
+	if err != nil {
+		return err
+	}
 	sbx, err := s.svc.Create(r.Context(), sandbox.CreateRequest{
 		TemplateID:      req.TemplateID,
 		Timeout:         timeout,
@@ -90,6 +95,7 @@ func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params)
 		AllowInternet:   req.AllowInternetAccess,
 		Network:         network,
 		Reservation:     reservationOf(r.Context()),
+		VolumeMounts:    mounts,
 	})
 	if err != nil {
 		return err

@@ -92,6 +92,10 @@ func (d *Driver) ociSpec(s runtime.Spec) *specs.Spec {
 			Resources: resources(s),
 		},
 	}
+	for _, b := range s.Binds { // volumes: after the fixed mounts, so they stay in the same order
+		sp.Mounts = append(sp.Mounts, specs.Mount{Destination: b.Path, Type: "bind", Source: b.Source,
+			Options: []string{"rbind", "rw", "nosuid", "nodev"}})
+	}
 	if s.DiskMB > 0 && !d.hostLayers() {
 		diskUnsupported.Do(func() {
 			d.log.Warn("disk limits not enforced: they need host layers (overlay "+OverlayHost+")", "overlay", d.cfg.Overlay)
