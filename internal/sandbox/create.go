@@ -172,7 +172,9 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		spec := launchSpec{owner: sb.ID, tpl: tpl, init: sb, initToken: tpl.InitToken, guest: true,
 			cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress(), mounts: sb.VolumeMounts}
 		how = "restore"
-		if req.Cold || tpl.Image == "" {
+		// runsc refuses to restore a checkpoint under other mounts ("Mounts" does not match
+		// across checkpoint restore): a sandbox with volumes boots (volumemounts.go).
+		if req.Cold || tpl.Image == "" || len(sb.VolumeMounts) > 0 {
 			how, spec.initToken = "boot", ""
 		} else if spec.image, err = m.templateImage(ctx, tpl); err != nil {
 			return nil, err

@@ -12,9 +12,10 @@ import (
 // Volumes in sandboxes (E2B's volumeMounts): the caller (the API, through internal/volume)
 // resolves each volume's name to its id and host directory; the sandbox keeps them in its
 // record, and every launch of it (create, resume, fork children) bind-mounts them read-write.
-// A checkpoint of a sandbox with volumes restores only with the same mounts, so a create with
-// volumes restores the template's checkpoint into a new instance (never a pool's or a
-// pre-started one, made without them).
+// runsc restores a checkpoint only under the mounts it was taken with ("Mounts" does not match
+// across checkpoint restore), so a create with volumes cannot use the template's checkpoint
+// (nor a pool's or a pre-started instance): it boots the template's rootfs with the mounts.
+// Its own checkpoints (pause, fork) carry the mounts, and their restores give them again.
 
 // VolumeMount is one volume mounted in a sandbox.
 type VolumeMount struct {

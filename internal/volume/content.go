@@ -70,17 +70,17 @@ func (p vpath) base() string { return p.comps[len(p.comps)-1] }
 // cleanPath checks a path given to the content API ("/a/b", "a/b", "/" for the root).
 func cleanPath(p string) (vpath, error) {
 	if p == "" {
-		return vpath{}, fmt.Errorf("path is required: %w", errdefs.ErrInvalid)
+		return vpath{}, errorf(errdefs.ErrInvalid, "path is required")
 	}
 	if strings.IndexByte(p, 0) >= 0 {
-		return vpath{}, fmt.Errorf("invalid path %q: %w", p, errdefs.ErrInvalid)
+		return vpath{}, errorf(errdefs.ErrInvalid, "invalid path %q", p)
 	}
 	var out []string
 	for _, c := range strings.Split(p, "/") {
 		switch c {
 		case "", ".":
 		case "..":
-			return vpath{}, fmt.Errorf("invalid path %q: '..' is not allowed: %w", p, errdefs.ErrInvalid)
+			return vpath{}, errorf(errdefs.ErrInvalid, "invalid path %q: '..' is not allowed", p)
 		default:
 			out = append(out, c)
 		}
@@ -92,19 +92,19 @@ func cleanPath(p string) (vpath, error) {
 func pathError(p vpath, err error) error {
 	switch {
 	case errors.Is(err, unix.ENOENT), errors.Is(err, unix.ENOTDIR):
-		return fmt.Errorf("path '%s' not found: %w", p.abs(), errdefs.ErrNotFound)
+		return errorf(errdefs.ErrNotFound, "path '%s' not found", p.abs())
 	case errors.Is(err, unix.EEXIST):
-		return fmt.Errorf("path '%s' already exists: %w", p.abs(), errdefs.ErrConflict)
+		return errorf(errdefs.ErrConflict, "path '%s' already exists", p.abs())
 	case errors.Is(err, unix.EXDEV), errors.Is(err, unix.ELOOP):
-		return fmt.Errorf("path '%s' leads outside the volume or through a link: %w", p.abs(), errdefs.ErrInvalid)
+		return errorf(errdefs.ErrInvalid, "path '%s' leads outside the volume or through a link", p.abs())
 	case errors.Is(err, unix.EISDIR):
-		return fmt.Errorf("path '%s' is a directory: %w", p.abs(), errdefs.ErrInvalid)
+		return errorf(errdefs.ErrInvalid, "path '%s' is a directory", p.abs())
 	case errors.Is(err, unix.ENOTEMPTY):
-		return fmt.Errorf("directory '%s' is not empty: %w", p.abs(), errdefs.ErrConflict)
+		return errorf(errdefs.ErrConflict, "directory '%s' is not empty", p.abs())
 	case errors.Is(err, unix.ENOSPC), errors.Is(err, unix.EDQUOT):
-		return fmt.Errorf("volume is full: %w", errdefs.ErrExhausted)
+		return errorf(errdefs.ErrExhausted, "volume is full")
 	case errors.Is(err, unix.ENAMETOOLONG), errors.Is(err, unix.EINVAL):
-		return fmt.Errorf("invalid path '%s': %w", p.abs(), errdefs.ErrInvalid)
+		return errorf(errdefs.ErrInvalid, "invalid path '%s'", p.abs())
 	}
 	return fmt.Errorf("path '%s': %w", p.abs(), err)
 }
@@ -131,7 +131,7 @@ func openBeneath(root int, p vpath, flags uint64, mode uint64) (int, error) {
 // withParent runs fn with p's parent directory open (O_PATH) and p's last component.
 func (m *Manager) withParent(v *Volume, p vpath, fn func(dir int, name string) error) error {
 	if p.isRoot() {
-		return fmt.Errorf("the volume's root cannot be changed: %w", errdefs.ErrInvalid)
+		return errorf(errdefs.ErrInvalid, "the volume's root cannot be changed")
 	}
 	root, err := m.openRoot(v)
 	if err != nil {
@@ -226,7 +226,7 @@ func (m *Manager) Open(v *Volume, path string) (*os.File, error) {
 	f := os.NewFile(uintptr(fd), p.abs())
 	fi, err := f.Stat()
 	if err == nil && !fi.Mode().IsRegular() {
-		err = fmt.Errorf("path '%s' is not a file: %w", p.abs(), errdefs.ErrInvalid)
+		err = errorf(errdefs.ErrInvalid, "path '%s' is not a file", p.abs())
 	}
 	if err != nil {
 		f.Close()
@@ -312,7 +312,7 @@ func (m *Manager) MakeDir(v *Volume, path string, a Attrs, force bool) (*Entry, 
 		return nil, err
 	}
 	if p.isRoot() {
-		return nil, fmt.Errorf("the volume's root already exists: %w", errdefs.ErrConflict)
+		return nil, errorf(errdefs.ErrConflict, "the volume's root already exists")
 	}
 	if force {
 		return m.mkdirAll(v, p, a)
@@ -357,7 +357,7 @@ func (m *Manager) mkdirAll(v *Volume, p vpath, a Attrs) (*Entry, error) {
 		if i == len(p.comps)-1 {
 			e, err := statEntry(dir, c, sub)
 			if err == nil && e.Type != TypeDirectory {
-				err = fmt.Errorf("path '%s' exists and is not a directory: %w", sub.abs(), errdefs.ErrConflict)
+				err = errorf(errdefs.ErrConflict, "path '%s' exists and is not a directory", sub.abs())
 			}
 			return e, err
 		}

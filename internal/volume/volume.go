@@ -83,11 +83,6 @@ type Manager struct {
 	users   UsersFunc
 }
 
-// Errors, with their E2B wording where the SDKs show it.
-var (
-	ErrNotFound = fmt.Errorf("volume not found: %w", errdefs.ErrNotFound)
-)
-
 var nameRe = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9._-]{0,127}$`)
 
 // Open opens the volume directory, mounting every known volume's image.
@@ -132,12 +127,12 @@ func (m *Manager) DataDir(id string) string {
 // conflict.
 func (m *Manager) Create(ctx context.Context, owner, name string) (*Volume, error) {
 	if !nameRe.MatchString(name) {
-		return nil, fmt.Errorf("invalid volume name %q: 1-128 characters of letters, digits, '.', '_' and '-', starting with a letter or digit: %w", name, errdefs.ErrInvalid)
+		return nil, errorf(errdefs.ErrInvalid, "invalid volume name %q: 1-128 characters of letters, digits, '.', '_' and '-', starting with a letter or digit", name)
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if v, err := m.byName(ctx, owner, name); err == nil && v != nil {
-		return nil, fmt.Errorf("volume with name '%s' already exists: %w", name, errdefs.ErrConflict)
+		return nil, errorf(errdefs.ErrConflict, "volume with name '%s' already exists", name)
 	} else if err != nil {
 		return nil, err
 	}
@@ -196,7 +191,7 @@ func (m *Manager) Get(ctx context.Context, owner, idOrName string) (*Volume, err
 		return nil, err
 	}
 	if v == nil {
-		return nil, fmt.Errorf("volume '%s' not found: %w", idOrName, errdefs.ErrNotFound)
+		return nil, errorf(errdefs.ErrNotFound, "volume '%s' not found", idOrName)
 	}
 	return v, nil
 }
@@ -219,7 +214,7 @@ func (m *Manager) Destroy(ctx context.Context, owner, idOrName string) error {
 			return err
 		}
 		if len(ids) > 0 {
-			return fmt.Errorf("volume '%s' is in use by sandbox %s and cannot be deleted: %w", v.Name, ids[0], errdefs.ErrConflict)
+			return errorf(errdefs.ErrConflict, "volume '%s' is in use by sandbox %s and cannot be deleted", v.Name, ids[0])
 		}
 	}
 	if err := m.cfg.Store.DeleteVolume(ctx, v.ID); err != nil {
@@ -239,7 +234,7 @@ func (m *Manager) Resolve(ctx context.Context, owner, name string) (id, hostDir 
 		return "", "", err
 	}
 	if v == nil {
-		return "", "", fmt.Errorf("volume '%s' not found: %w", name, errdefs.ErrNotFound)
+		return "", "", errorf(errdefs.ErrNotFound, "volume '%s' not found", name)
 	}
 	return v.ID, m.DataDir(v.ID), nil
 }
@@ -248,13 +243,13 @@ func (m *Manager) Resolve(ctx context.Context, owner, name string) (id, hostDir 
 func (m *Manager) Authorize(ctx context.Context, id, token string) (*Volume, error) {
 	v, err := m.cfg.Store.GetVolume(ctx, id)
 	if errors.Is(err, errdefs.ErrNotFound) {
-		return nil, fmt.Errorf("volume '%s' not found: %w", id, errdefs.ErrNotFound)
+		return nil, errorf(errdefs.ErrNotFound, "volume '%s' not found", id)
 	}
 	if err != nil {
 		return nil, err
 	}
 	if token == "" || subtle.ConstantTimeCompare([]byte(token), []byte(v.Token)) != 1 {
-		return nil, fmt.Errorf("invalid volume token: %w", errdefs.ErrUnauthorized)
+		return nil, errorf(errdefs.ErrUnauthorized, "invalid volume token")
 	}
 	return v, nil
 }
@@ -277,4 +272,18 @@ func randomHex(n int) string {
 		panic(err)
 	}
 	return hex.EncodeToString(b)
+}
+
+// Error is a volume error the caller may see: its message is E2B's wording as is, and it
+// unwraps to its errdefs kind (which the API turns into the status).
+type Error struct {
+	Msg  string
+	Kind error
+}
+
+func (e *Error) Error() string { return e.Msg }
+func (e *Error) Unwrap() error { return e.Kind }
+
+func errorf(kind error, format string, args ...any) error {
+	return &Error{Msg: fmt.Sprintf(format, args...), Kind: kind}
 }
