@@ -80,10 +80,11 @@ func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params)
 	if err != nil {
 		return err
 	}
-	mounts, err := s.resolveVolumeMounts(r, req.VolumeMounts) // volumes.go
+	mounts, release, err := s.resolveVolumeMounts(r, req.VolumeMounts) // volumes.go
 	if err != nil {
 		return err
 	}
+	defer release()
 	sbx, err := s.svc.Create(r.Context(), sandbox.CreateRequest{
 		TemplateID:      req.TemplateID,
 		Timeout:         timeout,

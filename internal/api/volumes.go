@@ -114,28 +114,41 @@ func (s *server) destroyVolume(w http.ResponseWriter, r *http.Request, p params)
 }
 
 // resolveVolumeMounts turns create's volumeMounts (volume names) into the sandbox's mounts.
-func (s *server) resolveVolumeMounts(r *http.Request, in []volumeMountJSON) ([]sandbox.VolumeMount, error) {
+// Call release once the create returned: until then the volumes cannot be destroyed.
+func (s *server) resolveVolumeMounts(r *http.Request, in []volumeMountJSON) (_ []sandbox.VolumeMount, release func(), err error) {
+	var releases []func()
+	release = func() {
+		for _, f := range releases {
+			f()
+		}
+	}
+	defer func() {
+		if err != nil {
+			release()
+		}
+	}()
 	if len(in) == 0 {
-		return nil, nil
+		return nil, release, nil
 	}
 	if s.cfg.Volumes == nil {
-		return nil, badRequest("volumes are not enabled on this server")
+		return nil, release, badRequest("volumes are not enabled on this server")
 	}
 	out := make([]sandbox.VolumeMount, 0, len(in))
 	for _, m := range in {
 		if m.Name == "" {
-			return nil, badRequest("volumeMounts: name is required")
+			return nil, release, badRequest("volumeMounts: name is required")
 		}
-		id, dir, err := s.cfg.Volumes.Resolve(r.Context(), volumeOwner, m.Name)
+		id, dir, rel, err := s.cfg.Volumes.Resolve(r.Context(), volumeOwner, m.Name)
 		if errors.Is(err, errdefs.ErrNotFound) {
-			return nil, badRequest("volume '%s' not found", m.Name)
+			return nil, release, badRequest("volume '%s' not found", m.Name)
 		}
 		if err != nil {
-			return nil, err
+			return nil, release, err
 		}
+		releases = append(releases, rel)
 		out = append(out, sandbox.VolumeMount{Name: m.Name, Path: m.Path, ID: id, HostDir: dir})
 	}
-	return out, sandbox.ValidateVolumeMounts(out)
+	return out, release, sandbox.ValidateVolumeMounts(out)
 }
 
 func volumeMountsJSON(sb *sandbox.Sandbox) []volumeMountJSON {

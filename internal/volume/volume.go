@@ -76,8 +76,11 @@ type Config struct {
 type Manager struct {
 	cfg Config
 	log *slog.Logger
-	// mu serialises create and destroy (names are unique per owner).
+	// mu serialises create, destroy and Resolve (names are unique per owner; a destroy never
+	// races a sandbox being created with the volume).
 	mu sync.Mutex
+	// pending counts the mounts Resolve handed out whose sandbox may not be recorded yet.
+	pending map[string]int
 	// users is Config.Users; SetUsers sets it later (the sandbox manager is made after).
 	usersMu sync.RWMutex
 	users   UsersFunc
@@ -96,7 +99,7 @@ func Open(ctx context.Context, cfg Config) (*Manager, error) {
 	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("volumes dir: %w", err)
 	}
-	m := &Manager{cfg: cfg, log: cfg.Logger, users: cfg.Users}
+	m := &Manager{cfg: cfg, log: cfg.Logger, users: cfg.Users, pending: map[string]int{}}
 	vols, err := cfg.Store.ListVolumes(ctx)
 	if err != nil {
 		return nil, err
@@ -213,6 +216,9 @@ func (m *Manager) Destroy(ctx context.Context, owner, idOrName string) error {
 		if err != nil {
 			return err
 		}
+		if len(ids) == 0 && m.pending[v.ID] > 0 {
+			ids = []string{"being created"}
+		}
 		if len(ids) > 0 {
 			return errorf(errdefs.ErrConflict, "volume '%s' is in use by sandbox %s and cannot be deleted", v.Name, ids[0])
 		}
@@ -227,16 +233,31 @@ func (m *Manager) Destroy(ctx context.Context, owner, idOrName string) error {
 	return nil
 }
 
-// Resolve finds owner's volume by name for a mount: its id and host directory.
-func (m *Manager) Resolve(ctx context.Context, owner, name string) (id, hostDir string, err error) {
+// Resolve finds owner's volume by name for a mount: its id and host directory. Until release
+// is called (once the sandbox that mounts it is recorded, or its create failed), a destroy of
+// the volume is refused.
+func (m *Manager) Resolve(ctx context.Context, owner, name string) (id, hostDir string, release func(), err error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	v, err := m.byName(ctx, owner, name)
 	if err != nil {
-		return "", "", err
+		return "", "", nil, err
 	}
 	if v == nil {
-		return "", "", errorf(errdefs.ErrNotFound, "volume '%s' not found", name)
+		return "", "", nil, errorf(errdefs.ErrNotFound, "volume '%s' not found", name)
 	}
-	return v.ID, m.DataDir(v.ID), nil
+	m.pending[v.ID]++
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			m.mu.Lock()
+			defer m.mu.Unlock()
+			if m.pending[v.ID]--; m.pending[v.ID] <= 0 {
+				delete(m.pending, v.ID)
+			}
+		})
+	}
+	return v.ID, m.DataDir(v.ID), release, nil
 }
 
 // Authorize finds volume id for the content API: the token must be the volume's.

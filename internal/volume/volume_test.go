@@ -390,3 +390,26 @@ func exec(name string, args ...string) error {
 	}
 	return nil
 }
+
+// A volume resolved for a sandbox being created cannot be destroyed until the create is done
+// (the sandbox is then recorded, and Users reports it).
+func TestDestroyWaitsForResolvedMounts(t *testing.T) {
+	ctx := context.Background()
+	m, _, _ := open(t, false, 0)
+	v, _ := m.Create(ctx, "", "r")
+	if _, _, _, err := m.Resolve(ctx, "", "nosuch"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("resolve unknown: %v", err)
+	}
+	id, dir, release, err := m.Resolve(ctx, "", "r")
+	if err != nil || id != v.ID || dir != m.DataDir(v.ID) {
+		t.Fatalf("resolve: %s %s %v", id, dir, err)
+	}
+	if err := m.Destroy(ctx, "", v.ID); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("destroy during a create: %v, want a conflict", err)
+	}
+	release()
+	release() // idempotent
+	if err := m.Destroy(ctx, "", v.ID); err != nil {
+		t.Fatal(err)
+	}
+}
