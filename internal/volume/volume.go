@@ -211,17 +211,17 @@ func (m *Manager) Destroy(ctx context.Context, owner, idOrName string) error {
 	m.usersMu.RLock()
 	users := m.users
 	m.usersMu.RUnlock()
+	var ids []string
 	if users != nil {
-		ids, err := users(ctx, v.ID)
-		if err != nil {
+		if ids, err = users(ctx, v.ID); err != nil {
 			return err
 		}
-		if len(ids) == 0 && m.pending[v.ID] > 0 {
-			ids = []string{"being created"}
-		}
-		if len(ids) > 0 {
-			return errorf(errdefs.ErrConflict, "volume '%s' is in use by sandbox %s and cannot be deleted", v.Name, ids[0])
-		}
+	}
+	if len(ids) == 0 && m.pending[v.ID] > 0 {
+		ids = []string{"being created"}
+	}
+	if len(ids) > 0 {
+		return errorf(errdefs.ErrConflict, "volume '%s' is in use by sandbox %s and cannot be deleted", v.Name, ids[0])
 	}
 	if err := m.cfg.Store.DeleteVolume(ctx, v.ID); err != nil {
 		return err
