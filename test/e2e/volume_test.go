@@ -91,6 +91,16 @@ func TestVolumes(t *testing.T) {
 	d.run(t, kid, "echo from-child > /mnt/vol/k.txt")
 	d.wantRun(t, b, "cat /data/k.txt", "from-child\n")
 
+	// A filesystem-only pause (the resume boots on the saved layer) mounts the volume again too.
+	if code := d.api(t, "POST", "/sandboxes/"+kid.SandboxID+"/pause", map[string]any{"memory": false}, nil); code != 204 {
+		t.Fatalf("filesystem-only pause: %d", code)
+	}
+	d.run(t, b, "echo while-files-paused > /data/f.txt")
+	if code := d.api(t, "POST", "/v2/sandboxes/"+kid.SandboxID+"/connect", map[string]any{"timeout": 120}, nil); code != 201 {
+		t.Fatalf("resume after a filesystem-only pause: %d\n%s", code, d.logs())
+	}
+	d.wantRun(t, kid, "cat /mnt/vol/f.txt", "while-files-paused\n")
+
 	// Kill a and the child; b lives on through a daemon restart.
 	for _, s := range []sbx{a, kid} {
 		if code := d.api(t, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil); code != 204 {
