@@ -211,6 +211,11 @@ func validateSpec(s runtime.Spec) error {
 	case s.CPUCount < 0 || s.MemoryMB < 0 || s.DiskMB < 0 || s.PidsLimit < 0:
 		return fmt.Errorf("gvisor: spec limits: negative: %w", errdefs.ErrInvalid)
 	}
+	for _, b := range s.Binds {
+		if fi, err := os.Stat(b.Source); !filepath.IsAbs(b.Source) || err != nil || !fi.IsDir() || !filepath.IsAbs(b.Path) {
+			return fmt.Errorf("gvisor: spec bind %q at %q: needs an absolute path of a host directory and an absolute guest path: %w", b.Source, b.Path, errdefs.ErrInvalid)
+		}
+	}
 	for _, l := range s.Stack() {
 		if fi, err := os.Stat(l); !filepath.IsAbs(l) || err != nil || !fi.IsDir() {
 			return fmt.Errorf("gvisor: spec rootfs layer %q: not an absolute path of a directory: %w", l, errdefs.ErrInvalid)
