@@ -85,6 +85,9 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	if !tpl.Ready {
 		return nil, fmt.Errorf("template %q is still building: %w", tpl.ID, errdefs.ErrUnavailable)
 	}
+	if req.VolumeMounts, err = mountsFor(tpl, req.VolumeMounts); err != nil { // volumemounts.go
+		return nil, err
+	}
 	timeout := req.Timeout
 	if timeout == 0 {
 		timeout = DefaultTimeout
@@ -174,7 +177,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		how = "restore"
 		// runsc refuses to restore a checkpoint under other mounts ("Mounts" does not match
 		// across checkpoint restore): a sandbox with volumes boots (volumemounts.go).
-		if req.Cold || tpl.Image == "" || len(sb.VolumeMounts) > 0 {
+		if req.Cold || tpl.Image == "" || (len(sb.VolumeMounts) > 0 && tpl.Kind != "snapshot") {
 			how, spec.initToken = "boot", ""
 		} else if spec.image, err = m.templateImage(ctx, tpl); err != nil {
 			return nil, err

@@ -78,6 +78,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 	snap := &Template{
 		ID:            snapID,
 		Kind:          "snapshot",
+		VolumeMounts:  sb.VolumeMounts, // volumemounts.go
 		RootFS:        tpl.RootFS,
 		Lowers:        tpl.Lowers,
 		Image:         image,

@@ -165,6 +165,9 @@ type Template struct {
 	ID      string   `json:"id"`
 	Aliases []string `json:"aliases,omitempty"`
 	Kind    string   `json:"kind"` // "template" or "snapshot"
+	// VolumeMounts: a snapshot's source's volumes; its checkpoint restores only with them
+	// (volumemounts.go).
+	VolumeMounts []VolumeMount `json:"volumeMounts,omitempty"`
 	// RootFS is the template's own (top) layer; Lowers the read-only layers below it, top first
 	// (its image's, shared with other templates). The rootfs is their overlay stack; without
 	// Lowers, RootFS alone (a template of an older ember).

@@ -15,7 +15,8 @@ import (
 // runsc restores a checkpoint only under the mounts it was taken with ("Mounts" does not match
 // across checkpoint restore), so a create with volumes cannot use the template's checkpoint
 // (nor a pool's or a pre-started instance): it boots the template's rootfs with the mounts.
-// Its own checkpoints (pause, fork) carry the mounts, and their restores give them again.
+// Its own checkpoints (pause, fork, snapshots) carry the mounts, and their restores give them
+// again: a sandbox created from a snapshot mounts its source's volumes at the same paths.
 
 // VolumeMount is one volume mounted in a sandbox.
 type VolumeMount struct {
@@ -71,4 +72,24 @@ func (sb *Sandbox) UsesVolume(id string) bool {
 		}
 	}
 	return false
+}
+
+// mountsFor is the mounts of a sandbox created from tpl with the mounts asked for: a
+// snapshot's checkpoint restores only with its source's volumes, so they are the default, and
+// other volumes are refused (a boot would lose the snapshot's memory and files).
+func mountsFor(tpl *Template, asked []VolumeMount) ([]VolumeMount, error) {
+	if tpl.Kind != "snapshot" || (len(tpl.VolumeMounts) == 0 && len(asked) == 0) {
+		return asked, nil
+	}
+	if len(asked) == 0 {
+		return append([]VolumeMount(nil), tpl.VolumeMounts...), nil
+	}
+	same := len(asked) == len(tpl.VolumeMounts)
+	for i := 0; same && i < len(asked); i++ {
+		same = asked[i].ID == tpl.VolumeMounts[i].ID && asked[i].Path == tpl.VolumeMounts[i].Path
+	}
+	if !same {
+		return nil, fmt.Errorf("snapshot %q restores only with the volumes of the sandbox it was taken from, mounted at the same paths (give no volumeMounts, or the same): %w", tpl.ID, errdefs.ErrInvalid)
+	}
+	return asked, nil
 }

@@ -101,6 +101,26 @@ func TestVolumes(t *testing.T) {
 	}
 	d.wantRun(t, kid, "cat /mnt/vol/f.txt", "while-files-paused\n")
 
+	// A sandbox created from a snapshot of a mounts the same volume at the same path (its
+	// checkpoint restores only with it); other volumes are refused.
+	var snap struct {
+		SnapshotID string `json:"snapshotID"`
+	}
+	if code, body := d.apiBody(t, "POST", "/sandboxes/"+a.SandboxID+"/snapshots", map[string]any{}, &snap); code != 201 {
+		t.Fatalf("snapshot: %d %s", code, body)
+	}
+	t.Cleanup(func() { d.api(t, "DELETE", "/templates/"+snap.SnapshotID, nil, nil) })
+	fromSnap := d.create(t, map[string]any{"templateID": snap.SnapshotID, "timeout": 120})
+	d.run(t, b, "echo after-snapshot > /data/s.txt")
+	d.wantRun(t, fromSnap, "cat /mnt/vol/s.txt", "after-snapshot\n")
+	if code, body := d.apiBody(t, "POST", "/sandboxes", map[string]any{"templateID": snap.SnapshotID,
+		"volumeMounts": []map[string]string{{"name": "e2e-shared", "path": "/elsewhere"}}}, nil); code != 400 {
+		t.Fatalf("create from the snapshot with other mounts: %d %s, want 400", code, body)
+	}
+	if code := d.api(t, "DELETE", "/sandboxes/"+fromSnap.SandboxID, nil, nil); code != 204 {
+		t.Fatalf("kill: %d", code)
+	}
+
 	// Kill a and the child; b lives on through a daemon restart.
 	for _, s := range []sbx{a, kid} {
 		if code := d.api(t, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil); code != 204 {
