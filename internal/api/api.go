@@ -22,6 +22,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/volume"
 )
 
 // DefaultDomain is the sandbox domain when Config.Domain is empty. Browsers and curl resolve
@@ -59,6 +60,8 @@ type Config struct {
 	Mover PausedMover
 	// Forker, with Cluster, places the children of a fork on other nodes (cluster.go).
 	Forker Forker
+	// Volumes, when set, serves E2B's volumes and their content API (volumes.go).
+	Volumes *volume.Manager
 }
 
 func (c Config) withDefaults() Config {
@@ -155,6 +158,10 @@ func (s *server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		s.serveSandbox(w, r, id, port)
+		return
+	}
+	if strings.HasPrefix(r.URL.Path, volumeContentPrefix) { // volumes.go: its own token
+		s.serveVolumeContent(w, r)
 		return
 	}
 	if strings.HasPrefix(r.URL.Path, uploadPrefix) {

@@ -54,6 +54,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodPost, "/api-keys", s.createAPIKey)
 	rt.handle(http.MethodGet, "/api-keys", s.listAPIKeys)
 	rt.handle(http.MethodDelete, "/api-keys/{id}", s.deleteAPIKey)
+	s.volumeRoutes(rt) // volumes.go
 	s.nodeRoutes(rt)
 	s.moveRoutes(rt) // cluster.go
 	return rt
@@ -92,6 +93,11 @@ func (s *server) createFrom(w http.ResponseWriter, r *http.Request, reservation 
 	if err != nil {
 		return nil, err
 	}
+	mounts, release, err := s.resolveVolumeMounts(r, req.VolumeMounts) // volumes.go
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	sbx, err := s.svc.Create(r.Context(), sandbox.CreateRequest{
 		TemplateID:      req.TemplateID,
 		Timeout:         timeout,
@@ -103,6 +109,7 @@ func (s *server) createFrom(w http.ResponseWriter, r *http.Request, reservation 
 		AllowInternet:   req.AllowInternetAccess,
 		Network:         network,
 		Reservation:     reservation,
+		VolumeMounts:    mounts,
 	})
 	if err != nil {
 		return nil, err

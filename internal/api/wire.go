@@ -19,6 +19,7 @@ type newSandboxRequest struct {
 	AutoPauseMemory     *bool             `json:"autoPauseMemory"`
 	AutoResume          *autoResumeJSON   `json:"autoResume"`
 	Secure              *bool             `json:"secure"`
+	VolumeMounts        []volumeMountJSON `json:"volumeMounts"`
 }
 
 type autoResumeJSON struct {
@@ -164,7 +165,7 @@ func (s *server) toListed(sb *sandbox.Sandbox) listedSandboxJSON {
 		EnvdVersion:  sandbox.EnvdVersion,
 		State:        string(sb.State),
 		Metadata:     md,
-		VolumeMounts: []volumeMountJSON{},
+		VolumeMounts: volumeMountsJSON(sb),
 	}
 }
 

@@ -175,6 +175,7 @@ func serveCmd() *cobra.Command {
 	f.IntVar(&cfg.SlotPoolSize, "slot-pool-size", 4, "network slots made ahead of need (0 disables)")
 	f.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 500, "running sandboxes this node holds at most (pool instances included); creates over it answer 429")
 	f.IntVar(&cfg.MaxBuilds, "max-builds", 2, "concurrent template builds at most")
+	f.IntVar(&cfg.VolumeSizeMB, "volume-size-mb", 1024, "disk limit of each new volume (MiB; a sparse ext4 image: a write past it fails with ENOSPC)")
 	f.IntVar(&cfg.DiskMB, "disk-mb", 2048, "disk of a sandbox's writable layer unless its template says otherwise, and of build sandboxes and template warm-ups (MiB; a write past it fails with ENOSPC inside)")
 	f.IntVar(&cfg.MaxConns, "max-connections", 8192, "concurrent client connections at most")
 	f.StringVar(&templates, "templates", "base", "templates to build at start if missing (comma-separated, empty for none)")

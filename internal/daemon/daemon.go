@@ -40,6 +40,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/store"
 	"github.com/ember-sandbox/ember/internal/template"
 	"github.com/ember-sandbox/ember/internal/tlsca"
+	"github.com/ember-sandbox/ember/internal/volume"
 )
 
 // Config of the daemon.
@@ -83,6 +84,8 @@ type Config struct {
 	// DiskMB is the default disk of a sandbox's writable layer, and the disk of build
 	// sandboxes and template warm-ups (0 = the Manager's default, 2048).
 	DiskMB int
+	// VolumeSizeMB is each new volume's disk limit (0 = volume.DefaultSizeMB).
+	VolumeSizeMB int
 	// Templates built at start-up when missing (e.g. "base").
 	Templates []string
 	// Snapshot store: local directory by default; S3 when S3.Endpoint is set.
@@ -336,6 +339,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		// From now on the cluster follows every change of this node's sandboxes and templates
 		// (what changed before, the cluster's sync loop reconciles).
 		mgr.Listen(cluster.NewEvents(cl, moves, tpls))
+	}
+	if acfg.Volumes, err = openVolumes(ctx, cfg, st); err != nil {
+		mgr.Close()
+		return nil, err
 	}
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true
@@ -598,4 +605,28 @@ func serveMetrics(ln net.Listener, h http.Handler) *http.Server {
 	}
 	go func() { _ = srv.Serve(netutil.LimitListener(ln, metricsMaxConns)) }()
 	return srv
+}
+
+// openVolumes opens <data-dir>/volumes; a destroy is refused while a live or paused sandbox
+// of the store mounts the volume.
+func openVolumes(ctx context.Context, cfg Config, st *store.Store) (*volume.Manager, error) {
+	return volume.Open(ctx, volume.Config{
+		Dir:    filepath.Join(cfg.DataDir, "volumes"),
+		Store:  st,
+		SizeMB: cfg.VolumeSizeMB,
+		Logger: cfg.Logger,
+		Users: func(ctx context.Context, id string) ([]string, error) {
+			sbs, err := st.ListSandboxes(ctx)
+			if err != nil {
+				return nil, err
+			}
+			var out []string
+			for _, sb := range sbs {
+				if (sb.State == sandbox.StateRunning || sb.State == sandbox.StatePaused) && sb.UsesVolume(id) {
+					out = append(out, sb.ID)
+				}
+			}
+			return out, nil
+		},
+	})
 }

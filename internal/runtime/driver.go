@@ -52,6 +52,15 @@ type Spec struct {
 	DiskMB int
 	// PidsLimit bounds the number of tasks in the sandbox; 0 = the driver's default.
 	PidsLimit int
+	// Binds are host directories mounted read-write into the instance (volumes). A checkpoint
+	// of an instance with binds restores only with the same binds.
+	Binds []Bind
+}
+
+// Bind is a host directory mounted read-write at Path inside the instance.
+type Bind struct {
+	Source string // absolute host path
+	Path   string // absolute path inside the instance
 }
 
 // Stack is the root filesystem's read-only layers, top first: RootFS, then Lowers.

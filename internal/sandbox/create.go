@@ -57,6 +57,9 @@ func (m *Manager) resolveTemplate(ctx context.Context, id string) (*Template, er
 // ready, else a restore of the template's checkpoint (into a pre-started instance when one is
 // ready), else (no checkpoint, or req.Cold) a boot.
 func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) {
+	if err := ValidateVolumeMounts(req.VolumeMounts); err != nil {
+		return nil, err
+	}
 	if req.Timeout < 0 || req.Timeout > MaxTimeout {
 		return nil, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
 	}
@@ -81,6 +84,9 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	}
 	if !tpl.Ready {
 		return nil, fmt.Errorf("template %q is still building: %w", tpl.ID, errdefs.ErrUnavailable)
+	}
+	if req.VolumeMounts, err = mountsFor(tpl, req.VolumeMounts); err != nil { // volumemounts.go
+		return nil, err
 	}
 	timeout := req.Timeout
 	if timeout == 0 {
@@ -111,6 +117,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		Network:          req.Network.ForNew(),
 		RootFS:           tpl.RootFS,
 		Lowers:           tpl.Lowers,
+		VolumeMounts:     append([]VolumeMount(nil), req.VolumeMounts...),
 	}
 	if len(tpl.Aliases) > 0 {
 		sb.Alias = tpl.Aliases[0]
@@ -118,7 +125,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	started := time.Now()
 	tl := runtime.NewTimeline()
 	how := ""
-	pooling := !req.Cold && tpl.Image != "" && !req.NoPool && req.IsDefaultEgress()
+	pooling := !req.Cold && tpl.Image != "" && !req.NoPool && req.IsDefaultEgress() && len(req.VolumeMounts) == 0
 	if pooling && !req.NoRestoredPool {
 		if pe := m.pool.take(tpl, sb.CPUCount, sb.MemoryMB, sb.DiskSizeMB); pe != nil {
 			// The pool instance already lives under the id it was made for: the sandbox takes it.
@@ -139,7 +146,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	}
 	// A pre-started instance runs nothing yet: its slot can take other egress rules first.
 	up, canUpdate := m.cfg.Network.(egressUpdater)
-	if how == "" && !req.Cold && tpl.Image != "" && !req.NoPool && (pooling || canUpdate) {
+	if how == "" && !req.Cold && tpl.Image != "" && !req.NoPool && (pooling || canUpdate) && len(req.VolumeMounts) == 0 {
 		if pe := m.prestarts.take(tpl, sb.CPUCount, sb.MemoryMB, sb.DiskSizeMB); pe != nil {
 			// Like a pool instance it lives under the id it was made for.
 			sb.ID = pe.owner
@@ -166,9 +173,11 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	}
 	if how == "" {
 		spec := launchSpec{owner: sb.ID, tpl: tpl, init: sb, initToken: tpl.InitToken, guest: true,
-			cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()}
+			cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress(), mounts: sb.VolumeMounts}
 		how = "restore"
-		if req.Cold || tpl.Image == "" {
+		// runsc refuses to restore a checkpoint under other mounts ("Mounts" does not match
+		// across checkpoint restore): a sandbox with volumes boots (volumemounts.go).
+		if req.Cold || tpl.Image == "" || (len(sb.VolumeMounts) > 0 && tpl.Kind != "snapshot") {
 			how, spec.initToken = "boot", ""
 		} else if spec.image, err = m.templateImage(ctx, tpl); err != nil {
 			return nil, err

@@ -80,6 +80,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 	snap := &Template{
 		ID:            snapID,
 		Kind:          "snapshot",
+		VolumeMounts:  sb.VolumeMounts, // volumemounts.go
 		RootFS:        tpl.RootFS,
 		Lowers:        tpl.Lowers,
 		Image:         image,
@@ -265,6 +266,7 @@ func newForkChild(parent *Sandbox, tpl *Template, timeout time.Duration) *Sandbo
 		RootFS:           tpl.RootFS,
 		Lowers:           tpl.Lowers,
 		AllowInternet:    parent.AllowInternet,
+		VolumeMounts:     parent.VolumeMounts, // children mount the same volumes
 	}
 }
 
@@ -273,7 +275,7 @@ func (m *Manager) forkChild(ctx context.Context, child *Sandbox, tpl *Template, 
 	now := time.Now().UTC()
 	child.StartedAt, child.EndAt = now, now.Add(child.Timeout)
 	p, err := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, image: image, init: child, initToken: initToken,
-		cpu: child.CPUCount, memMB: child.MemoryMB, diskMB: child.DiskSizeMB, egress: child.Egress()})
+		cpu: child.CPUCount, memMB: child.MemoryMB, diskMB: child.DiskSizeMB, egress: child.Egress(), mounts: child.VolumeMounts})
 	if err != nil {
 		m.removeSandboxDir(child.ID)
 		return ForkResult{Err: err}

@@ -54,6 +54,8 @@ type launchSpec struct {
 	// Resources and network.
 	cpu, memMB, diskMB int
 	egress             Egress
+	// mounts: the sandbox's volumes (volumemounts.go).
+	mounts []VolumeMount
 }
 
 // instanceDir is the one place that decides where an instance's state lives.
@@ -121,6 +123,7 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 		DiskMB:       spec.diskMB,
 		ConsumeImage: spec.consume,
 		LayerFrom:    spec.layerFrom,
+		Binds:        binds(spec.mounts),
 	}
 	p.StateDir = rs.StateDir
 	if err := os.MkdirAll(rs.StateDir, 0o700); err != nil {

@@ -254,7 +254,7 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 	tl.Mark("template")
 	image := sb.Runtime.Image
 	spec := launchSpec{owner: sb.ID, tpl: tpl, image: image, consume: true,
-		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()}
+		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress(), mounts: sb.VolumeMounts}
 	boot := sb.PausedFilesOnly || reboot
 	var p Placement
 	prestarted, recorded := false, false

@@ -37,7 +37,7 @@ func (m *Manager) prestartForResume(e *entry, image string) {
 	}
 	start := time.Now()
 	p, err := m.launch(m.bg, launchSpec{owner: sb.ID, tpl: tpl, image: image, consume: true, prestart: true,
-		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()})
+		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress(), mounts: sb.VolumeMounts})
 	if err != nil {
 		if m.bg.Err() == nil {
 			m.logger(sb.ID).Warn("pre-start for resume failed; the resume restores anew", "err", err)

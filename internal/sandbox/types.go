@@ -68,6 +68,8 @@ type Sandbox struct {
 	AllowInternet bool `json:"allowInternet"`
 	// Network: egress lists and guest-port controls (E2B's network config; network.go).
 	Network *NetworkConfig `json:"network,omitempty"`
+	// VolumeMounts: volumes mounted read-write (volumemounts.go); kept for resume and fork.
+	VolumeMounts []VolumeMount `json:"volumeMounts,omitempty"`
 
 	// EndReason and EndedAt say why and when a sandbox ended (State killed): "killed",
 	// "timeout", "out of memory", "exited", ... (see EndKilled and runtime.ExitReason).
@@ -118,6 +120,9 @@ type CreateRequest struct {
 	// Reservation is the cluster placement reservation the create consumes (told to the
 	// listeners with EventStarted).
 	Reservation string
+	// VolumeMounts: volumes to mount (resolved by the caller; volumemounts.go). A create with
+	// volumes skips the warm pools: their instances were made without the mounts.
+	VolumeMounts []VolumeMount
 }
 
 // PauseOptions tune a pause.
@@ -159,6 +164,9 @@ type Template struct {
 	ID      string   `json:"id"`
 	Aliases []string `json:"aliases,omitempty"`
 	Kind    string   `json:"kind"` // "template" or "snapshot"
+	// VolumeMounts: a snapshot's source's volumes; its checkpoint restores only with them
+	// (volumemounts.go).
+	VolumeMounts []VolumeMount `json:"volumeMounts,omitempty"`
 	// RootFS is the template's own (top) layer; Lowers the read-only layers below it, top first
 	// (its image's, shared with other templates). The rootfs is their overlay stack; without
 	// Lowers, RootFS alone (a template of an older ember).

@@ -1,5 +1,5 @@
-// Package store is ember's embedded metadata store: sandboxes, templates (and named snapshots)
-// and API keys, in one bbolt file under the data directory. Every write is a committed,
+// Package store is ember's embedded metadata store: sandboxes, templates (and named snapshots),
+// API keys and volumes, in one bbolt file under the data directory. Every write is a committed,
 // fsynced transaction, so what the API acknowledged survives a crash or a kill -9 of the daemon.
 // It stores records; it does not decide anything about them.
 package store
@@ -17,6 +17,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/volume"
 )
 
 var (
@@ -25,6 +26,7 @@ var (
 	bucketKeys      = []byte("apikeys")
 	// bucketCheckpoints: step checkpoints, keyed <sandbox id>/<checkpoint id>.
 	bucketCheckpoints = []byte("checkpoints")
+	bucketVolumes     = []byte("volumes")
 )
 
 // Store is the metadata store. Safe for concurrent use.
@@ -39,7 +41,7 @@ func Open(path string) (*Store, error) {
 		return nil, fmt.Errorf("open store %s: %w", path, err)
 	}
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketSandboxes, bucketTemplates, bucketKeys, bucketCheckpoints} {
+		for _, b := range [][]byte{bucketSandboxes, bucketTemplates, bucketKeys, bucketCheckpoints, bucketVolumes} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
@@ -207,6 +209,30 @@ func (s *Store) ListCheckpoints(_ context.Context, sandboxID string) ([]*sandbox
 		}
 		return nil
 	})
+	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
+	return out, err
+}
+
+// PutVolume inserts or replaces a volume record (volume.Store).
+func (s *Store) PutVolume(_ context.Context, v *volume.Volume) error {
+	return put(s.db, bucketVolumes, v.ID, v)
+}
+
+// GetVolume returns a volume record (ErrNotFound if absent).
+func (s *Store) GetVolume(_ context.Context, id string) (*volume.Volume, error) {
+	v := new(volume.Volume)
+	if err := get(s.db, bucketVolumes, id, v); err != nil {
+		return nil, err
+	}
+	return v, nil
+}
+
+// DeleteVolume removes a volume record.
+func (s *Store) DeleteVolume(_ context.Context, id string) error { return del(s.db, bucketVolumes, id) }
+
+// ListVolumes returns every volume record, oldest first.
+func (s *Store) ListVolumes(_ context.Context) ([]*volume.Volume, error) {
+	out, err := all[volume.Volume](s.db, bucketVolumes)
 	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
 	return out, err
 }

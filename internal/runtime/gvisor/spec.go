@@ -92,6 +92,10 @@ func (d *Driver) ociSpec(s runtime.Spec) *specs.Spec {
 			Resources: resources(s),
 		},
 	}
+	for _, b := range s.Binds { // volumes: after the fixed mounts, so they stay in the same order
+		sp.Mounts = append(sp.Mounts, specs.Mount{Destination: b.Path, Type: "bind", Source: b.Source,
+			Options: []string{"rbind", "rw", "nosuid", "nodev"}})
+	}
 	if s.DiskMB > 0 && !d.hostLayers() {
 		diskUnsupported.Do(func() {
 			d.log.Warn("disk limits not enforced: they need host layers (overlay "+OverlayHost+")", "overlay", d.cfg.Overlay)
@@ -208,6 +212,11 @@ func validateSpec(s runtime.Spec) error {
 		return fmt.Errorf("gvisor: spec.NetNSPath %q: must be an absolute path: %w", s.NetNSPath, errdefs.ErrInvalid)
 	case s.CPUCount < 0 || s.MemoryMB < 0 || s.DiskMB < 0 || s.PidsLimit < 0:
 		return fmt.Errorf("gvisor: spec limits: negative: %w", errdefs.ErrInvalid)
+	}
+	for _, b := range s.Binds {
+		if fi, err := os.Stat(b.Source); !filepath.IsAbs(b.Source) || err != nil || !fi.IsDir() || !filepath.IsAbs(b.Path) {
+			return fmt.Errorf("gvisor: spec bind %q at %q: needs an absolute path of a host directory and an absolute guest path: %w", b.Source, b.Path, errdefs.ErrInvalid)
+		}
 	}
 	for _, l := range s.Stack() {
 		if fi, err := os.Stat(l); !filepath.IsAbs(l) || err != nil || !fi.IsDir() {
