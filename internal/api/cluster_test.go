@@ -332,10 +332,15 @@ func TestClusterNodeLoss(t *testing.T) {
 	if r.status != http.StatusNotFound || !strings.HasPrefix(eb.Message, `Sandbox "`+onC[0]+`" doesn't exist or you don't have access to it: it was lost with node c`) {
 		t.Fatalf("GET lost sandbox: %d %s", r.status, r.body)
 	}
-	// The sandbox plane says it does not run, and why.
+	// The sandbox plane answers as E2B's does (502, "The sandbox was not found"); a Connect
+	// client (the SDK's envd calls) is also told why.
 	r = nodes[0].env.do(http.MethodGet, "/x", "", "E2b-Sandbox-Id", onC[0])
-	if r.status != http.StatusBadGateway || !strings.Contains(string(r.body), "lost with node c") {
+	if r.status != http.StatusBadGateway || !strings.Contains(string(r.body), `"sandboxId":"`+onC[0]+`"`) || !strings.Contains(string(r.body), "The sandbox was not found") {
 		t.Fatalf("sandbox plane of a lost sandbox: %d %s", r.status, r.body)
+	}
+	r = nodes[0].env.do(http.MethodPost, "/process.Process/List", "{}", "E2b-Sandbox-Id", onC[0], "Connect-Protocol-Version", "1", "Content-Type", "application/json")
+	if r.status != http.StatusBadGateway || !strings.Contains(string(r.body), "lost with node c") {
+		t.Fatalf("sandbox plane of a lost sandbox, Connect: %d %s", r.status, r.body)
 	}
 	for i := 0; i < 6; i++ {
 		r := nodes[1].env.ctl(http.MethodPost, "/sandboxes", `{"templateID":"base"}`)
