@@ -163,6 +163,17 @@ type Config struct {
 	// StorePauses: a memory pause answers once its image is in the image store too
 	// (EventStored), so that another node can resume the sandbox (cluster mode).
 	StorePauses bool
+	// PauseMode is how a memory pause pauses (hotpause.go): PauseHot (default) freezes the
+	// sandbox in place and keeps its instance; PauseCheckpoint checkpoints it and ends its
+	// instance (every pause before).
+	PauseMode string
+	// PausedMemoryMB bounds the memory of the sandboxes paused in memory (default a quarter of
+	// the host's memory; negative: none stays in memory once its state is on disk). Over it, the
+	// least recently paused are demoted to disk first.
+	PausedMemoryMB int
+	// HotPauseMax is how long a sandbox stays paused in memory before it is demoted to disk
+	// (default 10 minutes).
+	HotPauseMax time.Duration
 }
 
 // Manager owns every sandbox on this node. It implements Service.
@@ -223,6 +234,9 @@ type Manager struct {
 
 	// forkCopies: forks copy the source's layer into each child (ForkCopiesLayers).
 	forkCopies atomic.Bool
+
+	// tierKick wakes the tier loop (hotpause.go) after a sandbox was paused in memory.
+	tierKick chan struct{}
 }
 
 // entry is the in-memory state of one sandbox; mu serialises lifecycle operations on it.
@@ -235,6 +249,8 @@ type entry struct {
 	// released, after a pause, is closed once the paused instance is torn down and its layer is
 	// in the pause image (nil when nothing is pending); see settleLocked.
 	released chan struct{}
+	// hot is set while the sandbox is paused in memory: its instance frozen (hotpause.go).
+	hot *hotState
 }
 
 var idRe = regexp.MustCompile(`^[a-z0-9]{1,64}$`)
@@ -302,6 +318,19 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	if cfg.UploadAttempts == 0 {
 		cfg.UploadAttempts = 3
 	}
+	switch cfg.PauseMode {
+	case "":
+		cfg.PauseMode = PauseHot
+	case PauseHot, PauseCheckpoint:
+	default:
+		return nil, fmt.Errorf("pause mode %q: want %q or %q: %w", cfg.PauseMode, PauseHot, PauseCheckpoint, errdefs.ErrInvalid)
+	}
+	if cfg.PausedMemoryMB == 0 {
+		cfg.PausedMemoryMB = 2 * defaultPoolMemoryMB() // an eighth of the host's, twice
+	}
+	if cfg.HotPauseMax == 0 {
+		cfg.HotPauseMax = 10 * time.Minute
+	}
 	// The data directory holds every sandbox's files and memory images: root only.
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
 		return nil, err
@@ -333,6 +362,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		instances:  map[string]bool{},
 		preOf:      map[string]string{},
 		uploads:    map[string]*upload{},
+		tierKick:   make(chan struct{}, 1),
 	}
 	m.guest = &http.Client{Transport: m.guestT}
 	if len(cfg.Listeners) > 0 {
@@ -372,6 +402,8 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	m.collectLayers(ctx, "start")
 	m.wg.Add(1)
 	go m.reaper()
+	m.wg.Add(1)
+	go m.tierLoop()
 	m.pool.start()
 	m.prestarts.start()
 	return m, nil
