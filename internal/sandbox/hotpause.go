@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -450,4 +451,30 @@ func (m *Manager) adoptHot(ctx context.Context, sb *Sandbox, frozen bool) (*entr
 func imageComplete(image string) bool {
 	_, err := os.Stat(filepath.Join(image, completeName))
 	return err == nil
+}
+
+// Demote moves a sandbox paused in memory to disk now (benchmarks, operators): its instance
+// ends once its state is on disk. A sandbox paused on disk already is left as it is; a running
+// one is ErrConflict.
+func (m *Manager) Demote(ctx context.Context, id string) error {
+	ctx, done, err := m.op(ctx)
+	if err != nil {
+		return err
+	}
+	defer done()
+	e, err := m.entry(id)
+	if err != nil {
+		return err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	switch {
+	case e.sb.State == StateKilled:
+		return goneErr(e.sb)
+	case e.sb.State != StatePaused:
+		return fmt.Errorf("sandbox %q is %s: %w", id, e.sb.State, errdefs.ErrConflict)
+	case e.hot == nil:
+		return nil
+	}
+	return m.demoteLocked(ctx, e, "asked for")
 }

@@ -379,6 +379,9 @@ func (d *Driver) State(ctx context.Context, id string) (runtime.Status, error) {
 	if err := validateID(id); err != nil {
 		return runtime.Status{State: runtime.StateUnknown}, err
 	}
+	if !d.cfg.RunscCLI {
+		d.resolveIntent(ctx, id)
+	}
 	out, err := d.run(ctx, d.logDir(id), "state", id)
 	if err != nil {
 		return runtime.Status{State: runtime.StateUnknown}, err
