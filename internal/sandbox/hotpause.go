@@ -82,6 +82,13 @@ func (m *Manager) hotPauseLocked(ctx context.Context, e *entry) error {
 	start := time.Now()
 	tl := runtime.NewTimeline()
 	inst := sb.Runtime.InstanceID
+	// The marker tells reconcile that a freeze it finds under a running record is this pause's
+	// (the sandbox is paused), not a snapshot's or fork's that a crash cut (it runs on).
+	marker := filepath.Join(m.sandboxDir(sb.ID), pausingName)
+	if err := os.WriteFile(marker, nil, 0o600); err != nil {
+		return err
+	}
+	defer os.Remove(marker)
 	if err := m.cfg.Driver.Freeze(ctx, inst); err != nil {
 		m.observe(StagePause, start, err)
 		return fmt.Errorf("freeze: %w", err)
@@ -126,6 +133,9 @@ func (m *Manager) hotPauseLocked(ctx context.Context, e *entry) error {
 	m.logger(sb.ID).Info("sandbox paused in memory", "instance", inst, "ms", time.Since(start).Milliseconds())
 	return nil
 }
+
+// pausingName marks a sandbox directory while a hot pause is between its freeze and its record.
+const pausingName = ".ember-pausing"
 
 // thawBack undoes a freeze whose pause failed.
 func (m *Manager) thawBack(ctx context.Context, e *entry) {

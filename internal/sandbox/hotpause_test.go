@@ -359,9 +359,25 @@ func TestHotPauseSurvivesCrashAtEveryStep(t *testing.T) {
 	t.Run("after the freeze", func(t *testing.T) {
 		n, sb := setup(t)
 		n.kill9()
+		// What hotPauseLocked had done: its marker, the freeze.
+		os.WriteFile(filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID, ".ember-pausing"), nil, 0o600)
 		n.rig.Driver.Freeze(ctx, sb.Runtime.InstanceID)
 		n.start()
 		check(t, n, sb, sandbox.TierMemory, true)
+	})
+	t.Run("frozen by a cut snapshot", func(t *testing.T) {
+		// A snapshot's or fork's checkpoint freezes the instance for its length: cut by the
+		// crash, the sandbox runs on.
+		n, sb := setup(t)
+		n.kill9()
+		n.rig.Driver.Freeze(ctx, sb.Runtime.InstanceID)
+		n.start()
+		if got := n.get(sb.ID); got.State != sandbox.StateRunning || n.frozen(sb.Runtime.InstanceID) {
+			t.Fatalf("after restart: %s, frozen %v; want running, thawed", got.State, n.frozen(sb.Runtime.InstanceID))
+		}
+		if code, v := n.memOf(sb.ID, "k"); code != http.StatusOK || v != "v" {
+			t.Fatalf("memory: %d %q", code, v)
+		}
 	})
 	t.Run("during the background checkpoint", func(t *testing.T) {
 		n, sb := setup(t)

@@ -101,6 +101,17 @@ func (m *Manager) reconcile(ctx context.Context) error {
 					why = "its network slot is gone: " + err.Error()
 				}
 			}
+			_, perr := os.Stat(filepath.Join(m.sandboxDir(sb.ID), pausingName))
+			pausing := perr == nil
+			os.Remove(filepath.Join(m.sandboxDir(sb.ID), pausingName))
+			if why == "" && !pausing && m.frozen(ctx, sb.Runtime.InstanceID) {
+				// Frozen by a snapshot's or fork's checkpoint that the crash cut: it runs on.
+				if err := m.cfg.Driver.Thaw(ctx, sb.Runtime.InstanceID); err != nil {
+					why = "thaw after a cut checkpoint: " + err.Error()
+				} else {
+					log.Info("reconcile: thawed a sandbox a cut checkpoint had left frozen", "instance", sb.Runtime.InstanceID)
+				}
+			}
 			if why == "" && m.frozen(ctx, sb.Runtime.InstanceID) {
 				// A hot pause the crash cut after the freeze: the sandbox is paused in memory.
 				e, err := m.adoptHot(ctx, sb, true)

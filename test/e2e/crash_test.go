@@ -738,9 +738,13 @@ func (c *crashRun) checkHost() {
 	c.settle()
 	insts := d.instances()
 	owned := map[string]string{} // instance -> sandbox
+	hot := map[string]bool{}     // instances of sandboxes paused in memory (frozen: runsc says paused)
 	for _, id := range sortedKeys(c.live) {
 		tr := c.live[id]
 		if tr.paused {
+			if i, _, err := d.findInstance(tr.s, insts); err == nil && i.Status == "paused" {
+				owned[i.ID], hot[i.ID] = id, true
+			}
 			continue
 		}
 		if tr.instID != "" && containsInstance(insts, tr.instID) {
@@ -765,6 +769,8 @@ func (c *crashRun) checkHost() {
 		switch {
 		case i.Status == "created" && owned[i.ID] == "":
 			prestarted = append(prestarted, i.ID)
+		case hot[i.ID]:
+			// a hot-paused sandbox's frozen instance
 		case i.Status != "running":
 			c.violate("instance %s (sandbox %q) is %s and still kept", i.ID, owned[i.ID], i.Status)
 		case owned[i.ID] == "":
