@@ -50,6 +50,8 @@ func TestCrashInjection(t *testing.T) {
 	if os.Getenv("EMBER_CRASH_POOL_OFF") == "1" {
 		pool, flags = 0, []string{"--pool-size", "0"}
 	}
+	// EMBER_CRASH_FLAGS: more `ember serve` flags (e.g. "--pause-mode checkpoint" for an A/B).
+	flags = append(flags, strings.Fields(os.Getenv("EMBER_CRASH_FLAGS"))...)
 	d := lostNode(t, flags...)
 	if pool > 0 {
 		d.waitInstances(t, 1, 90*time.Second)

@@ -294,8 +294,9 @@ func (d *Driver) intentPath(id string) string {
 }
 
 // intentProbe bounds the probe of resolveIntent: a process that does not finish within it is
-// taken as frozen.
-const intentProbe = 2 * time.Second
+// taken as frozen. Generous: `runsc exec` of /bin/true takes about 0.1 s, but seconds on a
+// loaded host, and a running sentry taken as frozen would be resumed once too often.
+const intentProbe = 10 * time.Second
 
 // resolveIntent settles the status of id after a freeze or thaw that a crash of an earlier
 // daemon cut between the sentry's call and runsc's state file: a process started in the sandbox
