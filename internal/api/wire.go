@@ -43,17 +43,20 @@ type volumeMountJSON struct {
 }
 
 type listedSandboxJSON struct {
-	SandboxID    string            `json:"sandboxID"`
-	TemplateID   string            `json:"templateID"`
-	Alias        string            `json:"alias,omitempty"`
-	ClientID     string            `json:"clientID"`
-	CPUCount     int               `json:"cpuCount"`
-	MemoryMB     int               `json:"memoryMB"`
-	DiskSizeMB   int               `json:"diskSizeMB"`
-	StartedAt    time.Time         `json:"startedAt"`
-	EndAt        time.Time         `json:"endAt"`
-	EnvdVersion  string            `json:"envdVersion"`
-	State        string            `json:"state"`
+	SandboxID   string    `json:"sandboxID"`
+	TemplateID  string    `json:"templateID"`
+	Alias       string    `json:"alias,omitempty"`
+	ClientID    string    `json:"clientID"`
+	CPUCount    int       `json:"cpuCount"`
+	MemoryMB    int       `json:"memoryMB"`
+	DiskSizeMB  int       `json:"diskSizeMB"`
+	StartedAt   time.Time `json:"startedAt"`
+	EndAt       time.Time `json:"endAt"`
+	EnvdVersion string    `json:"envdVersion"`
+	State       string    `json:"state"`
+	// PausedIn is ember's: where a paused sandbox is, "memory" (a resume thaws it), "disk" (a
+	// resume restores it) or "store" (the cluster's image store).
+	PausedIn     string            `json:"pausedIn,omitempty"`
 	Metadata     map[string]string `json:"metadata"`
 	VolumeMounts []volumeMountJSON `json:"volumeMounts"`
 	// ember's, on sandboxes lost with their node (state "lost", listed on request only).
@@ -164,6 +167,7 @@ func (s *server) toListed(sb *sandbox.Sandbox) listedSandboxJSON {
 		EndAt:        sb.EndAt.UTC(),
 		EnvdVersion:  sandbox.EnvdVersion,
 		State:        string(sb.State),
+		PausedIn:     sb.Tier(),
 		Metadata:     md,
 		VolumeMounts: volumeMountsJSON(sb),
 	}

@@ -78,9 +78,9 @@ func sandboxCmd(g *globals) *cobra.Command {
 			}
 			rows := [][]string{}
 			for _, s := range all {
-				rows = append(rows, []string{str(s["sandboxID"]), str(s["templateID"]), str(s["state"]), str(s["startedAt"]), str(s["endAt"]), str(s["metadata"])})
+				rows = append(rows, []string{str(s["sandboxID"]), str(s["templateID"]), str(s["state"]), str(s["pausedIn"]), str(s["startedAt"]), str(s["endAt"]), str(s["metadata"])})
 			}
-			table([]string{"ID", "TEMPLATE", "STATE", "STARTED", "ENDS", "METADATA"}, rows)
+			table([]string{"ID", "TEMPLATE", "STATE", "PAUSED IN", "STARTED", "ENDS", "METADATA"}, rows)
 			return nil
 		},
 	}

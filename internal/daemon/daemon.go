@@ -71,6 +71,11 @@ type Config struct {
 	PoolRefillWeight int
 	// PrestartSize and PrestartMax bound the pre-started instances per template (0 = none).
 	PrestartSize, PrestartMax int
+	// PauseMode ("hot" or "checkpoint"), PausedMemoryMB and HotPauseMax: how memory pauses
+	// pause and how long sandboxes stay paused in memory (sandbox.Config; 0 = its defaults).
+	PauseMode      string
+	PausedMemoryMB int
+	HotPauseMax    time.Duration
 	// SentryGCPercent and GoferGCPercent are the Go GC percent (GOGC) of each sandbox's sentry and
 	// gofer processes (gvisor.Config.SentryGC, GoferGC); 0 = Go's own (100). No flag sets them:
 	// BenchmarkIdleMemory measured 25 against 100 and an idle sandbox was no smaller (its
@@ -265,6 +270,8 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		PoolMemoryMB: cfg.PoolMemoryMB,
 		PrestartSize: cfg.PrestartSize,
 		PrestartMax:  cfg.PrestartMax,
+		// Memory pauses: in place (hot) and for how long, or by a checkpoint.
+		PauseMode: cfg.PauseMode, PausedMemoryMB: cfg.PausedMemoryMB, HotPauseMax: cfg.HotPauseMax,
 		MaxSandboxes: cfg.MaxSandboxes,
 		MaxBuilds:    cfg.MaxBuilds,
 		DiskMB:       cfg.DiskMB,

@@ -336,9 +336,16 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 		return nil, err
 	}
 	paused := sb.State == StatePaused
+	hot := e.hot
 	if paused {
 		e.settleLocked()
 		m.dropPreLocked(ctx, e)
+		if hot != nil {
+			// Paused in memory (hotpause.go): its background checkpoint stops (the checkpoint
+			// replaces its state); its frozen instance ends below like a paused one kept in
+			// place. Should the rollback fail, it stays paused in memory.
+			waitHot(hot, true)
+		}
 	}
 	tpl, err := m.templateOf(ctx, sb)
 	if err != nil {
@@ -374,13 +381,19 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 		if timeout <= 0 {
 			timeout = DefaultTimeout
 		}
-		sb.State, sb.PausedFilesOnly, sb.EndAt = StateRunning, false, time.Now().UTC().Add(timeout)
+		sb.State, sb.PausedFilesOnly, sb.PausedIn, sb.EndAt = StateRunning, false, "", time.Now().UTC().Add(timeout)
 	}
 	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
 		m.teardown(context.WithoutCancel(ctx), sb.ID, p)
 		*sb = prev
 		m.observe(StageRollback, start, err)
 		return nil, err
+	}
+	if hot != nil {
+		e.hot = nil
+		if image := hot.image; image != "" {
+			m.goBG(func() { removeTree(image) })
+		}
 	}
 	m.guestT.open(p.GuestIP, p.InstanceID, true)
 	m.watch(e, p.InstanceID)

@@ -280,6 +280,12 @@ func (m *Manager) watch(e *entry, instance string) {
 		}
 		e.mu.Lock()
 		defer e.mu.Unlock()
+		if h := e.hot; h != nil && h.inst == instance && e.sb.State == StatePaused {
+			// Paused in memory and its instance died: on disk if its state got there, else lost.
+			m.logger(e.sb.ID).Warn("instance of a sandbox paused in memory stopped", "instance", instance, "reason", ex.Reason)
+			m.hotLostLocked(context.Background(), e)
+			return
+		}
 		if e.sb.State != StateRunning || e.sb.Runtime.InstanceID != instance {
 			return // paused, killed or moved on by the Manager itself
 		}

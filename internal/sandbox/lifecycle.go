@@ -53,6 +53,10 @@ func (m *Manager) endLocked(ctx context.Context, e *entry, reason string) {
 	sb := e.sb
 	ctx = context.WithoutCancel(ctx)
 	e.settleLocked()
+	if h := e.hot; h != nil {
+		waitHot(h, true) // its checkpoint writes into the directory removed below
+		e.hot = nil
+	}
 	m.teardown(ctx, sb.ID, sb.Runtime)
 	m.dropPreLocked(ctx, e)
 	m.dropCheckpointsLocked(ctx, e) // step checkpoints go with it (checkpoints.go)
@@ -128,11 +132,28 @@ func (m *Manager) PauseWith(ctx context.Context, id string, opts PauseOptions) e
 	case StateKilled:
 		return goneErr(e.sb)
 	}
+	mode := opts.Mode
+	if mode == "" {
+		mode = m.cfg.PauseMode
+	}
+	if opts.KeepMemory && mode == PauseHot {
+		return m.hotPauseLocked(ctx, e)
+	}
 	return m.pauseLocked(ctx, e, opts.KeepMemory, !opts.NoPrestart, opts.LayerFirst)
 }
 
-// pauseLocked pauses e; with prestart (and memory kept) an instance is pre-started for its
-// resume afterwards, budget permitting.
+// pauseOnTimeoutLocked is the reaper's pause of a sandbox created with onTimeout pause.
+func (m *Manager) pauseOnTimeoutLocked(ctx context.Context, e *entry) error {
+	if !e.sb.PauseDropsMemory && m.cfg.PauseMode == PauseHot {
+		return m.hotPauseLocked(ctx, e)
+	}
+	// Only a sandbox that traffic wakes gets an instance pre-started for its resume.
+	return m.pauseLocked(ctx, e, !e.sb.PauseDropsMemory, e.sb.AutoResume, false)
+}
+
+// pauseLocked pauses e by a checkpoint that ends its instance (a filesystem-only pause, or
+// PauseCheckpoint); with prestart (and memory kept) an instance is pre-started for its resume
+// afterwards, budget permitting.
 func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestart, layerFirst bool) error {
 	sb := e.sb
 	start := time.Now()
@@ -162,6 +183,7 @@ func (m *Manager) pauseLocked(ctx context.Context, e *entry, keepMemory, prestar
 	old := sb.Runtime
 	sb.State = StatePaused
 	sb.PausedFilesOnly = !keepMemory
+	sb.PausedIn = TierDisk
 	sb.Runtime = Placement{Image: image, SlotIndex: noSlot}
 	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
 		// The instance is stopped and its image complete; keep the sandbox paused in memory.
@@ -243,6 +265,15 @@ func (m *Manager) ConnectWith(ctx context.Context, id string, opts ConnectOption
 // pause, or reboot) a new boot on its files with the same identity.
 func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Duration, reboot bool) error {
 	sb := e.sb
+	if e.hot != nil {
+		if !reboot {
+			if thawed, err := m.thawLocked(ctx, e, timeout); thawed || err != nil {
+				return err
+			}
+		} else if err := m.demoteLocked(ctx, e, "resume with a reboot"); err != nil {
+			return err
+		}
+	}
 	start := time.Now()
 	tl := runtime.NewTimeline()
 	e.settleLocked()
@@ -299,17 +330,19 @@ func (m *Manager) resumeLocked(ctx context.Context, e *entry, timeout time.Durat
 		}
 	}
 	tl.Mark("launch")
+	tier := sb.PausedIn
 	if recorded {
-		sb.Runtime, sb.State, sb.PausedFilesOnly, sb.EndAt = p, StateRunning, false, endAt
+		sb.Runtime, sb.State, sb.PausedFilesOnly, sb.EndAt, sb.PausedIn = p, StateRunning, false, endAt, ""
 	} else {
 		sb.Runtime = p
 		sb.State = StateRunning
 		sb.PausedFilesOnly = false
+		sb.PausedIn = ""
 		sb.EndAt = time.Now().UTC().Add(timeout)
 	}
 	if err := m.putUnless(ctx, recorded, sb); err != nil {
 		m.teardown(context.WithoutCancel(ctx), sb.ID, p)
-		sb.State, sb.PausedFilesOnly, sb.Runtime = StatePaused, boot, Placement{Image: image, SlotIndex: noSlot}
+		sb.State, sb.PausedFilesOnly, sb.Runtime, sb.PausedIn = StatePaused, boot, Placement{Image: image, SlotIndex: noSlot}, tier
 		m.observe(StageResume, start, err)
 		return err
 	}

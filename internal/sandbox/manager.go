@@ -169,6 +169,17 @@ type Config struct {
 	// (EventStored), so that another node can resume the sandbox (cluster mode); only once a
 	// listener is there to record it.
 	StorePauses bool
+	// PauseMode is how a memory pause pauses (hotpause.go): PauseHot (default) freezes the
+	// sandbox in place and keeps its instance; PauseCheckpoint checkpoints it and ends its
+	// instance (every pause before).
+	PauseMode string
+	// PausedMemoryMB bounds the memory of the sandboxes paused in memory (default a quarter of
+	// the host's memory; negative: none stays in memory once its state is on disk). Over it, the
+	// least recently paused are demoted to disk first.
+	PausedMemoryMB int
+	// HotPauseMax is how long a sandbox stays paused in memory before it is demoted to disk
+	// (default 10 minutes).
+	HotPauseMax time.Duration
 }
 
 // Manager owns every sandbox on this node. It implements Service.
@@ -233,6 +244,9 @@ type Manager struct {
 	// the standbys hold, in the pools' budget (standby.go).
 	noStandby atomic.Bool
 	standbyMB atomic.Int64
+
+	// tierKick wakes the tier loop (hotpause.go) after a sandbox was paused in memory.
+	tierKick chan struct{}
 }
 
 // entry is the in-memory state of one sandbox; mu serialises lifecycle operations on it.
@@ -254,6 +268,8 @@ type entry struct {
 	standbyGen  uint64
 	standbyStop context.CancelFunc
 	standbyDone chan struct{}
+	// hot is set while the sandbox is paused in memory: its instance frozen (hotpause.go).
+	hot *hotState
 }
 
 var idRe = regexp.MustCompile(`^[a-z0-9]{1,64}$`)
@@ -321,6 +337,19 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	if cfg.UploadAttempts == 0 {
 		cfg.UploadAttempts = 3
 	}
+	switch cfg.PauseMode {
+	case "":
+		cfg.PauseMode = PauseHot
+	case PauseHot, PauseCheckpoint:
+	default:
+		return nil, fmt.Errorf("pause mode %q: want %q or %q: %w", cfg.PauseMode, PauseHot, PauseCheckpoint, errdefs.ErrInvalid)
+	}
+	if cfg.PausedMemoryMB == 0 {
+		cfg.PausedMemoryMB = 2 * defaultPoolMemoryMB() // an eighth of the host's, twice
+	}
+	if cfg.HotPauseMax == 0 {
+		cfg.HotPauseMax = 10 * time.Minute
+	}
 	// The data directory holds every sandbox's files and memory images: root only.
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
 		return nil, err
@@ -352,6 +381,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		instances:  map[string]bool{},
 		preOf:      map[string]string{},
 		uploads:    map[string]*upload{},
+		tierKick:   make(chan struct{}, 1),
 	}
 	m.guest = &http.Client{Transport: m.guestT}
 	if len(cfg.Listeners) > 0 {
@@ -397,6 +427,8 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	m.collectLayers(ctx, "start")
 	m.wg.Add(1)
 	go m.reaper()
+	m.wg.Add(1)
+	go m.tierLoop()
 	m.pool.start()
 	m.prestarts.start()
 	return m, nil

@@ -236,7 +236,9 @@ func TestCreateFromPoolKeepsItsDirectoryAcrossRestart(t *testing.T) {
 }
 
 func TestReconcileAdoptsOnlyWhatTheStoreKnows(t *testing.T) {
-	n := newNode(t, nil)
+	// The paused sandbox is paused by a checkpoint: it holds no instance (hot pauses across a
+	// restart: hotpause_test.go).
+	n := newNode(t, func(c *sandbox.Config) { c.PauseMode = sandbox.PauseCheckpoint })
 	tpl := n.build("base")
 	keep := n.create(sandbox.CreateRequest{})
 	n.write(keep.ID, "/f", "x")
@@ -312,7 +314,7 @@ func TestDeadSandboxIsNoticed(t *testing.T) {
 }
 
 func TestPauseResumeKeepsFiles(t *testing.T) {
-	n := newNode(t, nil)
+	n := newNode(t, func(c *sandbox.Config) { c.PauseMode = sandbox.PauseCheckpoint })
 	n.build("base")
 	sb := n.create(sandbox.CreateRequest{})
 	n.write(sb.ID, "/p", "kept")

@@ -36,6 +36,6 @@ func (m *Manager) putUnless(ctx context.Context, recorded bool, sb *Sandbox) err
 // resumedRecord is sb's record once resumed on p until endAt.
 func resumedRecord(sb *Sandbox, p Placement, endAt time.Time) Sandbox {
 	c := *sb
-	c.Runtime, c.State, c.PausedFilesOnly, c.EndAt = p, StateRunning, false, endAt
+	c.Runtime, c.State, c.PausedFilesOnly, c.EndAt, c.PausedIn = p, StateRunning, false, endAt, ""
 	return c
 }

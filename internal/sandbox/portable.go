@@ -305,6 +305,7 @@ func (m *Manager) exportPaused(ctx context.Context, sb *Sandbox) (*PortableSandb
 	start := time.Now()
 	p := &PortableSandbox{Sandbox: *sb}
 	p.Sandbox.Runtime = Placement{SlotIndex: noSlot}
+	p.Sandbox.PausedIn = TierStore // as the other nodes see it
 	if p.Sandbox.RootFS, p.Sandbox.Lowers, err = m.exportStack(ctx, tp, sb.RootFS, sb.Lowers); err != nil {
 		return nil, err
 	}
@@ -364,7 +365,7 @@ func (m *Manager) ImportPaused(ctx context.Context, p *PortableSandbox) (*Sandbo
 	if err := markComplete(image, false); err != nil {
 		m.logger(id).Warn("mark pause image complete", "err", err)
 	}
-	sb.State, sb.PausedFilesOnly = StatePaused, false
+	sb.State, sb.PausedFilesOnly, sb.PausedIn = StatePaused, false, TierDisk
 	sb.Runtime = Placement{Image: image, SlotIndex: noSlot}
 	sb.EndReason, sb.EndedAt = "", time.Time{}
 	if err := m.cfg.Store.PutSandbox(ctx, &sb); err != nil {

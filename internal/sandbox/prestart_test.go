@@ -207,7 +207,7 @@ func TestFailedPrestartReleasesEverything(t *testing.T) {
 // restores into it (same id, token and files), a kill of the paused sandbox discards it with
 // everything it holds, and a filesystem-only resume (reboot) boots on the files it gives back.
 func TestResumeRestoresIntoPrestarted(t *testing.T) {
-	n := newNode(t, func(c *sandbox.Config) { c.PrestartMax = 1 })
+	n := newNode(t, func(c *sandbox.Config) { c.PrestartMax = 1; c.PauseMode = sandbox.PauseCheckpoint })
 	n.build("base")
 	sb := n.create(sandbox.CreateRequest{})
 	n.write(sb.ID, "/f", "kept")

@@ -38,8 +38,7 @@ func (m *Manager) reap(e *entry, now time.Time) {
 	switch {
 	case sb.State == StateRunning && now.After(sb.EndAt):
 		if sb.AutoPause {
-			// Only a sandbox that traffic wakes gets an instance pre-started for its resume.
-			if err := m.pauseLocked(ctx, e, !sb.PauseDropsMemory, sb.AutoResume, false); err == nil {
+			if err := m.pauseOnTimeoutLocked(ctx, e); err == nil {
 				return
 			} else {
 				m.logger(sb.ID).Error("auto-pause failed; killing", "err", err)

@@ -40,8 +40,59 @@ func (m *Manager) reconcile(ctx context.Context) error {
 	keepDirs := map[string]bool{} // sandbox ids whose directory stays
 	keepRun := map[string]bool{}  // instance state dirs that stay
 	var watch []*entry
+	var hot []*entry              // paused in memory: watched, their state to disk if not there yet
+	cutPause := map[*entry]bool{} // of those, recorded running (a pause the crash cut)
+	// adoptInstance keeps sb's instance, slot and directories.
+	adoptInstance := func(sb *Sandbox) {
+		keepSlots = append(keepSlots, sb.Runtime.SlotIndex)
+		m.instances[sb.Runtime.InstanceID] = true
+		adopted[sb.Runtime.InstanceID] = true
+		keepDirs[sb.ID] = true
+		keepRun[sb.Runtime.StateDir] = true
+	}
 	for _, sb := range sbs {
 		log := m.logger(sb.ID)
+		if sb.State == StatePaused && sb.Runtime.InstanceID != "" {
+			// Paused in memory: its frozen instance is adopted as it is, or (gone) the
+			// sandbox is paused on disk if its state reached it.
+			why := m.adoptable(ctx, sb, known)
+			if why == "" {
+				if _, err := m.cfg.Network.Adopt(sb.Runtime.SlotIndex, sb.Egress()); err != nil {
+					why = "its network slot is gone: " + err.Error()
+				}
+			}
+			if why == "" {
+				e, err := m.adoptHot(ctx, sb, m.frozen(ctx, sb.Runtime.InstanceID))
+				if err == nil {
+					adoptInstance(sb)
+					m.live[sb.ID] = e
+					hot = append(hot, e)
+					log.Info("reconcile: adopted sandbox paused in memory", "instance", sb.Runtime.InstanceID, "on_disk", sb.Runtime.Image != "")
+					continue
+				}
+				why = "freeze: " + err.Error()
+			}
+			image := ""
+			for _, img := range []string{sb.Runtime.Image, sb.Runtime.HotImage} {
+				if img != "" && imageComplete(img) {
+					image = img
+					break
+				}
+			}
+			if image == "" {
+				log.Warn("reconcile: sandbox paused in memory lost its instance before its state reached the disk; it ended", "why", why)
+				m.tombstone(ctx, sb, "lost: its instance stopped while paused")
+				continue
+			}
+			sb.Runtime, sb.PausedIn = Placement{Image: image, SlotIndex: noSlot}, TierDisk
+			if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
+				return err
+			}
+			keepDirs[sb.ID] = true
+			m.live[sb.ID] = &entry{sb: sb}
+			log.Info("reconcile: sandbox paused in memory lost its instance; paused on disk", "why", why, "image", image)
+			continue
+		}
 		switch sb.State {
 		case StateRunning:
 			why := m.adoptable(ctx, sb, known)
@@ -49,6 +100,30 @@ func (m *Manager) reconcile(ctx context.Context) error {
 				if _, err := m.cfg.Network.Adopt(sb.Runtime.SlotIndex, sb.Egress()); err != nil {
 					why = "its network slot is gone: " + err.Error()
 				}
+			}
+			_, perr := os.Stat(filepath.Join(m.sandboxDir(sb.ID), pausingName))
+			pausing := perr == nil
+			os.Remove(filepath.Join(m.sandboxDir(sb.ID), pausingName))
+			if why == "" && !pausing && m.frozen(ctx, sb.Runtime.InstanceID) {
+				// Frozen by a snapshot's or fork's checkpoint that the crash cut: it runs on.
+				if err := m.cfg.Driver.Thaw(ctx, sb.Runtime.InstanceID); err != nil {
+					why = "thaw after a cut checkpoint: " + err.Error()
+				} else {
+					log.Info("reconcile: thawed a sandbox a cut checkpoint had left frozen", "instance", sb.Runtime.InstanceID)
+				}
+			}
+			if why == "" && m.frozen(ctx, sb.Runtime.InstanceID) {
+				// A hot pause the crash cut after the freeze: the sandbox is paused in memory.
+				e, err := m.adoptHot(ctx, sb, true)
+				if err != nil {
+					return err
+				}
+				adoptInstance(sb)
+				m.live[sb.ID] = e
+				hot = append(hot, e)
+				cutPause[e] = true
+				log.Info("reconcile: a pause cut by the crash had frozen the sandbox; it is paused in memory", "instance", sb.Runtime.InstanceID)
+				continue
 			}
 			if why == "" {
 				keepSlots = append(keepSlots, sb.Runtime.SlotIndex)
@@ -199,7 +274,24 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		m.watch(e, e.sb.Runtime.InstanceID)
 		m.emitLocked(ctx, e, EventStarted, StartAdopted)
 	}
+	for _, e := range hot {
+		m.watch(e, e.hot.inst)
+		if cutPause[e] {
+			m.emitLocked(ctx, e, EventPaused, "")
+		}
+		select {
+		case <-e.hot.done:
+		default:
+			m.checkpointInBackground(e, e.hot)
+		}
+	}
 	return nil
+}
+
+// frozen reports whether instance inst is frozen.
+func (m *Manager) frozen(ctx context.Context, inst string) bool {
+	st, err := m.cfg.Driver.State(ctx, inst)
+	return err == nil && st.Frozen
 }
 
 // adoptable says why a running sandbox's record cannot be adopted ("" = it can): its instance

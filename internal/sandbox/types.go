@@ -56,6 +56,9 @@ type Sandbox struct {
 	AutoResume       bool `json:"autoResume,omitempty"`
 	// PausedFilesOnly: the current pause kept the filesystem only; resume boots on it.
 	PausedFilesOnly bool `json:"pausedFilesOnly,omitempty"`
+	// PausedIn is where a paused sandbox is (TierMemory, TierDisk, TierStore; hotpause.go):
+	// what its resume starts from. Empty while it runs, and in records of an older ember (disk).
+	PausedIn string `json:"pausedIn,omitempty"`
 	// RootFS is the template rootfs the sandbox runs on, kept so that it can be resumed,
 	// snapshotted and forked after its template (or snapshot) is deleted.
 	RootFS string `json:"rootfs,omitempty"`
@@ -91,8 +94,13 @@ type Placement struct {
 	SlotIndex  int    `json:"slotIndex"`
 	GuestIP    string `json:"guestIp,omitempty"`
 	StateDir   string `json:"stateDir,omitempty"`
-	// Image is the checkpoint a paused sandbox resumes from.
+	// Image is the checkpoint a paused sandbox resumes from. For a sandbox paused in memory
+	// (its instance frozen, the fields above kept) it is set once the background checkpoint is
+	// complete: the image a demotion keeps.
 	Image string `json:"image,omitempty"`
+	// HotImage, for a sandbox paused in memory, is where its background checkpoint writes (the
+	// one image of this pause that reconcile may use once it is marked complete).
+	HotImage string `json:"hotImage,omitempty"`
 }
 
 // CreateRequest is what a caller asks for when creating a sandbox.
@@ -135,6 +143,9 @@ type PauseOptions struct {
 	// LayerFirst: the answer waits until the instance's layer is in the pause image, as pauses
 	// did before they answered on the memory image alone (benchmarks, for the A/B).
 	LayerFirst bool
+	// Mode overrides Config.PauseMode for this pause (PauseHot, PauseCheckpoint; "" = the
+	// node's): benchmarks compare both in one run.
+	Mode string
 }
 
 // ConnectOptions tune Connect.

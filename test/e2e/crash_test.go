@@ -50,6 +50,8 @@ func TestCrashInjection(t *testing.T) {
 	if os.Getenv("EMBER_CRASH_POOL_OFF") == "1" {
 		pool, flags = 0, []string{"--pool-size", "0"}
 	}
+	// EMBER_CRASH_FLAGS: more `ember serve` flags (e.g. "--pause-mode checkpoint" for an A/B).
+	flags = append(flags, strings.Fields(os.Getenv("EMBER_CRASH_FLAGS"))...)
 	d := lostNode(t, flags...)
 	if pool > 0 {
 		d.waitInstances(t, 1, 90*time.Second)
@@ -738,9 +740,13 @@ func (c *crashRun) checkHost() {
 	c.settle()
 	insts := d.instances()
 	owned := map[string]string{} // instance -> sandbox
+	hot := map[string]bool{}     // instances of sandboxes paused in memory (frozen: runsc says paused)
 	for _, id := range sortedKeys(c.live) {
 		tr := c.live[id]
 		if tr.paused {
+			if i, _, err := d.findInstance(tr.s, insts); err == nil && i.Status == "paused" {
+				owned[i.ID], hot[i.ID] = id, true
+			}
 			continue
 		}
 		if tr.instID != "" && containsInstance(insts, tr.instID) {
@@ -765,6 +771,8 @@ func (c *crashRun) checkHost() {
 		switch {
 		case i.Status == "created" && owned[i.ID] == "":
 			prestarted = append(prestarted, i.ID)
+		case hot[i.ID]:
+			// a hot-paused sandbox's frozen instance
 		case i.Status != "running":
 			c.violate("instance %s (sandbox %q) is %s and still kept", i.ID, owned[i.ID], i.Status)
 		case owned[i.ID] == "":

@@ -449,6 +449,7 @@ type sbx struct {
 	TemplateID      string `json:"templateID"`
 	EnvdAccessToken string `json:"envdAccessToken"`
 	State           string `json:"state"`
+	PausedIn        string `json:"pausedIn"`
 }
 
 // create makes a sandbox and registers its kill in t.Cleanup.

@@ -9,13 +9,14 @@ import (
 	"time"
 )
 
-// TestCrashRightAfterPause (issue 11 lever 3): a pause answers once the memory image is written;
+// TestCrashRightAfterPause (issue 11 lever 3): a checkpoint pause answers once the memory image is written;
 // the paused instance's processes exit and its writable layer moves into the image after the
 // answer. kill -9 of the daemon right after the answer, before that move: at the next start the
 // sandbox is paused, resumes with its files and processes, and nothing is leaked (instances,
 // mounts, netns, instance dirs). Node c1.
 func TestCrashRightAfterPause(t *testing.T) {
-	d := lostNode(t)
+	// The window is the checkpoint pause's (hot pauses: TestHotPause).
+	d := lostNode(t, "--pause-mode", "checkpoint")
 	hits := 0
 	for round := 0; round < 3; round++ {
 		s := d.create(t, nil)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"time"
@@ -269,10 +270,76 @@ func (d *Driver) setFrozen(ctx context.Context, id string, freeze bool) error {
 	// tasks to stop, a syscall's length at most).
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
+	// A crash of the daemon between the call and the state file's write would leave the two
+	// disagreeing, and the sentry's pauses nest (a second Pause needs two Resumes; a Resume of a
+	// running sentry panics it): the intent file says the status is in doubt until then
+	// (resolveIntent).
+	intent := d.intentPath(id)
+	if err := os.WriteFile(intent, []byte(op), 0o600); err != nil {
+		return fmt.Errorf("gvisor: %s %s: %w", op, id, err)
+	}
 	if err := d.ctlCall(cctx, id, st.Socket, method, nil, nil); err != nil {
+		os.Remove(intent)
 		return err
 	}
-	return d.writeStatus(id, st, to)
+	if err := d.writeStatus(id, st, to); err != nil {
+		return err
+	}
+	return os.Remove(intent)
+}
+
+// intentPath marks a freeze or thaw in flight (setFrozen).
+func (d *Driver) intentPath(id string) string {
+	return filepath.Join(d.cfg.Root, id+"_sandbox:"+id+".ember-intent")
+}
+
+// intentProbe bounds the probe of resolveIntent: a process that does not finish within it is
+// taken as frozen. Generous: `runsc exec` of /bin/true takes about 0.1 s, but seconds on a
+// loaded host, and a running sentry taken as frozen would be resumed once too often.
+const intentProbe = 10 * time.Second
+
+// resolveIntent settles the status of id after a freeze or thaw that a crash of an earlier
+// daemon cut between the sentry's call and runsc's state file: a process started in the sandbox
+// tells whether its tasks run (a frozen sentry starts it stopped), and the state file is made to
+// say so. A no-op without an intent file.
+func (d *Driver) resolveIntent(ctx context.Context, id string) {
+	intent := d.intentPath(id)
+	if _, err := os.Stat(intent); err != nil {
+		return
+	}
+	unlock, err := d.lockState(ctx, id)
+	if err != nil {
+		os.Remove(intent) // the instance is gone
+		return
+	}
+	defer unlock()
+	st, err := d.readState(id)
+	if err != nil || !alive(st.Pid) {
+		os.Remove(intent)
+		return
+	}
+	was := st.Status
+	if was != statusRunning {
+		// runsc refuses to exec into a container its state file says is paused.
+		if err := d.writeStatus(id, st, statusRunning); err != nil {
+			return
+		}
+	}
+	pctx, cancel := context.WithTimeout(ctx, intentProbe)
+	defer cancel()
+	full := append(d.globalFlags(""), "exec", id, "/bin/true")
+	runs := exec.CommandContext(pctx, d.cfg.Runsc, full...).Run() == nil
+	status := statusPaused
+	if runs {
+		status = statusRunning
+	}
+	if was != status {
+		d.log.Warn("gvisor: a freeze or thaw cut by a crash left runsc's state wrong; fixed", "instance", id, "was", was, "is", status)
+	}
+	if err := d.writeStatus(id, st, status); err != nil {
+		return
+	}
+	os.Remove(intent)
 }
 
 // frozen reports whether id is frozen (runsc's state file says paused).

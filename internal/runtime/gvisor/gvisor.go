@@ -382,6 +382,9 @@ func (d *Driver) State(ctx context.Context, id string) (runtime.Status, error) {
 	if err := validateID(id); err != nil {
 		return runtime.Status{State: runtime.StateUnknown}, err
 	}
+	if !d.cfg.RunscCLI {
+		d.resolveIntent(ctx, id)
+	}
 	out, err := d.run(ctx, d.logDir(id), "state", id)
 	if err != nil {
 		return runtime.Status{State: runtime.StateUnknown}, err
@@ -392,6 +395,9 @@ func (d *Driver) State(ctx context.Context, id string) (runtime.Status, error) {
 	}
 	if s.ID != id {
 		return runtime.Status{State: runtime.StateUnknown}, fmt.Errorf("gvisor: runsc state %s answered for %q: %w", id, s.ID, errdefs.ErrNotFound)
+	}
+	if s.Bundle != "" && thawCutLayer(filepath.Dir(s.Bundle)) {
+		d.log.Warn("gvisor: thawed a layer a cut checkpoint had left frozen", "instance", id)
 	}
 	// runsc says running while kill(pid, 0) succeeds, which includes an exited sandbox process
 	// its parent (init, usually) has not reaped yet.

@@ -54,6 +54,31 @@ const (
 	fiThaw   = 0xc0045878 // FITHAW: _IOWR('X', 120, int)
 )
 
+// layerFrozenName marks an instance directory whose disk-limited layer is frozen (FIFREEZE)
+// for a clone; layersFrozenHere are those this process froze (and thaws itself).
+const layerFrozenName = ".layer-frozen"
+
+var layersFrozenHere sync.Map
+
+// thawCutLayer thaws the disk-limited layer of instance directory dir if a clone that a crash
+// of an earlier daemon cut left it frozen (its writes, and the instance with them, would wait
+// forever).
+func thawCutLayer(dir string) bool {
+	marker := filepath.Join(dir, layerFrozenName)
+	if _, err := os.Stat(marker); err != nil {
+		return false
+	}
+	if _, here := layersFrozenHere.Load(dir); here {
+		return false
+	}
+	if fd, err := unix.Open(filepath.Join(dir, layerDirName), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err == nil {
+		unix.IoctlRetInt(fd, fiThaw) // EINVAL when not frozen
+		unix.Close(fd)
+	}
+	os.Remove(marker)
+	return true
+}
+
 var (
 	diskTemplateMu   sync.Mutex
 	diskUnsupported  sync.Once // logs once that limits cannot be enforced on this host
@@ -344,10 +369,23 @@ func cloneDiskLayerFrozen(srcSandboxDir, dstSandboxDir string, frozen func()) (o
 			return true, fmt.Errorf("gvisor: disk limit: clone: %w", err)
 		}
 		defer unix.Close(fd)
+		// The kernel keeps a filesystem frozen after the process that froze it dies: the marker
+		// lets a later daemon thaw a layer a crash left frozen (thawCutLayer).
+		marker := filepath.Join(srcSandboxDir, layerFrozenName)
+		if err := os.WriteFile(marker, nil, 0o600); err != nil {
+			return true, fmt.Errorf("gvisor: disk limit: clone: %w", err)
+		}
+		layersFrozenHere.Store(srcSandboxDir, true)
 		if _, err := unix.IoctlRetInt(fd, fiFreeze); err != nil {
+			layersFrozenHere.Delete(srcSandboxDir)
+			os.Remove(marker)
 			return true, fmt.Errorf("gvisor: disk limit: clone: freeze: %w", err)
 		}
-		defer unix.IoctlRetInt(fd, fiThaw)
+		defer func() {
+			unix.IoctlRetInt(fd, fiThaw)
+			os.Remove(marker)
+			layersFrozenHere.Delete(srcSandboxDir)
+		}()
 		if frozen != nil {
 			frozen()
 		}

@@ -2,6 +2,7 @@ package gvisor
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -18,6 +19,7 @@ func (d *Driver) Release(ctx context.Context, stateDir string) error {
 	if !d.hostLayers() || stateDir == "" {
 		return nil
 	}
+	thawCutLayer(stateDir)
 	return releaseLayer(stateDir)
 }
 
@@ -30,6 +32,18 @@ func (d *Driver) Sweep(ctx context.Context, keep []string) ([]string, error) {
 	kept := map[string]bool{}
 	for _, id := range keep {
 		kept[id] = true
+	}
+	// A layer a cut clone left frozen holds its instance's processes in uninterruptible waits
+	// (no kill ends them): thaw it first.
+	if out, err := d.run(ctx, "", "list", "--format", "json"); err == nil {
+		var states []ociState
+		if json.Unmarshal(out, &states) == nil {
+			for _, st := range states {
+				if st.Bundle != "" && thawCutLayer(filepath.Dir(st.Bundle)) {
+					d.log.Warn("sweep: thawed a layer a cut checkpoint had left frozen", "instance", st.ID)
+				}
+			}
+		}
 	}
 	var held []int
 	for _, p := range d.processes() {

@@ -174,6 +174,8 @@ type Driver struct {
 	// Fail, when set, is consulted by every method with the method's name; a non-nil error is
 	// returned from it.
 	Fail func(op, id string) error
+	// Memory, when set, is the memory Stats reports for an instance (default 1 MiB).
+	Memory func(id string) uint64
 	// Calls counts calls by method name.
 	calls map[string]int
 	// layers: captured layers (capture.go).
@@ -522,7 +524,14 @@ func (d *Driver) Stats(ctx context.Context, id string) (runtime.Stats, error) {
 	if _, err := d.get(id); err != nil {
 		return runtime.Stats{}, err
 	}
-	return runtime.Stats{MemoryBytes: 1 << 20, Timestamp: time.Now()}, nil
+	d.mu.Lock()
+	mem := d.Memory
+	d.mu.Unlock()
+	b := uint64(1 << 20)
+	if mem != nil {
+		b = mem(id)
+	}
+	return runtime.Stats{MemoryBytes: b, Timestamp: time.Now()}, nil
 }
 
 // Kill implements runtime.Driver.
