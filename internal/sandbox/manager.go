@@ -158,6 +158,8 @@ type Config struct {
 	// 2 s; it doubles for each further attempt, UploadAttempts in all, default 3).
 	UploadRetryDelay time.Duration
 	UploadAttempts   int
+	// Builtins are the templates this node builds itself when first asked for (builtin.go).
+	Builtins map[string]BuiltinTemplate
 }
 
 // Manager owns every sandbox on this node. It implements Service.
@@ -193,6 +195,7 @@ type Manager struct {
 	gcPending bool
 	builds    chan struct{} // one token per concurrent template build
 	tb        *builds       // records of step builds (builds.go)
+	builtin   builtinRuns   // built-in templates being built (builtin.go)
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool

@@ -1,0 +1,76 @@
+// Package codeinterp defines E2B's Code Interpreter template for ember: `code-interpreter-v1`
+// (the template @e2b/code-interpreter and e2b-code-interpreter create by default), built by
+// ember itself as an ordinary step build from `base` plus Debian's Jupyter and data packages,
+// with ember's own interpreter server (server.py, embedded here) started and its default
+// Python kernel warm before the checkpoint, so a create is a restore like any other.
+//
+// It owns the template's definition only; the build runs in internal/sandbox (builtin.go).
+package codeinterp
+
+import (
+	_ "embed"
+	"encoding/base64"
+	"fmt"
+	"strings"
+
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+// TemplateName is the template's name and alias, as E2B's.
+const TemplateName = "code-interpreter-v1"
+
+// Port is the interpreter server's port inside the sandbox (the SDK's JUPYTER_PORT).
+const Port = 49999
+
+// ServerPath is where the server is installed in the template.
+const ServerPath = "/opt/ember/code-interpreter/server.py"
+
+//go:embed server.py
+var server []byte
+
+// Server returns the interpreter server's source (Python 3).
+func Server() []byte { return server }
+
+// Packages are the Debian packages the template adds to base: the kernel and its client, and
+// the data stack of E2B's image that Debian bookworm has (no bash or JavaScript Jupyter kernel
+// is packaged there, so Python is the only language).
+var Packages = []string{
+	"python3-ipykernel", "python3-jupyter-client",
+	"python3-numpy", "python3-pandas", "python3-matplotlib", "python3-scipy", "python3-seaborn",
+	"python3-pil", "python3-requests", "python3-bs4", "python3-openpyxl", "python3-xlrd",
+	"python3-sympy", "fonts-dejavu-core",
+}
+
+// Template returns the template's definition: a step build from base, with mirror (the Debian
+// mirror the daemon builds base from) and suite as the APT source.
+func Template(mirror, suite string) sandbox.BuiltinTemplate {
+	if mirror == "" {
+		mirror = "http://deb.debian.org/debian"
+	}
+	if suite == "" {
+		suite = "bookworm"
+	}
+	apt := strings.Join([]string{
+		fmt.Sprintf("echo 'deb %s %s main' > /etc/apt/sources.list", mirror, suite),
+		"rm -f /etc/apt/sources.list.d/*",
+		// A pinned mirror snapshot can carry an expired Release date.
+		"apt-get -o Acquire::Check-Valid-Until=false -o Acquire::Retries=3 update",
+		"DEBIAN_FRONTEND=noninteractive apt-get -o Acquire::Retries=3 install -y --no-install-recommends " + strings.Join(Packages, " "),
+		"apt-get clean", "rm -rf /var/lib/apt/lists/*",
+	}, " && ")
+	install := fmt.Sprintf("mkdir -p %s && echo %s | base64 -d > %s && chmod 0644 %s",
+		dirOf(ServerPath), base64.StdEncoding.EncodeToString(server), ServerPath, ServerPath)
+	return sandbox.BuiltinTemplate{
+		Build: sandbox.StepBuildRequest{
+			FromTemplate: "base",
+			Steps: []sandbox.Step{
+				{Type: "RUN", Args: []string{apt, "root"}},
+				{Type: "RUN", Args: []string{install, "root"}},
+			},
+			StartCmd: "python3 " + ServerPath,
+			ReadyCmd: fmt.Sprintf("python3 -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:%d/health', timeout=2)\"", Port),
+		},
+	}
+}
+
+func dirOf(p string) string { return p[:strings.LastIndexByte(p, '/')] }
