@@ -13,7 +13,7 @@ if [ "$(id -u)" -ne 0 ]; then
 	echo "setup: run as root (apt-get, network namespaces and runsc need it)"; exit 1
 fi
 
-pkgs=(debootstrap nftables iproute2 runc busybox-static ca-certificates tar btrfs-progs xfsprogs protobuf-compiler libprotobuf-dev)
+pkgs=(debootstrap nftables iproute2 runc busybox-static ca-certificates tar btrfs-progs xfsprogs protobuf-compiler libprotobuf-dev tmux)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ "${#missing[@]}" -gt 0 ]; then
