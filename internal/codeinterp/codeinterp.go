@@ -68,7 +68,9 @@ func Template(mirror, suite string) sandbox.BuiltinTemplate {
 				{Type: "RUN", Args: []string{install, "root"}},
 			},
 			StartCmd: "python3 " + ServerPath,
-			ReadyCmd: fmt.Sprintf("python3 -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:%d/health', timeout=2)\"", Port),
+			// One ready command that waits itself: the default kernel's warm-up (imports, matplotlib's
+			// font cache) can outlast the builder's two minutes of retries under gVisor.
+			ReadyCmd: fmt.Sprintf("for i in $(seq 1 1200); do curl -sf http://127.0.0.1:%d/health >/dev/null && exit 0; sleep 0.5; done; exit 1", Port),
 		},
 	}
 }
