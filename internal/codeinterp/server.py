@@ -137,7 +137,6 @@ class Context:
         self.cwd = cwd
         self.lock = threading.Lock()
         self.km = None
-        self.kc = None
         self.sandbox_env = {}
         self.env_key = None
         self._start()
@@ -151,21 +150,51 @@ class Context:
         env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # the debugger's warning on every start
         km = KernelManager(kernel_name=LANGUAGES[self.language])
         km.start_kernel(cwd=self.cwd, env=env)
-        kc = km.client()
-        kc.start_channels()
+        # Plain (blocking) zmq sockets and the kernel's session: jupyter_client's blocking client
+        # runs an asyncio loop per call, which tripled a round trip here.
+        self.km, self.session = km, km.session
+        self.shell, self.iopub = km.connect_shell(), km.connect_iopub()
         try:
-            kc.wait_for_ready(timeout=120)
-        except RuntimeError as e:
-            kc.stop_channels()
-            km.shutdown_kernel(now=True)
-            raise KernelError("the kernel did not start: %s" % e)
-        self.km, self.kc = km, kc
+            self._wait_ready(120)
+        except KernelError:
+            self.stop()
+            raise
         self.sandbox_env, self.env_key = {}, None
         self.silent(SETUP)
 
+    def _send(self, kind, content):
+        msg = self.session.msg(kind, content=content)
+        self.session.send(self.shell, msg)
+        return msg["header"]["msg_id"]
+
+    def _recv(self, sock):
+        _, parts = self.session.feed_identities(sock.recv_multipart())
+        return self.session.deserialize(parts)
+
+    def _wait_ready(self, timeout):
+        """Waits for the kernel's reply to kernel_info and for the iopub subscription to carry
+        messages (a SUB socket drops what is published before it is connected)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.km.is_alive():
+                raise KernelError("the kernel exited at start")
+            mid = self._send("kernel_info_request", {})
+            replied = False
+            while self.shell.poll(1000):
+                if self._recv(self.shell)["parent_header"].get("msg_id") == mid:
+                    replied = True
+                    break
+            if replied and self.iopub.poll(500):
+                while self.iopub.poll(50):
+                    self._recv(self.iopub)
+                return
+        raise KernelError("the kernel did not answer within %ds" % timeout)
+
     def stop(self):
-        if self.kc is not None:
-            self.kc.stop_channels()
+        for sock in (getattr(self, "shell", None), getattr(self, "iopub", None)):
+            if sock is not None:
+                sock.close(linger=0)
+        self.shell = self.iopub = None
         if self.km is not None:
             try:
                 self.km.shutdown_kernel(now=True)
@@ -179,10 +208,14 @@ class Context:
 
     def _run(self, code, silent, on_msg, gone=None):
         """Runs code and passes its iopub messages to on_msg until the kernel is idle again.
-        Returns the execute reply's content. When gone() says the client left (or on_msg raises
-        Gone), the kernel is interrupted and the run drained, so the context stays usable."""
-        msg_id = self.kc.execute(code, silent=silent, store_history=not silent, allow_stdin=False, stop_on_error=True)
+        Returns the execution count. When gone() says the client left (or on_msg raises Gone),
+        the kernel is interrupted and the run drained, so the context stays usable."""
+        while self.shell.poll(0):  # replies nobody waited for
+            self._recv(self.shell)
+        msg_id = self._send("execute_request", {"code": code, "silent": silent, "store_history": not silent,
+                                                "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
         interrupted = False
+        count = None
 
         def interrupt():
             nonlocal interrupted
@@ -191,14 +224,13 @@ class Context:
                 self.km.interrupt_kernel()
 
         while True:
-            try:
-                msg = self.kc.get_iopub_msg(timeout=0.1)
-            except queue.Empty:
+            if not self.iopub.poll(100):
                 if not self.km.is_alive():
                     raise KernelError("the kernel died")
                 if gone is not None and gone():
                     interrupt()
                 continue
+            msg = self._recv(self.iopub)
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]
@@ -206,19 +238,15 @@ class Context:
                 if content.get("execution_state") == "idle":
                     break
                 continue
+            if kind == "execute_input":
+                count = content.get("execution_count")
             if interrupted:
                 continue
             try:
                 on_msg(kind, content)
             except Gone:
                 interrupt()
-        while True:
-            try:
-                reply = self.kc.get_shell_msg(timeout=30)
-            except queue.Empty:
-                return {}
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return reply["content"]
+        return count
 
     def silent(self, code):
         errors = []
@@ -260,8 +288,6 @@ class Context:
                     "import os as __o\n__ember_saved_env = {k: __o.environ.get(k) for k in %r}\n"
                     "__o.environ.update(%r)\ndel __o" % (list(env_vars), env_vars)
                 )
-            count = [None]
-
             def on_msg(kind, content):
                 if kind == "stream":
                     emit({"type": "stderr" if content.get("name") == "stderr" else "stdout", "text": content.get("text", ""),
@@ -271,11 +297,9 @@ class Context:
                 elif kind == "error":
                     emit({"type": "error", "name": content.get("ename", ""), "value": content.get("evalue", ""),
                           "traceback": "\n".join(content.get("traceback", []))})
-                elif kind == "execute_input":
-                    count[0] = content.get("execution_count")
 
             try:
-                reply = self._run(code, False, on_msg, gone)
+                n = self._run(code, False, on_msg, gone)
             finally:
                 if env_vars:
                     self.silent(
@@ -283,7 +307,6 @@ class Context:
                         "    __o.environ.pop(__k, None) if __v is None else __o.environ.__setitem__(__k, __v)\n"
                         "del __o, __k, __v, __ember_saved_env"
                     )
-            n = reply.get("execution_count", count[0])
             if n is not None:
                 emit({"type": "number_of_executions", "execution_count": n})
             emit({"type": "end_of_execution"})
