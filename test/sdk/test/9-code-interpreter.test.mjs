@@ -198,37 +198,54 @@ describe('CLIs', { timeout: HOOK_TIMEOUT * 2 }, () => {
     assert.ok(mine.cpuCount > 0 && mine.memoryMB > 0, JSON.stringify(mine))
   })
 
-  test('ember sandbox shell: a terminal through tmux, with resize and the exit code', { timeout: TEST_TIMEOUT }, async (t) => {
+  /**
+   * Runs `command` in a tmux session of 100x30 (a real terminal), types into it and reads the
+   * screen: a command and its output, the size (stty), a resize of the window, python, and exit.
+   * Returns the screen after `exit 7`.
+   */
+  async function throughTmux(t, name, command) {
     const tmux = await run('tmux', ['-V']).then(() => true, () => false)
-    if (!tmux || !existsSync(EMBER_BIN)) {
-      if (process.env.EMBER_REQUIRE_ALL === '1') assert.fail(`tmux (${tmux}) and ${EMBER_BIN} are required`)
-      t.skip('tmux or the ember binary is missing')
-      return
+    if (!tmux) {
+      if (process.env.EMBER_REQUIRE_ALL === '1') assert.fail('tmux is required (scripts/setup.sh installs it)')
+      t.skip('tmux is missing')
+      return null
     }
-    const session = `ember-shell-${process.pid}`
+    const session = `ember-${name}-${process.pid}`
     const socket = ['-L', session]
-    const shell = `${EMBER_BIN} --url ${process.env.E2B_API_URL} sandbox shell ${sbx.sandboxId}; echo "SHELL-EXIT=$?"; sleep 600`
-    await run('tmux', [...socket, 'new-session', '-d', '-s', session, '-x', '100', '-y', '30', shell], { env: process.env })
+    await run('tmux', [...socket, 'new-session', '-d', '-s', session, '-x', '100', '-y', '30',
+      `${command}; echo "CLI-EXIT=$?"; sleep 600`], { env: { ...process.env, NO_COLOR: '1' } })
     const pane = async () => (await run('tmux', [...socket, 'capture-pane', '-p', '-t', session])).stdout
     const keys = (...k) => run('tmux', [...socket, 'send-keys', '-t', session, ...k])
     try {
+      await waitFor(async () => /\$ *$/m.test(await pane()), { timeoutMs: 30_000, what: 'the prompt' })
       await keys('echo hi-$((6*7))', 'Enter')
       await waitFor(async () => (await pane()).includes('hi-42'), { timeoutMs: 20_000, what: 'the shell to echo' })
       await keys('stty size', 'Enter')
       await waitFor(async () => (await pane()).includes('30 100'), { timeoutMs: 10_000, what: 'the first size' })
       await run('tmux', [...socket, 'resize-window', '-t', session, '-x', '120', '-y', '40'])
-      await sleep(300)
+      await sleep(500)
       await keys('stty size', 'Enter')
       await waitFor(async () => (await pane()).includes('40 120'), { timeoutMs: 10_000, what: 'the new size' })
       await keys('python3 -c "import numpy; print(numpy.__name__)"', 'Enter')
-      await waitFor(async () => /^numpy$/m.test(await pane()), { timeoutMs: 20_000, what: 'python in the shell' })
+      await waitFor(async () => /^numpy\s*$/m.test(await pane()), { timeoutMs: 20_000, what: 'python in the shell' })
       await keys('exit 7', 'Enter')
-      await waitFor(async () => (await pane()).includes('SHELL-EXIT=7'), { timeoutMs: 10_000, what: 'the exit code' })
+      return await waitFor(async () => { const p = await pane(); return p.includes('CLI-EXIT=') && p }, { timeoutMs: 15_000, what: 'the CLI to exit' })
     } catch (e) {
       console.error(await pane().catch(() => ''))
       throw e
     } finally {
       await run('tmux', [...socket, 'kill-server']).catch(() => {})
     }
+  }
+
+  test('ember sandbox shell: a terminal through tmux, with resize and the exit code', { timeout: TEST_TIMEOUT }, async (t) => {
+    assert.ok(existsSync(EMBER_BIN), `${EMBER_BIN} is missing (make build)`)
+    const screen = await throughTmux(t, 'shell', `${EMBER_BIN} --url ${process.env.E2B_API_URL} sandbox shell ${sbx.sandboxId}`)
+    if (screen) assert.match(screen, /CLI-EXIT=7/)
+  })
+
+  test('e2b sandbox connect: the same terminal through E2B\'s CLI', { timeout: TEST_TIMEOUT }, async (t) => {
+    const screen = await throughTmux(t, 'connect', `${e2b} sandbox connect ${sbx.sandboxId}`)
+    if (screen) assert.match(screen, /CLI-EXIT=\d+/)
   })
 })
