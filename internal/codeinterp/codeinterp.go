@@ -8,8 +8,11 @@
 package codeinterp
 
 import (
+	"archive/tar"
+	"bytes"
+	"crypto/sha256"
 	_ "embed"
-	"encoding/base64"
+	"encoding/hex"
 	"fmt"
 	"strings"
 
@@ -58,14 +61,14 @@ func Template(mirror, suite string) sandbox.BuiltinTemplate {
 		"DEBIAN_FRONTEND=noninteractive apt-get -o Acquire::Retries=3 install -y --no-install-recommends " + strings.Join(Packages, " "),
 		"apt-get clean", "rm -rf /var/lib/apt/lists/*",
 	}, " && ")
-	install := fmt.Sprintf("mkdir -p %s && echo %s | base64 -d > %s && chmod 0644 %s",
-		dirOf(ServerPath), base64.StdEncoding.EncodeToString(server), ServerPath, ServerPath)
+	files, hash := serverFiles()
 	return sandbox.BuiltinTemplate{
+		Files: map[string][]byte{hash: files},
 		Build: sandbox.StepBuildRequest{
 			FromTemplate: "base",
 			Steps: []sandbox.Step{
 				{Type: "RUN", Args: []string{apt, "root"}},
-				{Type: "RUN", Args: []string{install, "root"}},
+				{Type: "COPY", Args: []string{"server.py", ServerPath, "root", "0644"}, FilesHash: hash},
 			},
 			StartCmd: "python3 " + ServerPath,
 			// One ready command that waits itself: the default kernel's warm-up (imports, matplotlib's
@@ -75,4 +78,14 @@ func Template(mirror, suite string) sandbox.BuiltinTemplate {
 	}
 }
 
-func dirOf(p string) string { return p[:strings.LastIndexByte(p, '/')] }
+// serverFiles is the COPY step's tarball (server.py alone, as a client uploads the files of a
+// COPY) and its hash.
+func serverFiles() ([]byte, string) {
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	tw.WriteHeader(&tar.Header{Name: "server.py", Mode: 0o644, Size: int64(len(server)), Typeflag: tar.TypeReg})
+	tw.Write(server)
+	tw.Close()
+	sum := sha256.Sum256(buf.Bytes())
+	return buf.Bytes(), hex.EncodeToString(sum[:])
+}

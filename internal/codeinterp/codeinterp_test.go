@@ -1,15 +1,17 @@
 package codeinterp
 
 import (
+	"archive/tar"
 	"bytes"
-	"encoding/base64"
-	"regexp"
+	"crypto/sha256"
+	"encoding/hex"
+	"io"
 	"strings"
 	"testing"
 )
 
 // TestTemplateInstallsTheServerAndPackages: the definition is a step build from base whose
-// steps point APT at the given mirror, install every package, and write server.py verbatim.
+// steps point APT at the given mirror, install every package, and copy server.py verbatim.
 func TestTemplateInstallsTheServerAndPackages(t *testing.T) {
 	def := Template("http://mirror.test/debian", "bookworm")
 	if def.Build.FromTemplate != "base" || def.Build.FromImage != "" {
@@ -27,14 +29,22 @@ func TestTemplateInstallsTheServerAndPackages(t *testing.T) {
 			t.Fatalf("package %s is not installed: %q", p, apt.Args[0])
 		}
 	}
-	inst := def.Build.Steps[1]
-	m := regexp.MustCompile(`echo ([A-Za-z0-9+/=]+) \| base64 -d > ` + regexp.QuoteMeta(ServerPath)).FindStringSubmatch(inst.Args[0])
-	if m == nil {
-		t.Fatalf("install step %q", inst.Args[0])
+	cp := def.Build.Steps[1]
+	if cp.Type != "COPY" || cp.Args[0] != "server.py" || cp.Args[1] != ServerPath {
+		t.Fatalf("copy step %+v", cp)
 	}
-	got, err := base64.StdEncoding.DecodeString(m[1])
-	if err != nil || !bytes.Equal(got, Server()) {
-		t.Fatalf("the installed server differs from server.py (%v)", err)
+	data, ok := def.Files[cp.FilesHash]
+	if sum := sha256.Sum256(data); !ok || hex.EncodeToString(sum[:]) != cp.FilesHash {
+		t.Fatalf("the COPY step's files are not under their hash %s", cp.FilesHash)
+	}
+	tr := tar.NewReader(bytes.NewReader(data))
+	h, err := tr.Next()
+	if err != nil || h.Name != "server.py" {
+		t.Fatalf("tarball: %v %+v", err, h)
+	}
+	got, _ := io.ReadAll(tr)
+	if !bytes.Equal(got, Server()) {
+		t.Fatal("the installed server differs from server.py")
 	}
 	if !strings.Contains(def.Build.StartCmd, ServerPath) || !strings.Contains(def.Build.ReadyCmd, "49999/health") {
 		t.Fatalf("start %q, ready %q", def.Build.StartCmd, def.Build.ReadyCmd)

@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -20,6 +21,9 @@ type BuiltinTemplate struct {
 	Build    StepBuildRequest
 	CPUCount int
 	MemoryMB int
+	// Files are the tarballs of its COPY steps by their FilesHash, stored as a build's uploads
+	// are before it starts.
+	Files map[string][]byte
 }
 
 // builtinRuns makes one build at a time per built-in template; callers that arrive meanwhile
@@ -76,13 +80,26 @@ func (m *Manager) EnsureBuiltin(ctx context.Context, name string, progress func(
 
 func (m *Manager) buildBuiltin(ctx context.Context, name string, def BuiltinTemplate, progress func(string)) (*Template, error) {
 	if progress == nil {
-		progress = func(string) {}
+		progress = func(line string) { m.log.Debug("built-in template build", "template_id", name, "line", line) }
 	}
 	b, err := m.RequestBuild(ctx, BuildSpec{Name: name, CPUCount: def.CPUCount, MemoryMB: def.MemoryMB})
 	if err != nil {
 		return nil, err
 	}
-	m.log.Info("building the built-in template", "template_id", name, "build_id", b.ID)
+	for hash, data := range def.Files {
+		if ok, err := m.HasBuildFiles(ctx, hash); err != nil {
+			return nil, err
+		} else if !ok {
+			if err := m.PutBuildFiles(ctx, hash, bytes.NewReader(data)); err != nil {
+				return nil, err
+			}
+		}
+	}
+	start := time.Now()
+	m.log.Info("building the built-in template (its log: GET /templates/{id}/builds/{build}/status)", "template_id", name, "build_id", b.ID)
+	defer func() {
+		m.log.Info("built-in template build ended", "template_id", name, "build_id", b.ID, "took", time.Since(start).Round(time.Millisecond))
+	}()
 	if err := m.StartBuild(ctx, name, b.ID, def.Build); err != nil {
 		return nil, err
 	}
