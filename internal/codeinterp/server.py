@@ -274,7 +274,8 @@ class Context:
         except Exception as e:
             log("envd /envs:", e)
             return
-        changed = {k: v for k, v in envs.items() if self.sandbox_env.get(k) != v}
+        # The kernel started with this server's environment: only what differs is sent.
+        changed = {k: v for k, v in envs.items() if self.sandbox_env.get(k, os.environ.get(k)) != v}
         if changed:
             self.silent("import os as __o\n__o.environ.update(%r)\ndel __o" % (changed,))
             self.sandbox_env.update(changed)
