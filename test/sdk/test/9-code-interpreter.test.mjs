@@ -155,6 +155,20 @@ describe('code interpreter in the loop', { skip: LIFECYCLE_SKIP, timeout: HOOK_T
     assert.equal((await again.runCode('int(z.sum() * 2)')).text, '42')
   })
 
+  test('a snapshot keeps the kernel state: a sandbox created from it goes on from there', { timeout: HOOK_TIMEOUT }, async () => {
+    const s = sandboxes.add(await Sandbox.create(CREATE_OPTS))
+    await s.runCode("state = {'step': 1}")
+    const snap = await s.createSnapshot()
+    try {
+      await s.runCode("state['step'] = 2")
+      const back = sandboxes.add(await Sandbox.create(snap.snapshotId, { timeoutMs: 120_000 }))
+      assert.equal((await back.runCode("state['step']")).text, '1', 'the snapshot is the state at its time')
+      assert.equal((await s.runCode("state['step']")).text, '2')
+    } finally {
+      await Sandbox.deleteSnapshot(snap.snapshotId).catch(() => {})
+    }
+  })
+
   test('fork: every child has the variable, and the children diverge', { timeout: HOOK_TIMEOUT }, async () => {
     const parent = sandboxes.add(await Sandbox.create(CREATE_OPTS))
     await parent.runCode('w = 1')
