@@ -137,12 +137,14 @@ describe('code interpreter', { timeout: HOOK_TIMEOUT * 4 }, () => {
     assert.equal((await sbx.runCode('y', { context: ctx })).error?.name, 'NameError', 'restart clears the state')
     await sbx.removeCodeContext(ctx)
     assert.ok(!(await sbx.listCodeContexts()).some((c) => c.id === ctx.id))
-    await assert.rejects(sbx.runCode('1', { context: ctx }))
+    // A short requestTimeoutMs: the SDK leaves its request timer running when a call fails,
+    // which keeps this test process alive for that long after the last test.
+    await assert.rejects(sbx.runCode('1', { context: ctx, requestTimeoutMs: 5_000 }))
     assert.equal((await sbx.runCode('x')).text, '42', 'the default context is untouched')
   })
 
   test('a language without a kernel here is refused', { timeout: TEST_TIMEOUT }, async () => {
-    await assert.rejects(sbx.runCode('echo hi', { language: 'bash' }), /400/)
+    await assert.rejects(sbx.runCode('echo hi', { language: 'bash', requestTimeoutMs: 5_000 }), /400/)
   })
 })
 
