@@ -13,7 +13,7 @@ if [ "$(id -u)" -ne 0 ]; then
 	echo "setup: run as root (apt-get, network namespaces and runsc need it)"; exit 1
 fi
 
-pkgs=(debootstrap nftables iproute2 runc busybox-static ca-certificates tar btrfs-progs xfsprogs protobuf-compiler libprotobuf-dev)
+pkgs=(debootstrap nftables iproute2 runc busybox-static ca-certificates tar btrfs-progs xfsprogs protobuf-compiler libprotobuf-dev tmux)
 # What E2B's Python SDK kit (../shared/e2b-python, README.txt) needs from Debian: the Python tests
 # (test/python, `make sdk`, `make sdk-python`) run the SDK with them.
 pkgs+=(python3-httpx python3-httpcore python3-h2 python3-attr python3-dateutil python3-packaging

@@ -112,7 +112,7 @@ func (s *server) buildTemplate(w http.ResponseWriter, r *http.Request, p params)
 	case t == nil:
 		emit(buildLine{Error: &errorBody{Code: http.StatusInternalServerError, Message: "build returned no template"}})
 	default:
-		tj := toTemplate(t)
+		tj := toTemplate(t, s.resources())
 		emit(buildLine{Template: &tj})
 	}
 	mu.Lock()

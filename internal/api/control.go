@@ -502,7 +502,7 @@ func (s *server) listTemplates(w http.ResponseWriter, r *http.Request, _ params)
 	}
 	out := make([]templateJSON, 0, len(ts))
 	for _, t := range ts {
-		out = append(out, toTemplate(t))
+		out = append(out, toTemplate(t, s.resources()))
 	}
 	writeJSON(w, http.StatusOK, out)
 	return nil

@@ -349,7 +349,7 @@ func (s *server) getTemplate(w http.ResponseWriter, r *http.Request, p params) e
 	if err != nil {
 		return notFound("template %s not found", quoteTemplate(p["id"]))
 	}
-	tj := toTemplate(t)
+	tj := toTemplate(t, s.resources())
 	out := templateWithBuilds{TemplateID: t.ID, Aliases: tj.Aliases, Names: tj.Names, CreatedAt: t.CreatedAt, UpdatedAt: t.CreatedAt, Builds: []templateBuildJSON{},
 		Kind: tj.Kind, SnapshotState: tj.SnapshotState, SnapshotError: tj.SnapshotError}
 	blds, err := b.ListBuilds(r.Context(), t.ID)
@@ -359,7 +359,7 @@ func (s *server) getTemplate(w http.ResponseWriter, r *http.Request, p params) e
 	seen := false
 	for _, bl := range blds {
 		bj := templateBuildJSON{BuildID: bl.ID, Status: string(bl.Status), CreatedAt: bl.CreatedAt, UpdatedAt: bl.UpdatedAt,
-			CPUCount: orInt(bl.CPUCount, t.CPUCount), MemoryMB: orInt(bl.MemoryMB, t.MemoryMB), EnvdVersion: sandbox.EnvdVersion}
+			CPUCount: orInt(bl.CPUCount, tj.CPUCount), MemoryMB: orInt(bl.MemoryMB, tj.MemoryMB), EnvdVersion: sandbox.EnvdVersion}
 		if !bl.FinishedAt.IsZero() {
 			f := bl.FinishedAt
 			bj.FinishedAt = &f
@@ -374,7 +374,7 @@ func (s *server) getTemplate(w http.ResponseWriter, r *http.Request, p params) e
 			st = "ready"
 		}
 		out.Builds = append(out.Builds, templateBuildJSON{BuildID: t.BuildID, Status: st, CreatedAt: t.CreatedAt, UpdatedAt: t.CreatedAt,
-			FinishedAt: &t.CreatedAt, CPUCount: t.CPUCount, MemoryMB: t.MemoryMB, EnvdVersion: sandbox.EnvdVersion})
+			FinishedAt: &t.CreatedAt, CPUCount: tj.CPUCount, MemoryMB: tj.MemoryMB, EnvdVersion: sandbox.EnvdVersion})
 	}
 	writeJSON(w, http.StatusOK, out)
 	return nil

@@ -137,6 +137,12 @@ type forkResultJSON struct {
 	Error   *errorBody   `json:"error,omitempty"`
 }
 
+// resources is the service's templateResourcer, if it is one.
+func (s *server) resources() templateResourcer {
+	r, _ := s.svc.(templateResourcer)
+	return r
+}
+
 func (s *server) toSandbox(sb *sandbox.Sandbox) sandboxJSON {
 	return sandboxJSON{
 		SandboxID:          sb.ID,
@@ -224,8 +230,23 @@ func toSnapshot(t *sandbox.Template) snapshotJSON {
 	}
 }
 
-func toTemplate(t *sandbox.Template) templateJSON {
+// templateResourcer is implemented by services that know the resources a template's sandboxes
+// get when the template sets none (*sandbox.Manager).
+type templateResourcer interface {
+	TemplateResources(t *sandbox.Template) (cpu, memoryMB, diskMB int)
+}
+
+// toTemplate is E2B's Template. The e2b CLI's `template list` shows its aliases as the name and
+// its cpuCount, memoryMB and diskSizeMB: a template's names (or its id, which is its name) stand
+// for its aliases when it has none of its own, and res (when not nil) fills in the node's default resources.
+func toTemplate(t *sandbox.Template, res templateResourcer) templateJSON {
 	aliases := append([]string{}, t.Aliases...)
+	if len(aliases) == 0 {
+		aliases = templateNames(t)
+	}
+	if len(aliases) == 0 && t.Kind != "snapshot" {
+		aliases = []string{t.ID} // a template's id is its name
+	}
 	status := "building"
 	if t.Ready {
 		status = "ready"
@@ -238,12 +259,16 @@ func toTemplate(t *sandbox.Template) templateJSON {
 	if buildID == "" {
 		buildID = t.ID
 	}
+	cpu, mem, disk := t.CPUCount, t.MemoryMB, t.DiskMB
+	if res != nil {
+		cpu, mem, disk = res.TemplateResources(t)
+	}
 	return templateJSON{
 		TemplateID:    t.ID,
 		BuildID:       buildID,
-		CPUCount:      t.CPUCount,
-		MemoryMB:      t.MemoryMB,
-		DiskSizeMB:    t.DiskMB,
+		CPUCount:      cpu,
+		MemoryMB:      mem,
+		DiskSizeMB:    disk,
 		Aliases:       aliases,
 		Names:         templateNames(t),
 		CreatedAt:     t.CreatedAt.UTC(),

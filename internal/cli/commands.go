@@ -236,7 +236,7 @@ func sandboxCmd(g *globals) *cobra.Command {
 			return printJSON(out)
 		},
 	}
-	c.AddCommand(create, ls, exec, kill, pause, resume, fork, snap, info)
+	c.AddCommand(create, ls, exec, shellCmd(g), kill, pause, resume, fork, snap, info)
 	c.AddCommand(checkpointCmds(g)...) // checkpoints.go
 	return c
 }

@@ -17,6 +17,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -27,6 +28,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/api"
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster"
+	"github.com/ember-sandbox/ember/internal/codeinterp"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/layerfs"
 	"github.com/ember-sandbox/ember/internal/metrics"
@@ -279,15 +281,26 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		PoolRefills: cfg.PoolRefills, PoolDecay: cfg.PoolDecay, PoolRefillWeight: cfg.PoolRefillWeight,
 		// Cluster mode with a shared image store: a pause is resumable on any node.
 		StorePauses: len(cfg.EtcdEndpoints) > 0 && cfg.S3.Endpoint != "",
+		// Templates built on first use: E2B's Code Interpreter (from base, on this mirror).
+		Builtins: map[string]sandbox.BuiltinTemplate{codeinterp.TemplateName: codeinterp.Template(cfg.Mirror, "bookworm")},
 	})
 	if err != nil {
 		return nil, err
 	}
 	shareTemplates := len(cfg.EtcdEndpoints) > 0 && cfg.S3.Endpoint != ""
 	envdSum := envdDigest(cfg.Envd)
-	for _, name := range cfg.Templates {
+	for _, name := range withBase(cfg.Templates, mgr.IsBuiltin) {
 		if shareTemplates {
 			break // after joining: the cluster's build, if it has one (startTemplates)
+		}
+		if mgr.IsBuiltin(name) {
+			// A step build: cached by step, so an unchanged template is not built again.
+			fmt.Fprintf(cfg.Out, "Template %q (built in; built when its definition changed)...\n", name)
+			if _, err := mgr.EnsureBuiltin(ctx, name, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) }); err != nil {
+				mgr.Close()
+				return nil, fmt.Errorf("build template %q: %w", name, err)
+			}
+			continue
 		}
 		what := "first start only"
 		if t, err := st.GetTemplate(ctx, name); err == nil {
@@ -354,6 +367,15 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true
 	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: lfs, Cluster: cl, net: nm, moves: moves}, nil
+}
+
+// withBase puts base first in names when a built-in template (built from base) is named
+// without it.
+func withBase(names []string, builtin func(string) bool) []string {
+	if slices.Contains(names, "base") || !slices.ContainsFunc(names, builtin) {
+		return names
+	}
+	return append([]string{"base"}, names...)
 }
 
 func ensureKey(ctx context.Context, cfg Config, keys *auth.Keys) error {

@@ -78,7 +78,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		return nil, err
 	}
 	defer done()
-	tpl, err := m.resolveTemplate(ctx, req.TemplateID)
+	tpl, err := m.resolveOrBuild(ctx, req.TemplateID)
 	if err != nil {
 		return nil, err
 	}

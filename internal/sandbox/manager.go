@@ -180,6 +180,8 @@ type Config struct {
 	// HotPauseMax is how long a sandbox stays paused in memory before it is demoted to disk
 	// (default 10 minutes).
 	HotPauseMax time.Duration
+	// Builtins are the templates this node builds itself when first asked for (builtin.go).
+	Builtins map[string]BuiltinTemplate
 }
 
 // Manager owns every sandbox on this node. It implements Service.
@@ -216,6 +218,7 @@ type Manager struct {
 	gcPending bool
 	builds    chan struct{} // one token per concurrent template build
 	tb        *builds       // records of step builds (builds.go)
+	builtin   builtinRuns   // built-in templates being built (builtin.go)
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool

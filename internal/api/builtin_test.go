@@ -1,0 +1,76 @@
+package api
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+)
+
+// TestCreateBuildsABuiltinTemplate: a create that names a built-in template the node lacks
+// (E2B's code-interpreter-v1 is one) builds it first, as a step build with its COPY files, and
+// then creates the sandbox; the template is then an ordinary one (listed; the next create does
+// not build again).
+func TestCreateBuildsABuiltinTemplate(t *testing.T) {
+	files := gzTar(t, "server.py", "print('hi')")
+	sum := sha256.Sum256(files)
+	hash := hex.EncodeToString(sum[:])
+	def := sandbox.BuiltinTemplate{
+		Files: map[string][]byte{hash: files},
+		Build: sandbox.StepBuildRequest{FromTemplate: "base", StartCmd: "start-interpreter", Steps: []sandbox.Step{
+			{Type: "RUN", Args: []string{"install-packages", "root"}},
+			{Type: "COPY", Args: []string{"server.py", "/opt/x/server.py", "root", "0644"}, FilesHash: hash},
+		}},
+	}
+	keys := auth.NewKeys(auth.NewMemoryBackend())
+	key, _, err := keys.Create(context.Background(), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := newGuest(t)
+	fake := newServiceWith(t, g.srv.Listener.Addr().String(), func(c *sandbox.Config) {
+		c.Builtins = map[string]sandbox.BuiltinTemplate{"interp-v1": def}
+	})
+	api := httptest.NewServer(New(Config{Domain: testDomain}, fake, keys, testLogger(t)))
+	t.Cleanup(api.Close)
+	e := &env{t: t, fake: fake, keys: keys, key: key, api: api, guest: g}
+
+	e.ctl("POST", "/sandboxes", `{"templateID":"nosuch"}`).wantError(t, http.StatusNotFound)
+	r := e.ctl("POST", "/sandboxes", `{"templateID":"interp-v1"}`)
+	if r.status != http.StatusCreated {
+		t.Fatalf("create: %d %s", r.status, r.body)
+	}
+	if run, ok := g.procs.find("install-packages"); !ok || run.User != "root" {
+		t.Fatalf("the RUN step did not run as root: %+v", run)
+	}
+	if run, ok := g.procs.find("tar -xf"); !ok || !strings.Contains(run.Line, "/opt/x/server.py") {
+		t.Fatalf("the COPY step: %+v", run)
+	}
+	if _, ok := g.procs.find("start-interpreter"); !ok {
+		t.Fatal("the start command did not run before the checkpoint")
+	}
+	var ts []templateJSON
+	e.ctl("GET", "/templates", "").json(t, &ts)
+	found := false
+	for _, tj := range ts {
+		found = found || tj.TemplateID == "interp-v1" && tj.BuildStatus == "ready"
+	}
+	if !found {
+		t.Fatalf("templates %+v", ts)
+	}
+	before := len(g.procs.lines())
+	if r := e.ctl("POST", "/sandboxes", `{"templateID":"interp-v1"}`); r.status != http.StatusCreated {
+		t.Fatalf("second create: %d %s", r.status, r.body)
+	}
+	for _, l := range g.procs.lines()[before:] {
+		if strings.Contains(l, "install-packages") {
+			t.Fatal("the second create built the template again")
+		}
+	}
+}

@@ -1,0 +1,535 @@
+#!/usr/bin/env python3
+"""ember's Code Interpreter server.
+
+It speaks the protocol of E2B's Code Interpreter SDK (@e2b/code-interpreter, e2b-code-interpreter)
+on port 49999 inside a sandbox of the `code-interpreter-v1` template, over Jupyter kernels run with
+jupyter_client (Debian's python3-jupyter-client and python3-ipykernel):
+
+  GET    /health                 200 once the default context's kernel answers
+  POST   /execute                {code, context_id, language, env_vars}: a stream of JSON lines
+                                 (stdout, stderr, result, error, number_of_executions, end_of_execution)
+  POST   /contexts               {language, cwd}: a new context {id, language, cwd}
+  GET    /contexts               the contexts
+  POST   /contexts/<id>/restart  a fresh kernel in the same context
+  DELETE /contexts/<id>          the context's kernel is shut down
+
+A context is one kernel; its executions run one at a time. An execution whose client goes away
+(the SDK's timeoutMs aborts the request) interrupts the kernel, which stays usable. Only the
+standard library and jupyter_client are used (no web framework).
+"""
+
+import json
+import os
+import queue
+import select
+import socket
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from jupyter_client import KernelManager
+
+PORT = int(os.environ.get("EMBER_CODE_INTERPRETER_PORT", "49999"))
+DEFAULT_CWD = os.environ.get("EMBER_CODE_INTERPRETER_CWD", "/home/user")
+ENVD_URL = "http://127.0.0.1:49983"
+LANGUAGES = {"python": "python3", "python3": "python3"}
+
+# Run (silently) in every new kernel: the e2b/data formatter for pandas frames (the SDK's
+# Result.data), registered by name so pandas is imported only when a frame is shown.
+SETUP = r"""
+def __ember_setup():
+    import json
+    from IPython import get_ipython
+    from IPython.core.formatters import BaseFormatter
+    from traitlets import ObjectName, Unicode
+
+    class DataFormatter(BaseFormatter):
+        format_type = Unicode("e2b/data")
+        print_method = ObjectName("_repr_e2b_data_")
+        _return_type = (dict,)
+
+    def frame(df):
+        # Column -> values, JSON-safe (numpy scalars, NaN, timestamps through pandas' own JSON).
+        return {str(c): json.loads(df[c].to_json(orient="values", date_format="iso")) for c in df.columns}
+
+    disp = get_ipython().display_formatter
+    f = DataFormatter(parent=disp)
+    f.for_type_by_name("pandas.core.frame", "DataFrame", frame)
+    disp.formatters["e2b/data"] = f
+    if disp.active_types and "e2b/data" not in disp.active_types:
+        disp.active_types = list(disp.active_types) + ["e2b/data"]
+
+__ember_setup()
+del __ember_setup
+"""
+
+# Imported once in the default kernel before the template is checkpointed, so that a sandbox's
+# first use of them is a dictionary lookup; a first figure also builds matplotlib's font cache.
+WARM = r"""
+def __ember_warm():
+    import numpy, pandas, matplotlib
+    import matplotlib.pyplot as plt
+    fig = plt.figure()
+    plt.plot([0, 1], [0, 1])
+    import io
+    fig.savefig(io.BytesIO(), format="png")
+    plt.close(fig)
+
+__ember_warm()
+del __ember_warm
+"""
+
+MIME = {
+    "text/plain": "text",
+    "text/html": "html",
+    "text/markdown": "markdown",
+    "image/svg+xml": "svg",
+    "image/png": "png",
+    "image/jpeg": "jpeg",
+    "application/pdf": "pdf",
+    "text/latex": "latex",
+    "application/json": "json",
+    "application/javascript": "javascript",
+    "e2b/data": "data",
+    "e2b/chart": "chart",
+}
+
+
+def log(*args):
+    print("code-interpreter:", *args, file=sys.stderr, flush=True)
+
+
+class KernelError(Exception):
+    pass
+
+
+class Gone(Exception):
+    """The client of an execution went away."""
+
+
+def result_message(data, main):
+    out = {"type": "result", "is_main_result": main}
+    extra = {}
+    for mime, value in data.items():
+        field = MIME.get(mime)
+        if field:
+            out[field] = value
+        else:
+            extra[mime] = value
+    text = out.get("text")
+    # As E2B's server: a string's repr is given without its quotes.
+    if isinstance(text, str) and len(text) >= 2 and text[0] == text[-1] == "'":
+        out["text"] = text[1:-1]
+    if extra:
+        out["extra"] = extra
+    return out
+
+
+class Context:
+    """One execution context: a kernel, its client, and the environment applied to it."""
+
+    def __init__(self, language, cwd, cid=None):
+        self.id = cid or str(uuid.uuid4())
+        self.language = language
+        self.cwd = cwd
+        self.lock = threading.Lock()
+        self.km = None
+        self.sandbox_env = {}
+        self.env_key = None
+        self._start()
+
+    def info(self):
+        return {"id": self.id, "language": self.language, "cwd": self.cwd}
+
+    def _start(self):
+        env = dict(os.environ)
+        env.pop("EMBER_CODE_INTERPRETER_PORT", None)
+        env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # the debugger's warning on every start
+        km = KernelManager(kernel_name=LANGUAGES[self.language])
+        km.start_kernel(cwd=self.cwd, env=env)
+        # Plain (blocking) zmq sockets and the kernel's session: jupyter_client's blocking client
+        # runs an asyncio loop per call, which tripled a round trip here.
+        self.km, self.session = km, km.session
+        self.shell, self.iopub = km.connect_shell(), km.connect_iopub()
+        try:
+            self._wait_ready(120)
+        except KernelError:
+            self.stop()
+            raise
+        self.sandbox_env, self.env_key = {}, None
+        self.silent(SETUP)
+
+    def _send(self, kind, content):
+        msg = self.session.msg(kind, content=content)
+        self.session.send(self.shell, msg)
+        return msg["header"]["msg_id"]
+
+    def _recv(self, sock):
+        _, parts = self.session.feed_identities(sock.recv_multipart())
+        return self.session.deserialize(parts)
+
+    def _wait_ready(self, timeout):
+        """Waits for the kernel's reply to kernel_info and for the iopub subscription to carry
+        messages (a SUB socket drops what is published before it is connected)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.km.is_alive():
+                raise KernelError("the kernel exited at start")
+            mid = self._send("kernel_info_request", {})
+            replied = False
+            while self.shell.poll(1000):
+                if self._recv(self.shell)["parent_header"].get("msg_id") == mid:
+                    replied = True
+                    break
+            if replied and self.iopub.poll(500):
+                while self.iopub.poll(50):
+                    self._recv(self.iopub)
+                return
+        raise KernelError("the kernel did not answer within %ds" % timeout)
+
+    def stop(self):
+        for sock in (getattr(self, "shell", None), getattr(self, "iopub", None)):
+            if sock is not None:
+                sock.close(linger=0)
+        self.shell = self.iopub = None
+        if self.km is not None:
+            try:
+                self.km.shutdown_kernel(now=True)
+            except Exception as e:  # a kernel that is already gone
+                log("shutdown:", e)
+
+    def restart(self):
+        with self.lock:
+            self.stop()
+            self._start()
+
+    def _run(self, code, silent, on_msg, gone=None):
+        """Runs code and passes its iopub messages to on_msg until the kernel is idle again.
+        Returns the execution count. When gone() says the client left (or on_msg raises Gone),
+        the kernel is interrupted and the run drained, so the context stays usable."""
+        while self.shell.poll(0):  # replies nobody waited for
+            self._recv(self.shell)
+        msg_id = self._send("execute_request", {"code": code, "silent": silent, "store_history": not silent,
+                                                "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
+        interrupted = False
+        count = None
+
+        def interrupt():
+            nonlocal interrupted
+            if not interrupted:
+                interrupted = True
+                self.km.interrupt_kernel()
+
+        while True:
+            if not self.iopub.poll(100):
+                if not self.km.is_alive():
+                    raise KernelError("the kernel died")
+                if gone is not None and gone():
+                    interrupt()
+                continue
+            msg = self._recv(self.iopub)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "status":
+                if content.get("execution_state") == "idle":
+                    break
+                continue
+            if kind == "execute_input":
+                count = content.get("execution_count")
+            if interrupted:
+                continue
+            try:
+                on_msg(kind, content)
+            except Gone:
+                interrupt()
+        return count
+
+    def silent(self, code):
+        errors = []
+
+        def on_msg(kind, content):
+            if kind == "error":
+                errors.append("%s: %s" % (content.get("ename"), content.get("evalue")))
+
+        self._run(code, True, on_msg)
+        if errors:
+            raise KernelError(errors[0])
+
+    def sync_sandbox_env(self, token):
+        """Applies the sandbox's environment (envd's /envs: the envs given at create) once per
+        sandbox: a template's kernel was started before the sandbox existed."""
+        key = (socket.gethostname(), token)
+        if key == self.env_key:
+            return
+        req = urllib.request.Request(ENVD_URL + "/envs")
+        if token:
+            req.add_header("X-Access-Token", token)
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                envs = json.load(r) or {}
+        except Exception as e:
+            log("envd /envs:", e)
+            return
+        # The kernel started with this server's environment: only what differs is sent.
+        changed = {k: v for k, v in envs.items() if self.sandbox_env.get(k, os.environ.get(k)) != v}
+        if changed:
+            self.silent("import os as __o\n__o.environ.update(%r)\ndel __o" % (changed,))
+            self.sandbox_env.update(changed)
+        self.env_key = key
+
+    def execute(self, code, env_vars, token, emit, gone):
+        with self.lock:
+            self.sync_sandbox_env(token)
+            if env_vars:
+                self.silent(
+                    "import os as __o\n__ember_saved_env = {k: __o.environ.get(k) for k in %r}\n"
+                    "__o.environ.update(%r)\ndel __o" % (list(env_vars), env_vars)
+                )
+            def on_msg(kind, content):
+                if kind == "stream":
+                    emit({"type": "stderr" if content.get("name") == "stderr" else "stdout", "text": content.get("text", ""),
+                          "timestamp": time.time_ns() // 1000})
+                elif kind in ("execute_result", "display_data"):
+                    emit(result_message(content.get("data", {}), kind == "execute_result"))
+                elif kind == "error":
+                    emit({"type": "error", "name": content.get("ename", ""), "value": content.get("evalue", ""),
+                          "traceback": "\n".join(content.get("traceback", []))})
+
+            try:
+                n = self._run(code, False, on_msg, gone)
+            finally:
+                if env_vars:
+                    self.silent(
+                        "import os as __o\nfor __k, __v in __ember_saved_env.items():\n"
+                        "    __o.environ.pop(__k, None) if __v is None else __o.environ.__setitem__(__k, __v)\n"
+                        "del __o, __k, __v, __ember_saved_env"
+                    )
+            if n is not None:
+                emit({"type": "number_of_executions", "execution_count": n})
+            emit({"type": "end_of_execution"})
+
+
+class Contexts:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.by_id = {}
+        self.default = {}  # language -> context
+
+    def create(self, language, cwd):
+        ctx = Context(language, cwd)
+        with self.lock:
+            self.by_id[ctx.id] = ctx
+        return ctx
+
+    def default_for(self, language):
+        with self.lock:
+            ctx = self.default.get(language)
+        if ctx is not None:
+            return ctx
+        ctx = Context(language, DEFAULT_CWD)
+        with self.lock:
+            if language in self.default:  # made meanwhile by another request
+                ctx.stop()
+                return self.default[language]
+            self.default[language] = ctx
+            self.by_id[ctx.id] = ctx
+        return ctx
+
+    def get(self, cid):
+        with self.lock:
+            return self.by_id.get(cid)
+
+    def remove(self, cid):
+        with self.lock:
+            ctx = self.by_id.pop(cid, None)
+            for lang, d in list(self.default.items()):
+                if d is ctx:
+                    del self.default[lang]
+        if ctx is not None:
+            with ctx.lock:
+                ctx.stop()
+        return ctx is not None
+
+    def all(self):
+        with self.lock:
+            return list(self.by_id.values())
+
+
+CONTEXTS = Contexts()
+READY = threading.Event()
+
+
+def language_of(value):
+    lang = (value or "python").strip().lower()
+    if lang not in LANGUAGES:
+        raise ValueError("language %r is not supported here (supported: python)" % value)
+    return "python"
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "ember-code-interpreter"
+
+    def log_message(self, fmt, *args):
+        pass
+
+    def _body(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        if n == 0:
+            return {}
+        data = json.loads(self.rfile.read(n) or b"{}")
+        if not isinstance(data, dict):
+            raise ValueError("the body must be a JSON object")
+        return data
+
+    def _send(self, status, body=None):
+        data = b"" if body is None else json.dumps(body).encode()
+        self.send_response(status)
+        if body is not None:
+            self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status, message):
+        self._send(status, {"error": message, "message": message})
+
+    def do_GET(self):
+        if self.path.split("?")[0] == "/health":
+            if READY.is_set():
+                self._send(200, "OK")
+            else:
+                self._error(503, "the default context is starting")
+            return
+        if self.path.split("?")[0] == "/contexts":
+            self._send(200, [c.info() for c in CONTEXTS.all()])
+            return
+        self._error(404, "not found: %s" % self.path)
+
+    def do_DELETE(self):
+        parts = self.path.split("?")[0].strip("/").split("/")
+        if len(parts) == 2 and parts[0] == "contexts":
+            if CONTEXTS.remove(parts[1]):
+                self._send(204)
+            else:
+                self._error(404, "context %s not found" % parts[1])
+            return
+        self._error(404, "not found: %s" % self.path)
+
+    def do_POST(self):
+        path = self.path.split("?")[0]
+        parts = path.strip("/").split("/")
+        try:
+            body = self._body()
+        except ValueError as e:
+            self._error(400, "invalid request body: %s" % e)
+            return
+        try:
+            if path == "/execute":
+                self._execute(body)
+            elif path == "/contexts":
+                lang = language_of(body.get("language"))
+                ctx = CONTEXTS.create(lang, body.get("cwd") or DEFAULT_CWD)
+                self._send(200, ctx.info())
+            elif len(parts) == 3 and parts[0] == "contexts" and parts[2] == "restart":
+                ctx = CONTEXTS.get(parts[1])
+                if ctx is None:
+                    self._error(404, "context %s not found" % parts[1])
+                    return
+                ctx.restart()
+                self._send(204)
+            else:
+                self._error(404, "not found: %s" % self.path)
+        except ValueError as e:
+            self._error(400, str(e))
+        except KernelError as e:
+            self._error(500, str(e))
+
+    def _client_gone(self):
+        try:
+            r, _, _ = select.select([self.connection], [], [], 0)
+            return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def _execute(self, body):
+        code = body.get("code")
+        if not isinstance(code, str):
+            raise ValueError("code must be a string")
+        env_vars = body.get("env_vars") or {}
+        if not isinstance(env_vars, dict):
+            raise ValueError("env_vars must be an object")
+        env_vars = {str(k): str(v) for k, v in env_vars.items()}
+        cid = body.get("context_id")
+        if cid:
+            ctx = CONTEXTS.get(cid)
+            if ctx is None:
+                self._error(404, "context %s not found" % cid)
+                return
+        else:
+            ctx = CONTEXTS.default_for(language_of(body.get("language")))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        state = {"gone": False}
+
+        def emit(msg):
+            if state["gone"]:
+                raise Gone()
+            data = json.dumps(msg).encode() + b"\n"
+            try:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+            except OSError:
+                state["gone"] = True
+                raise Gone()
+
+        def gone():
+            if not state["gone"] and self._client_gone():
+                state["gone"] = True
+            return state["gone"]
+
+        try:
+            ctx.execute(code, env_vars, self.headers.get("X-Access-Token"), emit, gone)
+        except Gone:
+            pass
+        except KernelError as e:
+            try:
+                emit({"type": "error", "name": "KernelError", "value": str(e), "traceback": str(e)})
+                emit({"type": "unexpected_end_of_execution"})
+            except Gone:
+                pass
+        if state["gone"]:
+            self.close_connection = True
+            return
+        try:
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def main():
+    server = Server(("0.0.0.0", PORT), Handler)
+    log("listening on port %d" % PORT)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    t0 = time.monotonic()
+    ctx = CONTEXTS.default_for("python")
+    ctx.silent(WARM)
+    READY.set()
+    log("default python context %s ready in %.1fs" % (ctx.id, time.monotonic() - t0))
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()
