@@ -2,14 +2,18 @@ package cluster_test
 
 import (
 	"context"
-	"github.com/ember-sandbox/ember/internal/testutil"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // The cluster follows a node's lifecycle events: a start claims the sandbox (consuming its
@@ -113,5 +117,57 @@ func TestEventsKeepRoutingInStep(t *testing.T) {
 	}
 	if got := mb.StoredImage(ctx, "s2"); got != "paused-s2-1" {
 		t.Fatalf("s2's stored image: %q", got)
+	}
+}
+
+// A stored pause whose route another writer of this node rewrote a moment before (the sync
+// loop's claim of a sandbox the create claimed too) is still recorded: the route is read again
+// rather than the pause failing with "its route changed" (seen in CI).
+func TestStoredPauseSurvivesARouteRewrittenBehindTheCache(t *testing.T) {
+	e := clustertest.Start(t, 1)
+	la := newLocal("base")
+	a := join(t, e.Endpoints(), "a", 4, la)
+	pa := &fakePorter{local: la}
+	ma := cluster.NewMoves(a, pa)
+	t.Cleanup(ma.Close)
+	ea := cluster.NewEvents(a, ma, nil)
+	ctx := context.Background()
+	c := e.Client(t)
+	sbx := func(id string, st sandbox.State) *sandbox.Sandbox {
+		return &sandbox.Sandbox{ID: id, TemplateID: "base", State: st, CPUCount: 1, MemoryMB: 512}
+	}
+	la.add("s3")
+	if err := ea.Changed(ctx, sandbox.Event{Kind: sandbox.EventStarted, Sandbox: sbx("s3", sandbox.StateRunning)}); err != nil {
+		t.Fatal(err)
+	}
+	var key string
+	resp, err := c.Get(ctx, "", clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, kv := range resp.Kvs {
+		if k := string(kv.Key); strings.HasSuffix(k, "/sandboxes/s3") {
+			key = k
+		}
+	}
+	if key == "" {
+		t.Fatal("no route of s3 in etcd")
+	}
+	for i := 0; i < 20; i++ {
+		cur, err := c.Get(ctx, key)
+		if err != nil || len(cur.Kvs) != 1 {
+			t.Fatalf("read the route: %v", err)
+		}
+		// The same route written again: a new revision the node's cache may not have yet.
+		if _, err := c.Put(ctx, key, string(cur.Kvs[0].Value)); err != nil {
+			t.Fatal(err)
+		}
+		img := "paused-s3-" + strconv.Itoa(i)
+		if err := ea.Changed(ctx, sandbox.Event{Kind: sandbox.EventStored, Sandbox: sbx("s3", sandbox.StatePaused), Stored: stored("s3", img)}); err != nil {
+			t.Fatalf("round %d: the stored pause failed: %v", i, err)
+		}
+		if err := ea.Changed(ctx, sandbox.Event{Kind: sandbox.EventResumed, Sandbox: sbx("s3", sandbox.StateRunning)}); err != nil {
+			t.Fatalf("round %d: resume: %v", i, err)
+		}
 	}
 }

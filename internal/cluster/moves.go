@@ -82,18 +82,29 @@ func (mv *Moves) Stored(ctx context.Context, p *sandbox.PortableSandbox) error {
 	if err != nil {
 		return err
 	}
-	nr := *r
-	nr.Stored = true
-	rb, _ := json.Marshal(nr)
-	resp, err := cl.c.Txn(ctx).If(
-		clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", id)), "=", r.modRev),
-		clientv3.Compare(clientv3.LeaseValue(cl.key("nodes", cl.cfg.NodeID)), "=", epoch),
-	).Then(clientv3.OpPut(cl.key("stored", id), sv, clientv3.WithPrevKV()), clientv3.OpPut(cl.key("sandboxes", id), string(rb))).Commit()
-	if err != nil {
-		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
-	}
-	if !resp.Succeeded {
-		return fmt.Errorf("sandbox %q: its route changed: %w", id, errdefs.ErrConflict)
+	var resp *clientv3.TxnResponse
+	for attempt := 0; ; attempt++ {
+		nr := *r
+		nr.Stored = true
+		rb, _ := json.Marshal(nr)
+		resp, err = cl.c.Txn(ctx).If(
+			clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", id)), "=", r.modRev),
+			clientv3.Compare(clientv3.LeaseValue(cl.key("nodes", cl.cfg.NodeID)), "=", epoch),
+		).Then(clientv3.OpPut(cl.key("stored", id), sv, clientv3.WithPrevKV()), clientv3.OpPut(cl.key("sandboxes", id), string(rb))).Commit()
+		if err != nil {
+			return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+		}
+		if resp.Succeeded {
+			break
+		}
+		// The route was written again since this node's cache saw it (this node's sync claims
+		// what it runs too): read it afresh, and store the pause if it is still this node's.
+		if r, err = cl.freshRoute(ctx, id); err != nil {
+			return err
+		}
+		if attempt == 2 || r == nil || r.Node != cl.cfg.NodeID || r.Epoch != epoch {
+			return fmt.Errorf("sandbox %q: its route changed: %w", id, errdefs.ErrConflict)
+		}
 	}
 	// The image of an earlier pause that no resume consumed is nobody's now.
 	if prev := resp.Responses[0].GetResponsePut().GetPrevKv(); prev != nil {
@@ -103,6 +114,23 @@ func (mv *Moves) Stored(ctx context.Context, p *sandbox.PortableSandbox) error {
 		}
 	}
 	return cl.WaitRevision(ctx, resp.Header.Revision)
+}
+
+// freshRoute reads sandbox id's route from etcd (nil when it has none), not from the cache.
+func (cl *Cluster) freshRoute(ctx context.Context, id string) (*Route, error) {
+	resp, err := cl.c.Get(ctx, cl.key("sandboxes", id))
+	if err != nil {
+		return nil, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	if len(resp.Kvs) == 0 {
+		return nil, nil
+	}
+	var r Route
+	if err := json.Unmarshal(resp.Kvs[0].Value, &r); err != nil {
+		return nil, fmt.Errorf("route of %q: %w", id, err)
+	}
+	r.modRev = resp.Kvs[0].ModRevision
+	return &r, nil
 }
 
 // Adopt makes stored sandbox id this node's: loaded from the image store, paused here, its
