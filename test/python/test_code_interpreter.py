@@ -9,6 +9,8 @@ E2b-Sandbox-Port: 49999 and X-Access-Token (the sandbox's envd access token), ov
        error, number_of_executions, end_of_execution), streamed as the code runs
   POST /contexts {language, cwd}, GET /contexts, POST /contexts/<id>/restart, DELETE /contexts/<id>
 
+and the kernel's state through pause/resume and fork (Sandbox.pause, Sandbox.connect, Sandbox.fork).
+
 Run by test/python/run.sh against a real daemon (E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY set);
 each test_* function runs once, in order (pytest runs them the same way). `make sdk` runs it
 after test/sdk/test/9-code-interpreter.test.mjs has built the template in the same data dir; on a
@@ -317,6 +319,29 @@ def test_pause_and_resume_keep_the_kernel_state():
         assert ci2.text("x") == "42", "a variable of an earlier test is there too"
     finally:
         ci2.close()
+
+
+def test_fork_children_have_the_state_and_diverge():
+    ci = interpreter()
+    ci.execute("w = 1")
+    kids = Sandbox.fork(ci.sbx.sandbox_id, count=2, timeout=300)
+    started = [k for k in kids if isinstance(k, Sandbox)]
+    interps = []
+    try:
+        assert len(started) == 2, f"forks failed: {kids}"
+        interps = [Interpreter(k) for k in started]
+        for k in interps:
+            assert k.text("w") == "1", f"child {k.sbx.sandbox_id}"
+            assert k.text("x") == "42", "the parent's earlier state too"
+        interps[0].execute("w = 100")
+        assert interps[0].text("w") == "100"
+        assert interps[1].text("w") == "1", "a child's change is its own"
+        assert ci.text("w") == "1", "the parent goes on as it was"
+    finally:
+        for k in interps:
+            k.close()
+        for k in started:
+            Sandbox.kill(k.sandbox_id)
 
 
 def main():
