@@ -202,9 +202,9 @@ func (n *node) agentLoop(ctx context.Context, sbs []*sandbox.Sandbox, c agentLoo
 		r.meanDropKiB, r.maxDropKiB, r.meanPausedN, r.meanPausedMiB = meanDrop, maxDrop, meanN, meanMiB
 	})
 	start := time.Now()
-	err := forEachSandbox(sbs, func(i int, sb *sandbox.Sandbox) error {
+	err := forEachSandbox(sbs, func(stop context.Context, i int, sb *sandbox.Sandbox) error {
 		th := c.thinker(i)
-		for s := 0; s < c.steps; s++ {
+		for s := 0; s < c.steps && stop.Err() == nil; s++ {
 			res, err := n.resumeHTTP(sb.ID)
 			if err != nil {
 				return err
@@ -241,7 +241,7 @@ func (n *node) agentLoop(ctx context.Context, sbs []*sandbox.Sandbox, c agentLoo
 		if _, err := n.resumeHTTP(sb.ID); err != nil {
 			return nil, err
 		}
-		if out, err := n.run(sb, "cat /dev/shm/steps; pgrep -x sleep >/dev/null && echo sleeping"); err != nil || out != want+"\nsleeping\n" {
+		if out, err := n.run(sb, "cat /dev/shm/steps; cat /proc/[0-9]*/comm 2>/dev/null | grep -qx sleep && echo sleeping"); err != nil || out != want+"\nsleeping\n" {
 			return nil, fmt.Errorf("%s after the %s loop: %q (want %s steps and the sleep), %v", sb.ID, mode, out, want, err)
 		}
 	}
@@ -295,7 +295,7 @@ func (n *node) call(method, path string, in, out any) (time.Duration, error) {
 	req.Header.Set("X-API-Key", n.key)
 	req.Header.Set("Content-Type", "application/json")
 	t0 := time.Now()
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := apiClient.Do(req)
 	el := time.Since(t0)
 	if err != nil {
 		return el, err
@@ -355,12 +355,19 @@ func (n *node) sampleMemory(baseKiB int64, done func(meanDropKiB, maxDropKiB int
 	return func() { close(stop); <-finished }
 }
 
-// forEachSandbox runs f for every sandbox at once and returns the first error.
-func forEachSandbox(sbs []*sandbox.Sandbox, f func(i int, sb *sandbox.Sandbox) error) error {
+// forEachSandbox runs f for every sandbox at once and returns their errors; once one failed,
+// ctx (f's) is done and the others stop at their next step.
+func forEachSandbox(sbs []*sandbox.Sandbox, f func(ctx context.Context, i int, sb *sandbox.Sandbox) error) error {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
 	errs := make([]error, len(sbs))
 	var wg sync.WaitGroup
 	for i, sb := range sbs {
-		wg.Go(func() { errs[i] = f(i, sb) })
+		wg.Go(func() {
+			if errs[i] = f(ctx, i, sb); errs[i] != nil {
+				cancel()
+			}
+		})
 	}
 	wg.Wait()
 	return errors.Join(errs...)
@@ -388,12 +395,12 @@ func (n *node) treeSearch(ctx context.Context, sbs []*sandbox.Sandbox, c agentLo
 		}
 	}
 	start := time.Now()
-	err := forEachSandbox(sbs, func(i int, sb *sandbox.Sandbox) error {
+	err := forEachSandbox(sbs, func(stop context.Context, i int, sb *sandbox.Sandbox) error {
 		th := c.thinker(i)
 		pause := func() (time.Duration, error) {
 			return n.call(http.MethodPost, "/sandboxes/"+sb.ID+"/pause", struct{}{}, nil)
 		}
-		for s := 0; s < c.steps; s++ {
+		for s := 0; s < c.steps && stop.Err() == nil; s++ {
 			res, err := n.resumeHTTP(sb.ID)
 			if err != nil {
 				return err
@@ -414,7 +421,7 @@ func (n *node) treeSearch(ctx context.Context, sbs []*sandbox.Sandbox, c agentLo
 				t.answer, t.stopped = append(t.answer, el), append(t.stopped, time.Duration(ck.StoppedMs*float64(time.Millisecond)))
 				t.mu.Unlock()
 				marker := fmt.Sprintf("/home/user/branch-%d", s)
-				for br := 0; br < c.branches; br++ {
+				for br := 0; br < c.branches && stop.Err() == nil; br++ {
 					if br > 0 {
 						p, err := pause()
 						if err != nil {
@@ -512,6 +519,9 @@ func (n *node) forkFromCheckpoints(ctx context.Context, sbs []*sandbox.Sandbox, 
 	}
 	return total, per, nil
 }
+
+// apiClient bounds a benchmark's API call (a hung call fails the run instead of stalling it).
+var apiClient = &http.Client{Timeout: 5 * time.Minute}
 
 // secs formats d in seconds.
 func secs(d time.Duration) string { return strconv.FormatFloat(d.Seconds(), 'f', 1, 64) }
