@@ -22,9 +22,9 @@ import (
 )
 
 // BenchmarkAgentLoop (issue 18) runs an agent's episode on many sandboxes at once: each step
-// resumes the sandbox, runs a command and writes a file through the sandbox plane (as the SDK
-// does), pauses it, and "thinks" for a random while (seeded: the same think times in every
-// phase). Phases, in one run, on the same sandboxes:
+// "thinks" for a random while with the sandbox paused (seeded: the same think times in every
+// phase), resumes it, runs a command and writes a file through the sandbox plane (as the SDK
+// does), and pauses it. Phases, in one run, on the same sandboxes:
 //
 //  1. the loop with hot pause (POST /sandboxes/{id}/pause, the node's default; resume by
 //     POST /v2/sandboxes/{id}/connect: a thaw);
@@ -205,6 +205,7 @@ func (n *node) agentLoop(ctx context.Context, sbs []*sandbox.Sandbox, c agentLoo
 	err := forEachSandbox(sbs, func(stop context.Context, i int, sb *sandbox.Sandbox) error {
 		th := c.thinker(i)
 		for s := 0; s < c.steps && stop.Err() == nil; s++ {
+			th.think() // the model thinks while the sandbox is paused
 			res, err := n.resumeHTTP(sb.ID)
 			if err != nil {
 				return err
@@ -222,7 +223,6 @@ func (n *node) agentLoop(ctx context.Context, sbs []*sandbox.Sandbox, c agentLoo
 			r.mu.Lock()
 			r.resume, r.act, r.pause, r.step = append(r.resume, res), append(r.act, act), append(r.pause, p), append(r.step, res+p)
 			r.mu.Unlock()
-			th.think()
 		}
 		return nil
 	})
@@ -401,6 +401,7 @@ func (n *node) treeSearch(ctx context.Context, sbs []*sandbox.Sandbox, c agentLo
 			return n.call(http.MethodPost, "/sandboxes/"+sb.ID+"/pause", struct{}{}, nil)
 		}
 		for s := 0; s < c.steps && stop.Err() == nil; s++ {
+			th.think() // the model thinks while the sandbox is paused
 			res, err := n.resumeHTTP(sb.ID)
 			if err != nil {
 				return err
@@ -465,7 +466,6 @@ func (n *node) treeSearch(ctx context.Context, sbs []*sandbox.Sandbox, c agentLo
 			t.mu.Lock()
 			t.step = append(t.step, res+p)
 			t.mu.Unlock()
-			th.think()
 		}
 		return nil
 	})
