@@ -60,7 +60,8 @@ func (d *daemon) waitResumeInstance(t *testing.T, id string) {
 // mount or directory is left but the new pools', and a clean stop after killing every sandbox
 // leaves nothing. Node c1. Bound: ~1 min.
 func TestPoolMissRestoresIntoPrestarted(t *testing.T) {
-	d := lostNode(t, "--pool-size", "0")
+	// A checkpoint pause: its resume is the restore this test is about (a hot pause thaws).
+	d := lostNode(t, "--pool-size", "0", "--pause-mode", "checkpoint")
 	pre := d.waitPrestarted(t, 1, 90*time.Second)
 	s := d.createNoCleanup(t, nil) // killAll below; the daemon is stopped at the end
 	// The log line may not be read yet ("", as elsewhere); the pool's hits are checked below.
