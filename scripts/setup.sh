@@ -84,9 +84,15 @@ if [ "$(cat .cache/bin/etcd.version 2>/dev/null)" != "$ETCD_VERSION" ] || [ ! -x
 fi
 echo "setup: $(.cache/bin/etcd --version | head -1)"
 
-if [ -f test/sdk/package-lock.json ] && [ ! -d test/sdk/node_modules/e2b ]; then
-	echo "setup: npm ci (test/sdk)"
-	(cd test/sdk && npm ci --no-audit --no-fund --loglevel=error)
+# Installed again whenever the lockfile changed (a checkout that had the SDK suite's packages
+# before a new one was pinned, such as @e2b/code-interpreter).
+if [ -f test/sdk/package-lock.json ]; then
+	lock_sum=$(sha256sum test/sdk/package-lock.json | cut -c1-16)
+	if [ ! -d test/sdk/node_modules/e2b ] || [ "$(cat test/sdk/node_modules/.ember-lock 2>/dev/null)" != "$lock_sum" ]; then
+		echo "setup: npm ci (test/sdk)"
+		(cd test/sdk && npm ci --no-audit --no-fund --loglevel=error)
+		echo "$lock_sum" > test/sdk/node_modules/.ember-lock
+	fi
 fi
 
 mkdir -p bin
