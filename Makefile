@@ -49,7 +49,7 @@ fuzz:
 SDK_ENV = EMBER_SDK_LIFECYCLE=1 EMBER_RUNSC_LOGS=1 EMBER_READY_TIMEOUT=900 EMBER_BIN=$(CURDIR)/bin/ember EMBER_CACHE_DIR=$(CURDIR)/.cache
 sdk: build
 	@d=$$(mktemp -d /tmp/ember-sdk-data.XXXXXX); st=0; \
-	$(SDK_ENV) EMBER_DATA_DIR=$$d bash test/sdk/run.sh || st=$$?; \
+	$(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SERVE_FLAGS="--templates base,code-interpreter-v1" bash test/sdk/run.sh || st=$$?; \
 	[ $$st -ne 0 ] || $(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SDK_MODEB=1 bash test/sdk/run.sh test/5-modeb.test.mjs || st=$$?; \
 	[ $$st -ne 0 ] || $(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SERVE_FLAGS="--pool-size 0" bash test/sdk/run.sh test/1-sandbox.test.mjs test/4-lifecycle.test.mjs || st=$$?; \
 	[ $$st -ne 0 ] || $(SDK_ENV) EMBER_DATA_DIR=$$d bash test/python/run.sh || st=$$?; \
