@@ -205,6 +205,9 @@ type Manager struct {
 
 	pool      *pool // restored sandboxes waiting for an assignment
 	prestarts *pool // pre-started instances waiting for a restore into them
+	// firstReqs: sandboxes created lately whose first request has not finished; refills wait
+	// for them (firstreq.go).
+	firstReqs firstRequests
 	// resumePre counts the instances pre-started for the resume of a paused sandbox
 	// (entry.pre), which share the pools' memory budget.
 	resumePre atomic.Int32
