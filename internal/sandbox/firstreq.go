@@ -72,7 +72,9 @@ func (gt *guestTransport) roundTrip(r *http.Request) (*http.Response, error) {
 		return gt.RoundTrip(r)
 	}
 	resp, err := gt.RoundTrip(r)
-	if err != nil {
+	if err != nil || resp.StatusCode == http.StatusSwitchingProtocols {
+		// An upgraded connection (a WebSocket) may stay open for good, and its body must stay
+		// writable for the proxy: it is done as it starts.
 		(*f)()
 		return resp, err
 	}
