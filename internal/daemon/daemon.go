@@ -360,7 +360,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		// (what changed before, the cluster's sync loop reconciles).
 		mgr.Listen(cluster.NewEvents(cl, moves, tpls))
 	}
-	if acfg.Volumes, err = openVolumes(ctx, cfg, st); err != nil {
+	if acfg.Volumes, err = openVolumes(ctx, cfg, st, cl, shareTemplates); err != nil {
+		if cl != nil {
+			cl.Close()
+		}
 		mgr.Close()
 		return nil, err
 	}
@@ -637,25 +640,51 @@ func serveMetrics(ln net.Listener, h http.Handler) *http.Server {
 }
 
 // openVolumes opens <data-dir>/volumes; a destroy is refused while a live or paused sandbox
-// of the store mounts the volume.
-func openVolumes(ctx context.Context, cfg Config, st *store.Store) (*volume.Manager, error) {
-	return volume.Open(ctx, volume.Config{
+// of the store mounts the volume. In a cluster with an S3 store (shared), volumes are
+// directories of the bucket mounted with s3fs on every node and their records are in etcd
+// (volume.MountShared): a destroy is refused while a sandbox on any node mounts the volume.
+func openVolumes(ctx context.Context, cfg Config, st *store.Store, cl *cluster.Cluster, shared bool) (*volume.Manager, error) {
+	local := func(ctx context.Context, id string) ([]string, error) {
+		sbs, err := st.ListSandboxes(ctx)
+		if err != nil {
+			return nil, err
+		}
+		var out []string
+		for _, sb := range sbs {
+			if (sb.State == sandbox.StateRunning || sb.State == sandbox.StatePaused) && sb.UsesVolume(id) {
+				out = append(out, sb.ID)
+			}
+		}
+		return out, nil
+	}
+	vcfg := volume.Config{
 		Dir:    filepath.Join(cfg.DataDir, "volumes"),
 		Store:  st,
 		SizeMB: cfg.VolumeSizeMB,
 		Logger: cfg.Logger,
-		Users: func(ctx context.Context, id string) ([]string, error) {
-			sbs, err := st.ListSandboxes(ctx)
+		Users:  local,
+	}
+	if shared && cl != nil {
+		dir, err := volume.MountShared(ctx, volume.S3FS{
+			Endpoint: cfg.S3.Endpoint, TLS: cfg.S3.TLS, CAFile: cfg.S3.CAFile, Insecure: cfg.S3.InsecureSkipVerify,
+			Bucket: cfg.S3.Bucket, Prefix: cfg.S3.Prefix, AccessKey: cfg.S3.AccessKey, SecretKey: cfg.S3.SecretKey, Region: cfg.S3.Region,
+		}, filepath.Join(vcfg.Dir, "s3"), cfg.DataDir)
+		if err != nil {
+			return nil, fmt.Errorf("volumes: %w", err)
+		}
+		vcfg.Shared, vcfg.Store = dir, cl.Volumes()
+		vcfg.Users = func(ctx context.Context, id string) ([]string, error) {
+			out, err := local(ctx, id)
 			if err != nil {
 				return nil, err
 			}
-			var out []string
-			for _, sb := range sbs {
-				if (sb.State == sandbox.StateRunning || sb.State == sandbox.StatePaused) && sb.UsesVolume(id) {
-					out = append(out, sb.ID)
+			for _, sid := range cl.VolumeUsers(id) {
+				if !slices.Contains(out, sid) {
+					out = append(out, sid)
 				}
 			}
 			return out, nil
-		},
-	})
+		}
+	}
+	return volume.Open(ctx, vcfg)
 }
