@@ -73,7 +73,7 @@ type Config struct {
 	// cluster's S3 bucket through s3fs: shared.go): each volume is a directory <Shared>/<id>
 	// there, no image, and Store is the cluster's. Open mounts nothing: the caller mounted it.
 	Shared string
-	Logger      *slog.Logger
+	Logger *slog.Logger
 }
 
 // Manager creates, finds and destroys volumes and serves their content.
