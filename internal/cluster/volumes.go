@@ -2,7 +2,9 @@ package cluster
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"net/url"
 	"sort"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -11,25 +13,36 @@ import (
 	"github.com/ember-sandbox/ember/internal/volume"
 )
 
-// Volumes returns the cluster's volume records (a volume.Store in etcd, volumes/<id>, sealed:
-// they hold the volume's token), so that every node answers /volumes and the content API of
+// Volumes returns the cluster's volume records (a volume.Store in etcd: volumes/<id>, sealed, as
+// they hold the volume's token; volnames/<owner>/<name>, the id), so that every node answers /volumes and the content API of
 // every volume. The volumes' files are in the shared engine (volume.MountShared).
 func (cl *Cluster) Volumes() volume.Store { return volumeStore{cl} }
 
 type volumeStore struct{ cl *Cluster }
 
+// PutVolume records a new volume; its name is claimed in the same transaction
+// (volnames/<owner>/<name>), so that two nodes never make two volumes of one name.
 func (s volumeStore) PutVolume(ctx context.Context, v *volume.Volume) error {
 	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
 	defer done()
-	k := s.cl.key("volumes", v.ID)
+	k, nk := s.cl.key("volumes", v.ID), s.nameKey(v)
 	val, err := s.cl.sealJSON(k, v)
 	if err != nil {
 		return err
 	}
-	if _, err := s.cl.c.Put(ctx, k, val); err != nil {
+	resp, err := s.cl.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(nk), "=", 0)).
+		Then(clientv3.OpPut(k, val), clientv3.OpPut(nk, v.ID)).Commit()
+	if err != nil {
 		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
 	}
+	if !resp.Succeeded {
+		return &volume.Error{Msg: fmt.Sprintf("volume with name '%s' already exists", v.Name), Kind: errdefs.ErrConflict}
+	}
 	return nil
+}
+
+func (s volumeStore) nameKey(v *volume.Volume) string {
+	return s.cl.key("volnames", url.PathEscape(v.Owner), url.PathEscape(v.Name))
 }
 
 func (s volumeStore) GetVolume(ctx context.Context, id string) (*volume.Volume, error) {
@@ -51,9 +64,18 @@ func (s volumeStore) GetVolume(ctx context.Context, id string) (*volume.Volume, 
 }
 
 func (s volumeStore) DeleteVolume(ctx context.Context, id string) error {
+	v, err := s.GetVolume(ctx, id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
 	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
 	defer done()
-	if _, err := s.cl.c.Delete(ctx, s.cl.key("volumes", id)); err != nil {
+	nk := s.nameKey(v)
+	if _, err := s.cl.c.Txn(ctx).Then(clientv3.OpDelete(s.cl.key("volumes", id)),
+		clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(nk), "=", id)}, []clientv3.Op{clientv3.OpDelete(nk)}, nil)).Commit(); err != nil {
 		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
 	}
 	return nil

@@ -36,6 +36,9 @@ func TestVolumesAcrossNodes(t *testing.T) {
 	if err := a.Volumes().PutVolume(ctx, v); err != nil {
 		t.Fatal(err)
 	}
+	if err := b.Volumes().PutVolume(ctx, &volume.Volume{ID: "vol2", Name: "data"}); !errors.Is(err, errdefs.ErrConflict) || !strings.Contains(err.Error(), "already exists") {
+		t.Fatalf("a second volume named data through b: %v, want a conflict", err)
+	}
 	got, err := b.Volumes().GetVolume(ctx, "vol1")
 	if err != nil || *got != *v {
 		t.Fatalf("get through b: %+v %v, want %+v", got, err, v)
@@ -70,5 +73,8 @@ func TestVolumesAcrossNodes(t *testing.T) {
 	}
 	if _, err := a.Volumes().GetVolume(ctx, "vol1"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("get after delete: %v, want not found", err)
+	}
+	if err := a.Volumes().PutVolume(ctx, &volume.Volume{ID: "vol3", Name: "data"}); err != nil {
+		t.Fatalf("the name again once deleted: %v", err)
 	}
 }
