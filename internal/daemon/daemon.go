@@ -257,7 +257,15 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	met := metrics.New()
+	var volumeDir func(string) string
+	if sharedVolumes(cfg) {
+		// A cluster's volumes are at this node's own path (a sandbox made on another node
+		// records that node's).
+		dir := volume.SharedDir(s3fsConfig(cfg), sharedVolumesMount(cfg))
+		volumeDir = func(id string) string { return filepath.Join(dir, id) }
+	}
 	mgr, err := sandbox.New(ctx, sandbox.Config{
+		VolumeDir:    volumeDir,
 		Observer:     met,
 		DataDir:      cfg.DataDir,
 		Driver:       drv,
@@ -360,7 +368,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		// (what changed before, the cluster's sync loop reconciles).
 		mgr.Listen(cluster.NewEvents(cl, moves, tpls))
 	}
-	if acfg.Volumes, err = openVolumes(ctx, cfg, st, cl, shareTemplates); err != nil {
+	if acfg.Volumes, err = openVolumes(ctx, cfg, st, cl); err != nil {
 		if cl != nil {
 			cl.Close()
 		}
@@ -639,11 +647,22 @@ func serveMetrics(ln net.Listener, h http.Handler) *http.Server {
 	return srv
 }
 
+// sharedVolumes: in a cluster with an S3 store, volumes are in the bucket (openVolumes).
+func sharedVolumes(cfg Config) bool { return len(cfg.EtcdEndpoints) > 0 && cfg.S3.Endpoint != "" }
+
+// sharedVolumesMount is where this node mounts the cluster's bucket for the volumes.
+func sharedVolumesMount(cfg Config) string { return filepath.Join(cfg.DataDir, "volumes", "s3") }
+
+func s3fsConfig(cfg Config) volume.S3FS {
+	return volume.S3FS{Endpoint: cfg.S3.Endpoint, TLS: cfg.S3.TLS, CAFile: cfg.S3.CAFile, Insecure: cfg.S3.InsecureSkipVerify,
+		Bucket: cfg.S3.Bucket, Prefix: cfg.S3.Prefix, AccessKey: cfg.S3.AccessKey, SecretKey: cfg.S3.SecretKey, Region: cfg.S3.Region}
+}
+
 // openVolumes opens <data-dir>/volumes; a destroy is refused while a live or paused sandbox
 // of the store mounts the volume. In a cluster with an S3 store (shared), volumes are
 // directories of the bucket mounted with s3fs on every node and their records are in etcd
 // (volume.MountShared): a destroy is refused while a sandbox on any node mounts the volume.
-func openVolumes(ctx context.Context, cfg Config, st *store.Store, cl *cluster.Cluster, shared bool) (*volume.Manager, error) {
+func openVolumes(ctx context.Context, cfg Config, st *store.Store, cl *cluster.Cluster) (*volume.Manager, error) {
 	local := func(ctx context.Context, id string) ([]string, error) {
 		sbs, err := st.ListSandboxes(ctx)
 		if err != nil {
@@ -664,11 +683,8 @@ func openVolumes(ctx context.Context, cfg Config, st *store.Store, cl *cluster.C
 		Logger: cfg.Logger,
 		Users:  local,
 	}
-	if shared && cl != nil {
-		dir, err := volume.MountShared(ctx, volume.S3FS{
-			Endpoint: cfg.S3.Endpoint, TLS: cfg.S3.TLS, CAFile: cfg.S3.CAFile, Insecure: cfg.S3.InsecureSkipVerify,
-			Bucket: cfg.S3.Bucket, Prefix: cfg.S3.Prefix, AccessKey: cfg.S3.AccessKey, SecretKey: cfg.S3.SecretKey, Region: cfg.S3.Region,
-		}, filepath.Join(vcfg.Dir, "s3"), cfg.DataDir)
+	if sharedVolumes(cfg) && cl != nil {
+		dir, err := volume.MountShared(ctx, s3fsConfig(cfg), sharedVolumesMount(cfg), cfg.DataDir)
 		if err != nil {
 			return nil, fmt.Errorf("volumes: %w", err)
 		}

@@ -43,6 +43,12 @@ type S3FS struct {
 	Region    string
 }
 
+// SharedDir is the directory that holds the volumes when c's bucket is mounted at mnt; volume
+// id is <SharedDir>/<id>.
+func SharedDir(c S3FS, mnt string) string {
+	return filepath.Join(mnt, filepath.FromSlash(c.Prefix), "volumes")
+}
+
 // s3fsBinary is s3fs-fuse's command (scripts/setup.sh installs Debian's package).
 const s3fsBinary = "s3fs"
 
@@ -50,7 +56,7 @@ const s3fsBinary = "s3fs"
 // outlives a daemon that stops: the next start reuses it), and returns the directory that holds
 // the volumes (Config.Shared). stateDir keeps s3fs's credentials file (0600).
 func MountShared(ctx context.Context, c S3FS, mnt, stateDir string) (string, error) {
-	shared := filepath.Join(mnt, filepath.FromSlash(c.Prefix), "volumes")
+	shared := SharedDir(c, mnt)
 	if isMountPoint(mnt) {
 		if _, err := os.Stat(mnt); err == nil {
 			return shared, os.MkdirAll(shared, 0o755)
