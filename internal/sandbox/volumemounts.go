@@ -56,7 +56,8 @@ func ValidateVolumeMounts(mounts []VolumeMount) error {
 }
 
 // binds are the runtime bind mounts of mounts; dir, when set, gives each volume's host
-// directory on this node (Config.VolumeDir).
+// directory on this node (Config.VolumeDir: a cluster's volumes, in a filesystem the nodes
+// share, mounted Remote).
 func binds(mounts []VolumeMount, dir func(id string) string) []runtime.Bind {
 	var out []runtime.Bind
 	for _, v := range mounts {
@@ -64,7 +65,7 @@ func binds(mounts []VolumeMount, dir func(id string) string) []runtime.Bind {
 		if dir != nil {
 			src = dir(v.ID)
 		}
-		out = append(out, runtime.Bind{Source: src, Path: v.Path})
+		out = append(out, runtime.Bind{Source: src, Path: v.Path, Remote: dir != nil})
 	}
 	return out
 }

@@ -13,6 +13,13 @@ import (
 func TestClusterVolumes(t *testing.T) {
 	_, nodes := storedCluster(t, 1, []string{"w1", "w2", "w3"}, 60)
 	a, b, c := nodes[0], nodes[1], nodes[2]
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, n := range nodes {
+				t.Logf("node %s:\n%s", n.nodeID, n.logs())
+			}
+		}
+	})
 
 	var v volumeInfo
 	if code, body := c.apiBody(t, "POST", "/volumes", map[string]any{"name": "shared-x"}, &v); code != 201 {
@@ -30,23 +37,29 @@ func TestClusterVolumes(t *testing.T) {
 		}
 	}
 
-	// One sandbox on A, one on B (the others drained for each create).
+	// One sandbox on A, one on B: C drained (it holds nothing; a drain pauses what a node runs),
+	// creates until both nodes have one.
 	mounted := map[string]any{"volumeMounts": []map[string]string{{"name": "shared-x", "path": "/mnt/vol"}}, "timeout": 300}
-	on := func(target *daemon, others ...*daemon) sbx {
-		for _, o := range others {
-			drain(t, c, o, true)
+	onAB := func() map[string]sbx {
+		drain(t, c, c, true)
+		defer drain(t, c, c, false)
+		got := map[string]sbx{}
+		for i := 0; i < 6 && len(got) < 2; i++ {
+			s := c.create(t, mounted)
+			n := nodeOf(t, c, s.SandboxID)
+			if _, dup := got[n]; dup || (n != a.nodeID && n != b.nodeID) {
+				c.api(t, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil)
+				continue
+			}
+			got[n] = s
 		}
-		s := c.create(t, mounted)
-		for _, o := range others {
-			drain(t, c, o, false)
+		if len(got) != 2 {
+			t.Fatalf("6 creates with %s drained did not land on both %s and %s: %v", c.nodeID, a.nodeID, b.nodeID, got)
 		}
-		if n := nodeOf(t, c, s.SandboxID); n != target.nodeID {
-			t.Fatalf("create landed on %q, want %s", n, target.nodeID)
-		}
-		return s
+		return got
 	}
-	sa := on(a, b, c)
-	sb := on(b, a, c)
+	placed := onAB()
+	sa, sb := placed[a.nodeID], placed[b.nodeID]
 
 	// Writes on one node are read on the other, both ways, and through the content API of the
 	// third node.
@@ -80,7 +93,14 @@ func TestClusterVolumes(t *testing.T) {
 	if code, body := b.volumeFile(t, v, "/a.txt"); code != 200 || body != "changed-on-b\n" {
 		t.Fatalf("content API through %s after its restart: %d %q", b.nodeID, code, body)
 	}
-	sb2 := on(b, a, c)
+	drain(t, c, a, true) // A and C hold nothing now
+	drain(t, c, c, true)
+	sb2 := c.create(t, mounted)
+	drain(t, c, a, false)
+	drain(t, c, c, false)
+	if n := nodeOf(t, c, sb2.SandboxID); n != b.nodeID {
+		t.Fatalf("create with %s and %s drained landed on %q", a.nodeID, c.nodeID, n)
+	}
 	b.wantRun(t, sb2, "cat /mnt/vol/a.txt /mnt/vol/dir/b.txt", "changed-on-b\nfrom-b\n")
 	if code := a.api(t, "DELETE", "/sandboxes/"+sb2.SandboxID, nil, nil); code != 204 {
 		t.Fatalf("kill %s: %d", sb2.SandboxID, code)
