@@ -10,8 +10,6 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/ember-sandbox/ember/internal/cluster"
-	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/testutil"
 	"github.com/ember-sandbox/ember/internal/volume"
@@ -21,15 +19,7 @@ import (
 // is sealed in etcd (the token is not there in clear); a sandbox that mounts it, on any node,
 // is among its users until it is released.
 func TestVolumesAcrossNodes(t *testing.T) {
-	e := clustertest.Start(t, 1)
-	key, err := cluster.LoadSealKey(e.KeyFile())
-	if err != nil {
-		t.Fatal(err)
-	}
-	sealed := func(c *cluster.Config) { c.SealKey = key }
-	la, lb := newLocal("base"), newLocal("base")
-	a := join(t, e.Endpoints(), "a", 4, la, sealed)
-	b := join(t, e.Endpoints(), "b", 4, lb, sealed)
+	e, _, a, la, b, _ := sealedPair(t)
 	ctx := context.Background()
 
 	v := &volume.Volume{ID: "vol1", Name: "data", Token: "vol_secret-token", SizeMB: 64, CreatedAt: time.Now().UTC().Round(0)}
