@@ -25,10 +25,13 @@ import (
 // Consistency between nodes: s3fs caches no stat (max_stat_cache_size=0) and the kernel keeps no
 // FUSE attribute or entry (their timeouts 0), so a read on one node goes to S3 and sees what
 // another node's writer closed (s3fs uploads a file on close and fsync). gVisor revalidates its
-// bind mounts (runsc's --file-access-mounts=shared, the default) on every access.
+// bind mounts (runsc's --file-access-mounts=shared, the default) on every access, and keeps no
+// host file of these open beyond the guest's own opens (runtime.Bind.Remote): s3fs serves every
+// open of a file what it read while any is open.
 //
 // What it does not give: a disk limit per volume (s3fs has no quota: the volume's size is
-// recorded but not enforced), and writers on two nodes to one file at once get last-closed-wins.
+// recorded but not enforced); writers on two nodes to one file at once get last-closed-wins; and
+// while a process on a node holds a file open, opens of it on that node see what it saw.
 
 // S3FS is where the shared engine's bucket is.
 type S3FS struct {
