@@ -275,7 +275,7 @@ func (cl *Cluster) claim(ctx context.Context, s LocalSandbox, rid string) error 
 	if r := cl.route(s.ID); r != nil && (r.Node != self || r.Epoch != epoch) {
 		return fmt.Errorf("sandbox %q is held by node %s: %w", s.ID, r.Node, errdefs.ErrConflict)
 	}
-	b, _ := json.Marshal(Route{Node: self, Epoch: epoch, TemplateID: s.TemplateID, CPU: s.CPU, MemoryMB: s.MemoryMB, Since: time.Now().UTC()})
+	b, _ := json.Marshal(Route{Node: self, Epoch: epoch, TemplateID: s.TemplateID, CPU: s.CPU, MemoryMB: s.MemoryMB, Since: time.Now().UTC(), Volumes: s.Volumes})
 	// Running here now: a pause image stored earlier is stale (moves.go).
 	ops := []clientv3.Op{clientv3.OpPut(cl.key("sandboxes", s.ID), string(b)), clientv3.OpDelete(cl.key("stored", s.ID))}
 	if rid != "" {

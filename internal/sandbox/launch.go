@@ -123,7 +123,7 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 		DiskMB:       spec.diskMB,
 		ConsumeImage: spec.consume,
 		LayerFrom:    spec.layerFrom,
-		Binds:        binds(spec.mounts),
+		Binds:        binds(spec.mounts, m.cfg.VolumeDir),
 	}
 	p.StateDir = rs.StateDir
 	if err := os.MkdirAll(rs.StateDir, 0o700); err != nil {

@@ -107,6 +107,11 @@ type Config struct {
 	Images   ImageStore // optional
 	Logger   *slog.Logger
 	EnvdPath string // envd inside the rootfs
+	// VolumeDir, when set, is the host directory of volume id on this node, used at every
+	// launch instead of the HostDir a sandbox recorded (a cluster's volumes are at a path of
+	// each node's own: a fork child or a paused sandbox moved from another node mounts them
+	// here). Nil: the recorded HostDir.
+	VolumeDir func(id string) string
 	// EnvdTimeout bounds the wait for envd after a boot or restore.
 	EnvdTimeout time.Duration
 	// PoolSize is the least number of restored, unassigned sandboxes kept per template
