@@ -40,7 +40,10 @@ func TestCreateOverCapacityWaitsForRoom(t *testing.T) {
 	n.assertHolds(2)
 	// A create that waits starts once a kill frees room.
 	started := make(chan error, 1)
-	go func() { _, err := n.m.Create(ticket(time.Minute), sandbox.CreateRequest{TemplateID: "base"}); started <- err }()
+	go func() {
+		_, err := n.m.Create(ticket(time.Minute), sandbox.CreateRequest{TemplateID: "base"})
+		started <- err
+	}()
 	select {
 	case err := <-started:
 		t.Fatalf("create over the cap did not wait: %v", err)
