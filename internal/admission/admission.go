@@ -237,6 +237,8 @@ type ticketKey struct{}
 type Ticket struct {
 	Tenant string
 	Wait   time.Duration
+	// Waited, if set, is told how long the caller waited for room (0: it was let in at once).
+	Waited func(time.Duration)
 }
 
 // WithTicket returns ctx carrying t.

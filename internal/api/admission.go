@@ -22,9 +22,13 @@ const (
 	queryQueueTimeout  = "queueTimeout"
 )
 
+// HeaderQueueWait, on a create's answer, is how long it waited for room in seconds (0 = it
+// did not wait).
+const HeaderQueueWait = "X-Ember-Queue-Wait"
+
 // withAdmission returns r's context carrying its admission ticket: its tenant and how long it
-// may wait for room.
-func withAdmission(r *http.Request) (context.Context, error) {
+// may wait for room. With w, the answer says how long the create waited (HeaderQueueWait).
+func withAdmission(w http.ResponseWriter, r *http.Request) (context.Context, error) {
 	wait := admission.DefaultWait
 	v := r.Header.Get(HeaderQueueTimeout)
 	field := HeaderQueueTimeout
@@ -41,7 +45,13 @@ func withAdmission(r *http.Request) (context.Context, error) {
 		}
 		wait = time.Duration(f * float64(time.Second))
 	}
-	return admission.WithTicket(r.Context(), admission.Ticket{Tenant: tenantOf(r), Wait: wait}), nil
+	t := admission.Ticket{Tenant: tenantOf(r), Wait: wait}
+	if w != nil {
+		t.Waited = func(d time.Duration) {
+			w.Header().Set(HeaderQueueWait, strconv.FormatFloat(d.Seconds(), 'f', 3, 64))
+		}
+	}
+	return admission.WithTicket(r.Context(), t), nil
 }
 
 // tenantOf is who r is among the callers the admission queue is fair to: today its API key

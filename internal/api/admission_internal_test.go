@@ -35,7 +35,7 @@ func TestAdmissionTicketOfARequest(t *testing.T) {
 			r.Header.Set(HeaderQueueTimeout, tc.header)
 		}
 		r.Header.Set(HeaderAPIKey, "e2b_00ff")
-		ctx, err := withAdmission(r)
+		ctx, err := withAdmission(nil, r)
 		if tc.bad {
 			if err == nil || statusOf(err) != http.StatusBadRequest {
 				t.Errorf("%+v: %v, want a 400", tc, err)

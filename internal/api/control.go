@@ -98,7 +98,7 @@ func (s *server) createFrom(w http.ResponseWriter, r *http.Request, reservation 
 		return nil, err
 	}
 	defer release()
-	ctx, err := withAdmission(r) // admission.go
+	ctx, err := withAdmission(w, r) // admission.go
 	if err != nil {
 		return nil, err
 	}

@@ -246,6 +246,9 @@ func (m *Manager) teardown(ctx context.Context, owner string, p Placement) {
 // thing a launch acquires.
 func (m *Manager) admit(ctx context.Context, instance string) error {
 	t := admission.TicketOf(ctx)
+	if t.Waited != nil {
+		defer func(start time.Time) { t.Waited(time.Since(start)) }(time.Now())
+	}
 	err := m.admission.Admit(ctx, t.Tenant, t.Wait, func() bool {
 		m.mu.Lock()
 		defer m.mu.Unlock()
