@@ -95,3 +95,49 @@ func TestTokenSwapCutByCrashIsUndone(t *testing.T) {
 		t.Fatalf("the swap marker is still there: %v", err)
 	}
 }
+
+// A step checkpoint's image holds a token of its own too: a snapshot promoted from it carries
+// no live token, and a rollback to it, its standby and a fork of it all still start (the
+// sandbox answers with its own token, the children with theirs).
+func TestCheckpointHasItsOwnToken(t *testing.T) {
+	n := newNode(t, nil)
+	n.build("base")
+	ctx := context.Background()
+	src := n.create(sandbox.CreateRequest{})
+	n.write(src.ID, "/x", "at the checkpoint")
+	ck, err := n.m.Checkpoint(ctx, src.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.write(src.ID, "/x", "after")
+	if v, err := n.read(src.ID, "/x"); err != nil || v != "after" {
+		t.Fatalf("source after its checkpoint: %q %v", v, err)
+	}
+	snap, err := n.m.SnapshotCheckpoint(ctx, src.ID, ck.ID, "from-ckpt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if snap.InitToken == "" || snap.InitToken == src.AccessToken {
+		t.Fatalf("promoted snapshot's init token %q, the sandbox's %q: want one of its own", snap.InitToken, src.AccessToken)
+	}
+	from := n.create(sandbox.CreateRequest{TemplateID: snap.ID})
+	if v, err := n.read(from.ID, "/x"); err != nil || v != "at the checkpoint" {
+		t.Fatalf("sandbox from the promoted snapshot reads %q %v", v, err)
+	}
+	kids, err := n.m.ForkCheckpoint(ctx, src.ID, ck.ID, 1, 0)
+	if err != nil || len(kids) != 1 || kids[0].Err != nil {
+		t.Fatalf("fork of the checkpoint: %+v %v", kids, err)
+	}
+	if v, err := n.read(kids[0].Sandbox.ID, "/x"); err != nil || v != "at the checkpoint" {
+		t.Fatalf("child of the checkpoint reads %q %v", v, err)
+	}
+	for i := 0; i < 2; i++ { // the second rollback may meet the standby (restored ahead)
+		if _, err := n.m.Rollback(ctx, src.ID, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		if v, err := n.read(src.ID, "/x"); err != nil || v != "at the checkpoint" {
+			t.Fatalf("rollback %d: the sandbox reads %q %v (with its own token)", i, v, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
