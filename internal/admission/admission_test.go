@@ -45,6 +45,26 @@ func waitFor(t *testing.T, q *Queue, n int) {
 	}
 }
 
+// queued starts one caller of tenant that waits up to a minute, returns once it is queued,
+// and the channel its answer comes on.
+func queued(t *testing.T, ctx context.Context, q *Queue, r *room, tenant string) chan error {
+	t.Helper()
+	n := q.Len()
+	done := make(chan error, 1)
+	go func() { done <- q.Admit(ctx, tenant, time.Minute, r.take) }()
+	waitFor(t, q, n+1)
+	return done
+}
+
+// assertUnclaimed gives one unit of room back and checks that no waiter that left claims it.
+func (r *room) assertUnclaimed(t *testing.T, q *Queue) {
+	t.Helper()
+	r.give(q, 1)
+	if r.free != 1 {
+		t.Fatalf("room claimed for a waiter that left")
+	}
+}
+
 func TestAdmitsAtOnceWhenThereIsRoom(t *testing.T) {
 	q := New(Options{})
 	r := &room{free: 1}
@@ -168,11 +188,7 @@ func TestDeadlinePassesWithARefusal(t *testing.T) {
 	if q.Len() != 0 {
 		t.Fatalf("the waiter that gave up is still queued")
 	}
-	// Room that frees later is not claimed for it.
-	r.give(q, 1)
-	if r.free != 1 {
-		t.Fatalf("room claimed for a waiter that left")
-	}
+	r.assertUnclaimed(t, q) // room that frees later is not claimed for it
 }
 
 // A caller whose context ends (a client that disconnected) leaves the queue and claims nothing.
@@ -180,18 +196,13 @@ func TestCancelLeavesTheQueue(t *testing.T) {
 	q := New(Options{Poll: time.Hour})
 	r := &room{}
 	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- q.Admit(ctx, "a", time.Minute, r.take) }()
-	waitFor(t, q, 1)
+	done := queued(t, ctx, q, r, "a")
 	cancel()
 	if err := <-done; !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled waiter: %v", err)
 	}
 	waitFor(t, q, 0)
-	r.give(q, 1)
-	if r.free != 1 {
-		t.Fatalf("room claimed for a waiter that left")
-	}
+	r.assertUnclaimed(t, q)
 }
 
 // Newcomers do not jump the queue: with waiters, even a caller that may not wait is refused
@@ -199,9 +210,7 @@ func TestCancelLeavesTheQueue(t *testing.T) {
 func TestNewcomersGoBehindTheWaiters(t *testing.T) {
 	q := New(Options{Poll: time.Hour})
 	r := &room{}
-	done := make(chan error, 1)
-	go func() { done <- q.Admit(context.Background(), "a", time.Minute, r.take) }()
-	waitFor(t, q, 1)
+	done := queued(t, context.Background(), q, r, "a")
 	r.mu.Lock()
 	r.free = 1 // freed without a Kick
 	r.mu.Unlock()
@@ -219,9 +228,7 @@ func TestNewcomersGoBehindTheWaiters(t *testing.T) {
 func TestPollFindsRoomWithoutAKick(t *testing.T) {
 	q := New(Options{Poll: 10 * time.Millisecond})
 	r := &room{}
-	done := make(chan error, 1)
-	go func() { done <- q.Admit(context.Background(), "a", time.Minute, r.take) }()
-	waitFor(t, q, 1)
+	done := queued(t, context.Background(), q, r, "a")
 	r.mu.Lock()
 	r.free = 1
 	r.mu.Unlock()
