@@ -553,7 +553,7 @@ func (m *Manager) SnapshotCheckpoint(ctx context.Context, id, cid, name string) 
 	if err != nil {
 		return nil, err
 	}
-	if ck.Token == "" {
+	if ck.Token == "" && sb.AccessToken != "" {
 		// Its image holds the sandbox's live token, which a snapshot must not carry.
 		return nil, fmt.Errorf("checkpoint %q was taken by an earlier version of ember and holds the sandbox's own token: take a new checkpoint to make a snapshot of: %w", cid, errdefs.ErrConflict)
 	}
