@@ -171,6 +171,22 @@ type candidate struct {
 	score  float64
 }
 
+// Room is how many sandboxes of templateID the live, undrained nodes have room for (slots
+// and memory), as this node's view of the cluster has it: no etcd read. The edge's admission
+// queue asks it for a create waiting in a full cluster.
+func (cl *Cluster) Room(templateID string) int {
+	cands, _ := cl.candidates(PlaceRequest{TemplateID: templateID})
+	n := 0
+	for _, c := range cands {
+		free := c.n.Capacity.Slots - c.alloc.Slots
+		if c.size.MemoryMB > 0 {
+			free = min(free, int((c.n.Capacity.MemoryMB-c.alloc.MemoryMB)/int64(c.size.MemoryMB)))
+		}
+		n += max(free, 0)
+	}
+	return n
+}
+
 func (cl *Cluster) candidates(req PlaceRequest) (out []candidate, haveTpl bool) {
 	cl.mu.RLock()
 	defer cl.mu.RUnlock()

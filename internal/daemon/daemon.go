@@ -88,6 +88,8 @@ type Config struct {
 	// MaxSandboxes and MaxBuilds cap what this node runs at once (0 = the Manager's defaults);
 	// MaxConns caps concurrent client connections (0 = 8192).
 	MaxSandboxes, MaxBuilds, MaxConns int
+	// MaxQueued bounds the creates waiting for room in the admission queue (0 = 1000).
+	MaxQueued int
 	// DiskMB is the default disk of a sandbox's writable layer, and the disk of build
 	// sandboxes and template warm-ups (0 = the Manager's default, 2048).
 	DiskMB int
@@ -283,6 +285,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		// Memory pauses: in place (hot) and for how long, or by a checkpoint.
 		PauseMode: cfg.PauseMode, PausedMemoryMB: cfg.PausedMemoryMB, HotPauseMax: cfg.HotPauseMax,
 		MaxSandboxes: cfg.MaxSandboxes,
+		MaxQueued:    cfg.MaxQueued,
 		MaxBuilds:    cfg.MaxBuilds,
 		DiskMB:       cfg.DiskMB,
 		// How the pools size themselves and refill.

@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/admission"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
@@ -143,8 +144,12 @@ type Config struct {
 	MemoryMB int
 	DiskMB   int
 	// MaxSandboxes caps the running sandboxes (pool instances included) of this node
-	// (default 500); creates, forks and resumes over it fail with ErrExhausted (429).
+	// (default 500). A create over it whose context carries an admission.Ticket waits in the
+	// node's fair admission queue for its ticket's time (admit); other launches (forks,
+	// resumes, the pools) and creates whose wait passes fail with ErrExhausted (429).
 	MaxSandboxes int
+	// MaxQueued bounds the creates waiting for room (default admission.DefaultMaxWaiters).
+	MaxQueued int
 	// MaxBuilds caps concurrent template builds (default 2).
 	MaxBuilds int
 	// MaxImportBytes bounds an uploaded image archive (default DefaultMaxImportBytes).
@@ -230,6 +235,8 @@ type Manager struct {
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool
+	// admission is the queue of creates waiting for room under MaxSandboxes (launch.go).
+	admission *admission.Queue
 	// uploads are the snapshot uploads in flight, by snapshot id (snapupload.go).
 	uploads    map[string]*upload
 	collectDue bool // a snapshot was deleted: collect unused chunks once no upload runs
@@ -390,6 +397,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		faults:     &faults{fail: cfg.Fail},
 		builds:     make(chan struct{}, cfg.MaxBuilds),
 		instances:  map[string]bool{},
+		admission:  admission.New(admission.Options{MaxWaiters: cfg.MaxQueued}),
 		preOf:      map[string]string{},
 		uploads:    map[string]*upload{},
 		tierKick:   make(chan struct{}, 1),
