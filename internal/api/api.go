@@ -87,7 +87,10 @@ const (
 
 type server struct {
 	cfg Config
+	// svc is the service the handlers call: shared as the request's team sees it (teams.go).
 	svc sandbox.Service
+	// shared is this node's service, or the cluster's view of it (templates shared).
+	shared sandbox.Service
 	// node is the Service New was given (the Manager), for its optional interfaces
 	// (sandbox.TemplateBuilder, networkUpdater): svc may be the cluster's view of it.
 	node   sandbox.Service
@@ -121,6 +124,8 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 		}
 		s.edge = s.newEdge()
 	}
+	s.shared = s.svc
+	s.svc = scoped{Service: s.shared, s: s}
 	domainHost := strings.ToLower(cfg.Domain)
 	if h, _, ok := strings.Cut(domainHost, ":"); ok {
 		domainHost = h
@@ -223,7 +228,8 @@ func (s *server) serveControl(w http.ResponseWriter, r *http.Request) {
 		writeJSON(sw, http.StatusOK, map[string]string{"status": "ok"})
 		return
 	}
-	if err := s.authenticate(r); err != nil {
+	r, err := s.authenticate(r)
+	if err != nil {
 		writeError(sw, s.log, r, err)
 		return
 	}
@@ -236,10 +242,15 @@ func (s *server) serveControl(w http.ResponseWriter, r *http.Request) {
 
 // authenticate checks X-API-Key, falling back to `Authorization: Bearer <key>` when the header
 // is absent (an Authorization header carrying E2B_ACCESS_TOKEN next to a valid X-API-Key is
-// ignored).
-func (s *server) authenticate(r *http.Request) error {
+// ignored), and returns r acting for the key's team (auth.WithCaller).
+func (s *server) authenticate(r *http.Request) (*http.Request, error) {
 	if fromNode, _ := r.Context().Value(nodeAuthenticated{}).(bool); fromNode {
-		return nil // an edge's, with a valid node proof: it checked the client's key (internal/cluster/edge)
+		// An edge's, with a valid node proof: it checked the client's key and says whose
+		// (internal/cluster/edge).
+		if c, ok := edge.CallerFrom(r.Header); ok {
+			return r.WithContext(auth.WithCaller(r.Context(), c)), nil
+		}
+		return r, nil
 	}
 	key := r.Header.Get(HeaderAPIKey)
 	if key == "" {
@@ -248,15 +259,16 @@ func (s *server) authenticate(r *http.Request) error {
 		}
 	}
 	if key == "" {
-		return &httpError{status: http.StatusUnauthorized, msg: "Invalid API key"}
+		return r, &httpError{status: http.StatusUnauthorized, msg: "Invalid API key"}
 	}
-	if err := s.keys.Verify(r.Context(), key); err != nil {
+	k, err := s.keys.Verify(r.Context(), key)
+	if err != nil {
 		if http.StatusUnauthorized == statusOf(err) {
-			return &httpError{status: http.StatusUnauthorized, msg: "Invalid API key"}
+			return r, &httpError{status: http.StatusUnauthorized, msg: "Invalid API key"}
 		}
-		return err
+		return r, err
 	}
-	return nil
+	return r.WithContext(auth.WithCaller(r.Context(), k.Caller())), nil
 }
 
 // statusWriter records the status for the access log; Unwrap keeps Flush and friends working

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
@@ -74,7 +75,7 @@ func (s *server) builder() (sandbox.TemplateBuilder, error) {
 	if !ok {
 		return nil, &httpError{status: http.StatusNotImplemented, msg: "template builds are not supported by this server"}
 	}
-	return edge.ShareBuilder(b, s.svc), nil // shared templates in a cluster
+	return edge.ShareBuilder(b, s.shared), nil // shared templates in a cluster
 }
 
 type templateRequestV3 struct {
@@ -119,7 +120,10 @@ func (s *server) requestTemplateBuild(w http.ResponseWriter, r *http.Request, _ 
 	if req.MemoryMB < 0 || req.MemoryMB > maxBuildMemoryMB {
 		return badRequest("memoryMB must be between 0 and %d", maxBuildMemoryMB)
 	}
-	bld, err := b.RequestBuild(r.Context(), sandbox.BuildSpec{Name: name, Tags: req.Tags, CPUCount: req.CPUCount, MemoryMB: req.MemoryMB})
+	if err := s.claimTemplateName(r.Context(), name); err != nil { // teams.go
+		return err
+	}
+	bld, err := b.RequestBuild(r.Context(), sandbox.BuildSpec{Name: name, Team: auth.TeamOf(r.Context()), Tags: req.Tags, CPUCount: req.CPUCount, MemoryMB: req.MemoryMB})
 	if err != nil {
 		return err
 	}
@@ -215,6 +219,9 @@ func (s *server) startTemplateBuild(w http.ResponseWriter, r *http.Request, p pa
 	var req templateBuildStartV2
 	if err := s.decodeJSON(w, r, &req, true); err != nil {
 		return err
+	}
+	if err := s.checkTemplate(r.Context(), req.FromTemplate, false); req.FromTemplate != "" && err != nil {
+		return err // another team's template is not there to build from (teams.go)
 	}
 	sreq := sandbox.StepBuildRequest{FromImage: req.FromImage, FromTemplate: req.FromTemplate, Steps: req.Steps,
 		StartCmd: req.StartCmd, ReadyCmd: req.ReadyCmd, Force: req.Force}

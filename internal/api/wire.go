@@ -139,7 +139,7 @@ type forkResultJSON struct {
 
 // resources is the service's templateResourcer, if it is one.
 func (s *server) resources() templateResourcer {
-	r, _ := s.svc.(templateResourcer)
+	r, _ := s.shared.(templateResourcer)
 	return r
 }
 

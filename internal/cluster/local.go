@@ -34,7 +34,7 @@ func (l managerLocal) Sandboxes(ctx context.Context) ([]LocalSandbox, error) {
 }
 
 func localOf(s *sandbox.Sandbox) LocalSandbox {
-	return LocalSandbox{ID: s.ID, TemplateID: s.TemplateID, Running: s.State == sandbox.StateRunning, CPU: s.CPUCount, MemoryMB: s.MemoryMB}
+	return LocalSandbox{ID: s.ID, Team: s.Team, TemplateID: s.TemplateID, Running: s.State == sandbox.StateRunning, CPU: s.CPUCount, MemoryMB: s.MemoryMB}
 }
 
 func (l managerLocal) Templates(ctx context.Context) (map[string]TemplateSize, error) {
