@@ -21,6 +21,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/envdclient"
+	"github.com/ember-sandbox/ember/internal/quota"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/volume"
 )
@@ -62,6 +63,8 @@ type Config struct {
 	Forker Forker
 	// Volumes, when set, serves E2B's volumes and their content API (volumes.go).
 	Volumes *volume.Manager
+	// Quotas keeps the teams within their quotas (quotas.go); nil: quotas over this node.
+	Quotas *quota.Quotas
 }
 
 func (c Config) withDefaults() Config {
@@ -106,6 +109,7 @@ type server struct {
 	edge *edge.Edge
 	// signer finds a signed URL's sandbox without its lock (signed_files.go).
 	signer signer
+	quotas *quota.Quotas
 }
 
 // New returns the daemon's HTTP handler. Serve it on one port; enabling h2c on the server is
@@ -126,6 +130,9 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 	}
 	s.shared = s.svc
 	s.svc = scoped{Service: s.shared, s: s}
+	if s.quotas = cfg.Quotas; s.quotas == nil {
+		s.quotas = s.newQuotas()
+	}
 	domainHost := strings.ToLower(cfg.Domain)
 	if h, _, ok := strings.Cut(domainHost, ":"); ok {
 		domainHost = h

@@ -28,6 +28,7 @@ func (s *server) teamRoutes(rt *router) {
 	rt.handle(http.MethodPost, "/ember/teams", s.createTeam)
 	rt.handle(http.MethodGet, "/ember/teams", s.listTeams)
 	rt.handle(http.MethodGet, "/ember/teams/{team}", s.getTeam)
+	rt.handle(http.MethodGet, "/ember/teams/{team}/usage", s.teamUsage) // quotas.go
 	rt.handle(http.MethodPut, "/ember/teams/{team}/quota", s.setTeamQuota)
 	rt.handle(http.MethodDelete, "/ember/teams/{team}", s.deleteTeam)
 }

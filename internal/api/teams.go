@@ -204,6 +204,11 @@ func (c scoped) Create(ctx context.Context, req sandbox.CreateRequest) (*sandbox
 		}
 		req.Team = auth.TeamOf(ctx)
 	}
+	release, err := c.s.admit(ctx, c.s.createUsage(ctx, req.TemplateID))
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	return c.Service.Create(ctx, req)
 }
 
@@ -260,6 +265,11 @@ func (c scoped) BuildTemplate(ctx context.Context, req sandbox.BuildRequest, pro
 		}
 		req.Team = auth.TeamOf(ctx)
 	}
+	release, err := c.s.admit(ctx, c.s.buildUsage())
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	return c.Service.BuildTemplate(ctx, req, progress)
 }
 

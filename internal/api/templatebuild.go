@@ -123,6 +123,11 @@ func (s *server) requestTemplateBuild(w http.ResponseWriter, r *http.Request, _ 
 	if err := s.claimTemplateName(r.Context(), name); err != nil { // teams.go
 		return err
 	}
+	release, err := s.admit(r.Context(), s.buildUsage()) // quotas.go: its record counts from now on
+	if err != nil {
+		return err
+	}
+	defer release()
 	bld, err := b.RequestBuild(r.Context(), sandbox.BuildSpec{Name: name, Team: auth.TeamOf(r.Context()), Tags: req.Tags, CPUCount: req.CPUCount, MemoryMB: req.MemoryMB})
 	if err != nil {
 		return err

@@ -104,7 +104,27 @@ func teamCmd(g *globals) *cobra.Command {
 		},
 	}
 	addQuota(set, setQ)
-	c.AddCommand(create, ls, rm, set)
+	usage := &cobra.Command{
+		Use: "usage ID", Short: "Show a team's quotas and what it holds (on the node asked)", Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var out map[string]any
+			if _, err := g.client().do(cmd.Context(), http.MethodGet, "/ember/teams/"+url.PathEscape(args[0])+"/usage", nil, &out); err != nil {
+				return err
+			}
+			if g.asJSON {
+				return printJSON(out)
+			}
+			q, _ := out["quota"].(map[string]any)
+			u, _ := out["usage"].(map[string]any)
+			rows := [][]string{}
+			for _, f := range quotaFlags {
+				rows = append(rows, []string{f.field, quotaCell(u[f.field]), quotaCell(q[f.field])})
+			}
+			table([]string{"QUOTA", "USED", "LIMIT"}, rows)
+			return nil
+		},
+	}
+	c.AddCommand(create, ls, rm, set, usage)
 	return c
 }
 

@@ -396,7 +396,7 @@ func (m *Manager) ListBuilds(ctx context.Context, templateID string) ([]*Templat
 	defer m.tb.mu.Unlock()
 	var out []*TemplateBuild
 	for _, r := range m.tb.recs {
-		if r.b.TemplateID == templateID {
+		if templateID == "" || r.b.TemplateID == templateID { // "": every template's
 			b := r.b
 			b.Logs = nil
 			out = append(out, &b)
