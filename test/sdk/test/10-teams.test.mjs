@@ -1,9 +1,10 @@
 // Teams (issue 19): two teams through the unmodified SDK. Neither can see, connect to, exec
 // in, kill, fork, snapshot or build from the other's sandboxes and snapshots; lists show only
-// their own; the admin key (the one run.sh exports, the default team's) manages both teams.
+// their own; a quota answers 429 naming it; the admin key (the one run.sh exports, the
+// default team's) manages both teams.
 import { after, before, describe, test } from 'node:test'
 import assert from 'node:assert/strict'
-import { Sandbox, NotFoundError, SandboxNotFoundError } from 'e2b'
+import { Sandbox, NotFoundError, RateLimitError, SandboxNotFoundError } from 'e2b'
 import { HOOK_TIMEOUT, TEST_TIMEOUT, collectPages } from './helpers.mjs'
 
 const API = process.env.E2B_API_URL
@@ -94,6 +95,19 @@ describe('two teams', { timeout: HOOK_TIMEOUT * 3 }, () => {
     assert.equal(req.status, 202, JSON.stringify(req.body))
     const start = await call(teams[1].key, 'POST', `/v2/templates/${req.body.templateID}/builds/${req.body.buildID}`, { fromTemplate: snapA, steps: [] })
     assert.equal(start.status, 404, JSON.stringify(start.body))
+  })
+
+  test('a quota answers 429 naming it; the other team is not held by it', { timeout: TEST_TIMEOUT }, async () => {
+    const q = await call(ADMIN, 'PUT', `/ember/teams/${teams[1].id}/quota`, { sandboxes: 1 })
+    assert.equal(q.status, 200, JSON.stringify(q.body))
+    await assert.rejects(Sandbox.create('base', { apiKey: teams[1].key }),
+      (e) => e instanceof RateLimitError && /concurrent E2B sandboxes \(1\).*quota sandboxes/.test(e.message))
+    const more = await Sandbox.create('base', { apiKey: teams[0].key })
+    made.push([more, teams[0].key])
+    const u = await call(teams[1].key, 'GET', `/ember/teams/${teams[1].id}/usage`)
+    assert.equal(u.body.usage.sandboxes, 1)
+    assert.equal(u.body.quota.sandboxes, 1)
+    await call(ADMIN, 'PUT', `/ember/teams/${teams[1].id}/quota`, {})
   })
 
   test('the admin key manages both teams; a team key manages none', { timeout: TEST_TIMEOUT }, async () => {
