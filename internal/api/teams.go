@@ -215,46 +215,19 @@ func (c scoped) Create(ctx context.Context, req sandbox.CreateRequest) (*sandbox
 // List lists the caller's team's sandboxes.
 func (c scoped) List(ctx context.Context, f sandbox.ListFilter) ([]*sandbox.Sandbox, error) {
 	sbxs, err := c.Service.List(ctx, f)
-	if err != nil {
-		return nil, err
-	}
-	out := sbxs[:0]
-	for _, sb := range sbxs {
-		if sees(ctx, sb.Team) {
-			out = append(out, sb)
-		}
-	}
-	return out, nil
+	return keep(sbxs, func(sb *sandbox.Sandbox) bool { return sees(ctx, sb.Team) }), err
 }
 
 // ListTemplates lists the templates the caller's team may see: its own and public ones.
 func (c scoped) ListTemplates(ctx context.Context) ([]*sandbox.Template, error) {
 	ts, err := c.Service.ListTemplates(ctx)
-	if err != nil {
-		return nil, err
-	}
-	out := ts[:0]
-	for _, t := range ts {
-		if c.s.visibleTemplate(ctx, t) {
-			out = append(out, t)
-		}
-	}
-	return out, nil
+	return keep(ts, func(t *sandbox.Template) bool { return c.s.visibleTemplate(ctx, t) }), err
 }
 
 // ListSnapshots lists the caller's team's snapshots.
 func (c scoped) ListSnapshots(ctx context.Context, sandboxID string) ([]*sandbox.Template, error) {
 	ts, err := c.Service.ListSnapshots(ctx, sandboxID)
-	if err != nil {
-		return nil, err
-	}
-	out := ts[:0]
-	for _, t := range ts {
-		if sees(ctx, t.Team) {
-			out = append(out, t)
-		}
-	}
-	return out, nil
+	return keep(ts, func(t *sandbox.Template) bool { return sees(ctx, t.Team) }), err
 }
 
 // BuildTemplate builds a template of the caller's team (not over another team's).
@@ -290,4 +263,15 @@ func (s *server) claimTemplateName(ctx context.Context, name string) error {
 		return nil
 	}
 	return &httpError{status: http.StatusConflict, msg: "template name " + quoteTemplate(n) + " is taken by another team"}
+}
+
+// keep is xs without the ones ok refuses (nil for none).
+func keep[T any](xs []T, ok func(T) bool) []T {
+	var out []T
+	for _, x := range xs {
+		if ok(x) {
+			out = append(out, x)
+		}
+	}
+	return out
 }
