@@ -172,3 +172,30 @@ func TestTeamsKeysAndAdmin(t *testing.T) {
 	e.as(nk.Key, "GET", "/sandboxes", "").wantError(t, http.StatusUnauthorized)
 	e.as(b, "GET", "/sandboxes", "").wantError(t, http.StatusUnauthorized)
 }
+
+// A volume is its team's: another team neither lists, reads, destroys nor mounts it.
+func TestTeamsVolumes(t *testing.T) {
+	e, _ := newVolumeEnv(t)
+	var tj teamJSON
+	e.ctl("POST", "/ember/teams", `{"name":"b"}`).json(t, &tj)
+	b := tj.Key.Key
+	r := e.ctl("POST", "/volumes", `{"name":"data"}`)
+	if r.status != http.StatusCreated {
+		t.Fatalf("create volume: %d %s", r.status, r.body)
+	}
+	var v struct {
+		ID string `json:"volumeID"`
+	}
+	r.json(t, &v)
+	if r := e.as(b, "GET", "/volumes", ""); strings.Contains(string(r.body), v.ID) {
+		t.Fatalf("listed for the other team: %s", r.body)
+	}
+	e.as(b, "GET", "/volumes/"+v.ID, "").wantError(t, http.StatusNotFound)
+	e.as(b, "DELETE", "/volumes/"+v.ID, "").wantError(t, http.StatusNotFound)
+	if r := e.as(b, "POST", "/sandboxes", `{"templateID":"base","volumeMounts":[{"name":"data","path":"/data"}]}`); r.status == http.StatusCreated {
+		t.Fatalf("the other team mounted it: %s", r.body)
+	}
+	if r := e.ctl("GET", "/volumes/"+v.ID, ""); r.status != http.StatusOK {
+		t.Fatalf("owner's get: %d %s", r.status, r.body)
+	}
+}

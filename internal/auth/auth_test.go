@@ -185,3 +185,24 @@ func TestVerifyFileSignature(t *testing.T) {
 		})
 	}
 }
+
+// Keys of an ember without teams become the default team's admin keys at start; the default
+// team is made.
+func TestEnsureInitialKeyMovesKeysIntoTheDefaultTeam(t *testing.T) {
+	ctx := context.Background()
+	b := NewMemoryBackend()
+	if err := b.PutKey(ctx, &Key{ID: "old", Name: "old", Hash: HashKey("e2b_" + strings.Repeat("a", 40))}); err != nil {
+		t.Fatal(err)
+	}
+	keys := NewKeys(b)
+	if _, created, err := keys.EnsureInitialKey(ctx, t.TempDir()); err != nil || created {
+		t.Fatalf("created=%v err=%v", created, err)
+	}
+	k, err := keys.Verify(ctx, "e2b_"+strings.Repeat("a", 40))
+	if err != nil || k.Team != DefaultTeamID || !k.Admin {
+		t.Fatalf("migrated key %+v, %v", k, err)
+	}
+	if _, err := b.GetTeam(ctx, DefaultTeamID); err != nil {
+		t.Fatalf("default team: %v", err)
+	}
+}
