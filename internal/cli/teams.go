@@ -118,7 +118,8 @@ func teamCmd(g *globals) *cobra.Command {
 			u, _ := out["usage"].(map[string]any)
 			rows := [][]string{}
 			for _, f := range quotaFlags {
-				rows = append(rows, []string{f.field, quotaCell(u[f.field]), quotaCell(q[f.field])})
+				used, _ := u[f.field].(float64)
+				rows = append(rows, []string{f.field, strconv.FormatFloat(used, 'f', -1, 64), quotaCell(q[f.field])})
 			}
 			table([]string{"QUOTA", "USED", "LIMIT"}, rows)
 			return nil
