@@ -45,6 +45,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodGet, "/templates/{id}/tags", s.templateTags)
 	rt.handle(http.MethodGet, "/templates/{id}", s.getTemplate)
 	rt.handle(http.MethodDelete, "/templates/{id}", s.deleteTemplate)
+	rt.handle(http.MethodPatch, "/templates/{id}", s.updateTemplate) // teams.go: {public}
 	// ember extras for the CLI.
 	rt.handle(http.MethodPost, "/ember/templates/{name}/build", s.buildTemplate)
 	rt.handle(http.MethodPost, "/ember/imports", s.importArchive)

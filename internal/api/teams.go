@@ -275,3 +275,35 @@ func keep[T any](xs []T, ok func(T) bool) []T {
 	}
 	return out
 }
+
+// publisher makes templates public (*sandbox.Manager).
+type publisher interface {
+	SetTemplatePublic(ctx context.Context, id string, public bool) (*sandbox.Template, error)
+}
+
+// updateTemplate is E2B's PATCH /templates/{id} {"public": bool}: the owner's team makes its
+// template readable and usable by every team, or its own again (the guard checked the owner).
+func (s *server) updateTemplate(w http.ResponseWriter, r *http.Request, p params) error {
+	var req struct {
+		Public *bool `json:"public"`
+	}
+	if err := s.decodeJSON(w, r, &req, true); err != nil {
+		return err
+	}
+	pub, ok := s.node.(publisher)
+	if !ok {
+		return &httpError{status: http.StatusNotImplemented, msg: "public templates are not supported by this server"}
+	}
+	if req.Public == nil {
+		return badRequest("public is required")
+	}
+	t, err := s.findTemplate(r.Context(), p["id"])
+	if err != nil {
+		return err
+	}
+	if _, err := pub.SetTemplatePublic(r.Context(), t.ID, *req.Public); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}

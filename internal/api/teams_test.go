@@ -118,6 +118,24 @@ func TestTeamsTemplatesAndSnapshots(t *testing.T) {
 	if r := e.ctl("GET", "/templates/mine", ""); r.status != http.StatusOK {
 		t.Fatalf("owner's template get: %d %s", r.status, r.body)
 	}
+	// Made public by its owner (not by the other team): listed and usable by every team, and
+	// still the owner's alone to change.
+	e.as(b, "PATCH", "/templates/mine", `{"public":true}`).wantError(t, http.StatusNotFound)
+	if r := e.ctl("PATCH", "/templates/mine", `{"public":true}`); r.status != http.StatusNoContent {
+		t.Fatalf("publish: %d %s", r.status, r.body)
+	}
+	if r := e.as(b, "GET", "/templates", ""); !strings.Contains(string(r.body), `"mine"`) {
+		t.Fatalf("a public template is not listed for the other team: %s", r.body)
+	}
+	if r := e.as(b, "POST", "/sandboxes", `{"templateID":"mine"}`); r.status != http.StatusCreated {
+		t.Fatalf("the other team's create from a public template: %d %s", r.status, r.body)
+	}
+	e.as(b, "DELETE", "/templates/mine", "").wantError(t, http.StatusForbidden)
+	e.as(b, "PATCH", "/templates/mine", `{"public":false}`).wantError(t, http.StatusForbidden)
+	if r := e.ctl("PATCH", "/templates/mine", `{"public":false}`); r.status != http.StatusNoContent {
+		t.Fatalf("unpublish: %d %s", r.status, r.body)
+	}
+	e.as(b, "GET", "/templates/mine", "").wantError(t, http.StatusNotFound)
 }
 
 // Keys and teams: a team's key sees and revokes its own team's keys only and manages no team;

@@ -362,7 +362,7 @@ func (s *server) getTemplate(w http.ResponseWriter, r *http.Request, p params) e
 		return notFound("template %s not found", quoteTemplate(p["id"]))
 	}
 	tj := toTemplate(t, s.resources())
-	out := templateWithBuilds{TemplateID: t.ID, Aliases: tj.Aliases, Names: tj.Names, CreatedAt: t.CreatedAt, UpdatedAt: t.CreatedAt, Builds: []templateBuildJSON{},
+	out := templateWithBuilds{TemplateID: t.ID, Public: t.Public, Aliases: tj.Aliases, Names: tj.Names, CreatedAt: t.CreatedAt, UpdatedAt: t.CreatedAt, Builds: []templateBuildJSON{},
 		Kind: tj.Kind, SnapshotState: tj.SnapshotState, SnapshotError: tj.SnapshotError}
 	blds, err := b.ListBuilds(r.Context(), t.ID)
 	if err != nil {

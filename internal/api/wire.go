@@ -264,6 +264,7 @@ func toTemplate(t *sandbox.Template, res templateResourcer) templateJSON {
 		cpu, mem, disk = res.TemplateResources(t)
 	}
 	return templateJSON{
+		Public:        t.Public,
 		TemplateID:    t.ID,
 		BuildID:       buildID,
 		CPUCount:      cpu,
