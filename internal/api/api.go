@@ -21,6 +21,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/envdclient"
+	"github.com/ember-sandbox/ember/internal/quota"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/volume"
 )
@@ -62,6 +63,8 @@ type Config struct {
 	Forker Forker
 	// Volumes, when set, serves E2B's volumes and their content API (volumes.go).
 	Volumes *volume.Manager
+	// Quotas keeps the teams within their quotas (quotas.go); nil: quotas over this node.
+	Quotas *quota.Quotas
 }
 
 func (c Config) withDefaults() Config {
@@ -87,7 +90,10 @@ const (
 
 type server struct {
 	cfg Config
+	// svc is the service the handlers call: shared as the request's team sees it (teams.go).
 	svc sandbox.Service
+	// shared is this node's service, or the cluster's view of it (templates shared).
+	shared sandbox.Service
 	// node is the Service New was given (the Manager), for its optional interfaces
 	// (sandbox.TemplateBuilder, networkUpdater): svc may be the cluster's view of it.
 	node   sandbox.Service
@@ -103,6 +109,7 @@ type server struct {
 	edge *edge.Edge
 	// signer finds a signed URL's sandbox without its lock (signed_files.go).
 	signer signer
+	quotas *quota.Quotas
 }
 
 // New returns the daemon's HTTP handler. Serve it on one port; enabling h2c on the server is
@@ -120,6 +127,11 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 			s.svc = edge.ShareTemplates(svc, cfg.Templates)
 		}
 		s.edge = s.newEdge()
+	}
+	s.shared = s.svc
+	s.svc = scoped{Service: s.shared, s: s}
+	if s.quotas = cfg.Quotas; s.quotas == nil {
+		s.quotas = s.newQuotas()
 	}
 	domainHost := strings.ToLower(cfg.Domain)
 	if h, _, ok := strings.Cut(domainHost, ":"); ok {
@@ -223,7 +235,8 @@ func (s *server) serveControl(w http.ResponseWriter, r *http.Request) {
 		writeJSON(sw, http.StatusOK, map[string]string{"status": "ok"})
 		return
 	}
-	if err := s.authenticate(r); err != nil {
+	r, err := s.authenticate(r)
+	if err != nil {
 		writeError(sw, s.log, r, err)
 		return
 	}
@@ -236,22 +249,28 @@ func (s *server) serveControl(w http.ResponseWriter, r *http.Request) {
 
 // authenticate checks X-API-Key, falling back to `Authorization: Bearer <key>` when the header
 // is absent (an Authorization header carrying E2B_ACCESS_TOKEN next to a valid X-API-Key is
-// ignored).
-func (s *server) authenticate(r *http.Request) error {
+// ignored), and returns r acting for the key's team (auth.WithCaller).
+func (s *server) authenticate(r *http.Request) (*http.Request, error) {
 	if fromNode, _ := r.Context().Value(nodeAuthenticated{}).(bool); fromNode {
-		return nil // an edge's, with a valid node proof: it checked the client's key (internal/cluster/edge)
+		// An edge's, with a valid node proof: it checked the client's key and says whose
+		// (internal/cluster/edge).
+		if c, ok := edge.CallerFrom(r.Header); ok {
+			return r.WithContext(auth.WithCaller(r.Context(), c)), nil
+		}
+		return r, nil
 	}
 	key := apiKeyOf(r)
 	if key == "" {
-		return &httpError{status: http.StatusUnauthorized, msg: "Invalid API key"}
+		return r, &httpError{status: http.StatusUnauthorized, msg: "Invalid API key"}
 	}
-	if err := s.keys.Verify(r.Context(), key); err != nil {
+	k, err := s.keys.Verify(r.Context(), key)
+	if err != nil {
 		if http.StatusUnauthorized == statusOf(err) {
-			return &httpError{status: http.StatusUnauthorized, msg: "Invalid API key"}
+			return r, &httpError{status: http.StatusUnauthorized, msg: "Invalid API key"}
 		}
-		return err
+		return r, err
 	}
-	return nil
+	return r.WithContext(auth.WithCaller(r.Context(), k.Caller())), nil
 }
 
 // apiKeyOf is r's API key: X-API-Key, else `Authorization: Bearer <key>` ("" = none).

@@ -66,7 +66,8 @@ func (s *server) serveCluster(w http.ResponseWriter, r *http.Request) bool {
 	if len(segs) == 0 || segs[0] != "sandboxes" {
 		return false
 	}
-	if err := s.authenticate(r); err != nil {
+	r, err := s.authenticate(r)
+	if err != nil {
 		writeError(w, s.log, r, err)
 		return true
 	}
@@ -234,7 +235,7 @@ func (l nodeLocal) WriteStored(w http.ResponseWriter, _ *http.Request, sb *sandb
 }
 
 func (l nodeLocal) Holds(ctx context.Context, id string) bool {
-	_, err := l.s.svc.Get(ctx, id)
+	_, err := l.s.node.Get(ctx, id) // whoever's: the route's lookup answers for the team
 	return statusOf(err) != http.StatusNotFound
 }
 

@@ -35,7 +35,7 @@ func (s *server) lostForList(r *http.Request) (items []listedSandboxJSON, out *h
 	tpl := q.Get("template")
 	for _, l := range all {
 		// Lost records keep no metadata: a metadata filter matches none of them.
-		if len(md) > 0 || (tpl != "" && l.TemplateID != tpl) || (!after.IsZero() && !l.Since.After(after)) {
+		if !sees(r.Context(), l.Team) || len(md) > 0 || (tpl != "" && l.TemplateID != tpl) || (!after.IsZero() && !l.Since.After(after)) {
 			continue
 		}
 		at := l.At.UTC()

@@ -53,7 +53,7 @@ func (s *server) unheldForList(r *http.Request) ([]listedSandboxJSON, error) {
 	var items []pageItem[listedSandboxJSON]
 	for i := range sbxs {
 		sb := &sbxs[i]
-		if !s.keepListed(sb, f) || (f.TemplateID != "" && sb.TemplateID != f.TemplateID) {
+		if !sees(r.Context(), sb.Team) || !s.keepListed(sb, f) || (f.TemplateID != "" && sb.TemplateID != f.TemplateID) {
 			continue
 		}
 		items = append(items, pageItem[listedSandboxJSON]{at: sb.StartedAt, id: sb.ID, v: s.toListed(sb)})

@@ -9,7 +9,7 @@ import (
 )
 
 func (s *server) controlRoutes() *router {
-	rt := &router{}
+	rt := &router{guard: s.guard}
 	// Sandboxes (E2B-PROTOCOL §2.2 and the legacy endpoints of §2.5).
 	rt.handle(http.MethodPost, "/sandboxes", s.createSandbox)
 	rt.handle(http.MethodPost, "/v2/sandboxes", s.createSandbox)
@@ -45,6 +45,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodGet, "/templates/{id}/tags", s.templateTags)
 	rt.handle(http.MethodGet, "/templates/{id}", s.getTemplate)
 	rt.handle(http.MethodDelete, "/templates/{id}", s.deleteTemplate)
+	rt.handle(http.MethodPatch, "/templates/{id}", s.updateTemplate) // teams.go: {public}
 	// ember extras for the CLI.
 	rt.handle(http.MethodPost, "/ember/templates/{name}/build", s.buildTemplate)
 	rt.handle(http.MethodPost, "/ember/imports", s.importArchive)
@@ -54,6 +55,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodPost, "/api-keys", s.createAPIKey)
 	rt.handle(http.MethodGet, "/api-keys", s.listAPIKeys)
 	rt.handle(http.MethodDelete, "/api-keys/{id}", s.deleteAPIKey)
+	s.teamRoutes(rt)   // teamroutes.go
 	s.volumeRoutes(rt) // volumes.go
 	s.nodeRoutes(rt)
 	s.moveRoutes(rt) // cluster.go

@@ -20,9 +20,16 @@ type route struct {
 	h      handlerFunc
 }
 
-type router struct{ routes []route }
+type router struct {
+	routes []route
+	// guard wraps every route's handler with the lookup of the object it names (teams.go).
+	guard func(method, pattern string, h handlerFunc) handlerFunc
+}
 
 func (rt *router) handle(method, pattern string, h handlerFunc) {
+	if rt.guard != nil {
+		h = rt.guard(method, pattern, h)
+	}
 	switch {
 	case strings.HasPrefix(pattern, "/sandboxes/{id}") || strings.HasPrefix(pattern, "/v2/sandboxes/{id}"):
 		h = sandboxNotFoundAsE2B(h)

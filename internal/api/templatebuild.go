@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
@@ -74,7 +75,7 @@ func (s *server) builder() (sandbox.TemplateBuilder, error) {
 	if !ok {
 		return nil, &httpError{status: http.StatusNotImplemented, msg: "template builds are not supported by this server"}
 	}
-	return edge.ShareBuilder(b, s.svc), nil // shared templates in a cluster
+	return edge.ShareBuilder(b, s.shared), nil // shared templates in a cluster
 }
 
 type templateRequestV3 struct {
@@ -119,7 +120,15 @@ func (s *server) requestTemplateBuild(w http.ResponseWriter, r *http.Request, _ 
 	if req.MemoryMB < 0 || req.MemoryMB > maxBuildMemoryMB {
 		return badRequest("memoryMB must be between 0 and %d", maxBuildMemoryMB)
 	}
-	bld, err := b.RequestBuild(r.Context(), sandbox.BuildSpec{Name: name, Tags: req.Tags, CPUCount: req.CPUCount, MemoryMB: req.MemoryMB})
+	if err := s.claimTemplateName(r.Context(), name); err != nil { // teams.go
+		return err
+	}
+	release, err := s.admit(r.Context(), s.buildUsage()) // quotas.go: its record counts from now on
+	if err != nil {
+		return err
+	}
+	defer release()
+	bld, err := b.RequestBuild(r.Context(), sandbox.BuildSpec{Name: name, Team: auth.TeamOf(r.Context()), Tags: req.Tags, CPUCount: req.CPUCount, MemoryMB: req.MemoryMB})
 	if err != nil {
 		return err
 	}
@@ -215,6 +224,9 @@ func (s *server) startTemplateBuild(w http.ResponseWriter, r *http.Request, p pa
 	var req templateBuildStartV2
 	if err := s.decodeJSON(w, r, &req, true); err != nil {
 		return err
+	}
+	if err := s.checkTemplate(r.Context(), req.FromTemplate, false); req.FromTemplate != "" && err != nil {
+		return err // another team's template is not there to build from (teams.go)
 	}
 	sreq := sandbox.StepBuildRequest{FromImage: req.FromImage, FromTemplate: req.FromTemplate, Steps: req.Steps,
 		StartCmd: req.StartCmd, ReadyCmd: req.ReadyCmd, Force: req.Force}
@@ -350,7 +362,7 @@ func (s *server) getTemplate(w http.ResponseWriter, r *http.Request, p params) e
 		return notFound("template %s not found", quoteTemplate(p["id"]))
 	}
 	tj := toTemplate(t, s.resources())
-	out := templateWithBuilds{TemplateID: t.ID, Aliases: tj.Aliases, Names: tj.Names, CreatedAt: t.CreatedAt, UpdatedAt: t.CreatedAt, Builds: []templateBuildJSON{},
+	out := templateWithBuilds{TemplateID: t.ID, Public: t.Public, Aliases: tj.Aliases, Names: tj.Names, CreatedAt: t.CreatedAt, UpdatedAt: t.CreatedAt, Builds: []templateBuildJSON{},
 		Kind: tj.Kind, SnapshotState: tj.SnapshotState, SnapshotError: tj.SnapshotError}
 	blds, err := b.ListBuilds(r.Context(), t.ID)
 	if err != nil {

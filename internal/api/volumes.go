@@ -1,6 +1,7 @@
 package api
 
 import (
+	"context"
 	"errors"
 	"io"
 	"net/http"
@@ -8,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/volume"
@@ -16,8 +18,14 @@ import (
 // E2B's volumes: /volumes (behind the API key) and the content API /volumecontent/{id}/...
 // (behind the volume's own token, `Authorization: Bearer <token>`), served by internal/volume.
 
-// volumeOwner is the owner recorded for volumes: ember has no teams yet.
-const volumeOwner = ""
+// volumeOwner is the owner recorded for volumes: the caller's team ("" for the default team,
+// as volumes made before teams recorded).
+func volumeOwner(ctx context.Context) string {
+	if t := auth.TeamOf(ctx); t != auth.DefaultTeamID {
+		return t
+	}
+	return ""
+}
 
 // volumeContentPrefix is routed before the control plane (its token is not an API key).
 const volumeContentPrefix = "/volumecontent/"
@@ -75,7 +83,7 @@ func (s *server) createVolume(w http.ResponseWriter, r *http.Request, _ params) 
 	if req.Name == "" {
 		return badRequest("name is required")
 	}
-	v, err := s.cfg.Volumes.Create(r.Context(), volumeOwner, req.Name)
+	v, err := s.cfg.Volumes.Create(r.Context(), volumeOwner(r.Context()), req.Name)
 	if err != nil {
 		return err
 	}
@@ -84,7 +92,7 @@ func (s *server) createVolume(w http.ResponseWriter, r *http.Request, _ params) 
 }
 
 func (s *server) listVolumes(w http.ResponseWriter, r *http.Request, _ params) error {
-	vols, err := s.cfg.Volumes.Volumes(r.Context(), volumeOwner)
+	vols, err := s.cfg.Volumes.Volumes(r.Context(), volumeOwner(r.Context()))
 	if err != nil {
 		return err
 	}
@@ -97,7 +105,7 @@ func (s *server) listVolumes(w http.ResponseWriter, r *http.Request, _ params) e
 }
 
 func (s *server) getVolume(w http.ResponseWriter, r *http.Request, p params) error {
-	v, err := s.cfg.Volumes.Get(r.Context(), volumeOwner, p["id"])
+	v, err := s.cfg.Volumes.Get(r.Context(), volumeOwner(r.Context()), p["id"])
 	if err != nil {
 		return err
 	}
@@ -106,7 +114,7 @@ func (s *server) getVolume(w http.ResponseWriter, r *http.Request, p params) err
 }
 
 func (s *server) destroyVolume(w http.ResponseWriter, r *http.Request, p params) error {
-	if err := s.cfg.Volumes.Destroy(r.Context(), volumeOwner, p["id"]); err != nil {
+	if err := s.cfg.Volumes.Destroy(r.Context(), volumeOwner(r.Context()), p["id"]); err != nil {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
@@ -138,7 +146,7 @@ func (s *server) resolveVolumeMounts(r *http.Request, in []volumeMountJSON) (_ [
 		if m.Name == "" {
 			return nil, release, badRequest("volumeMounts: name is required")
 		}
-		id, dir, rel, err := s.cfg.Volumes.Resolve(r.Context(), volumeOwner, m.Name)
+		id, dir, rel, err := s.cfg.Volumes.Resolve(r.Context(), volumeOwner(r.Context()), m.Name)
 		if errors.Is(err, errdefs.ErrNotFound) {
 			return nil, release, badRequest("volume '%s' not found", m.Name)
 		}

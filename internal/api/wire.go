@@ -139,7 +139,7 @@ type forkResultJSON struct {
 
 // resources is the service's templateResourcer, if it is one.
 func (s *server) resources() templateResourcer {
-	r, _ := s.svc.(templateResourcer)
+	r, _ := s.shared.(templateResourcer)
 	return r
 }
 
@@ -264,6 +264,7 @@ func toTemplate(t *sandbox.Template, res templateResourcer) templateJSON {
 		cpu, mem, disk = res.TemplateResources(t)
 	}
 	return templateJSON{
+		Public:        t.Public,
 		TemplateID:    t.ID,
 		BuildID:       buildID,
 		CPUCount:      cpu,

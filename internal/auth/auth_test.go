@@ -54,7 +54,7 @@ func TestCreateVerifyRevoke(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			err := keys.Verify(ctx, tt.key)
+			_, err := keys.Verify(ctx, tt.key)
 			if tt.ok && err != nil {
 				t.Fatalf("Verify: %v", err)
 			}
@@ -64,20 +64,20 @@ func TestCreateVerifyRevoke(t *testing.T) {
 		})
 	}
 
-	if err := keys.Revoke(ctx, key.ID); err != nil {
+	if err := keys.Revoke(ctx, key.ID, ""); err != nil {
 		t.Fatal(err)
 	}
-	if err := keys.Verify(ctx, plain); !errors.Is(err, errdefs.ErrUnauthorized) {
+	if _, err := keys.Verify(ctx, plain); !errors.Is(err, errdefs.ErrUnauthorized) {
 		t.Fatalf("revoked key still verifies: %v", err)
 	}
-	if err := keys.Revoke(ctx, key.ID); !errors.Is(err, errdefs.ErrNotFound) {
+	if err := keys.Revoke(ctx, key.ID, ""); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("second revoke = %v, want ErrNotFound", err)
 	}
-	list, _ := keys.List(ctx)
+	list, _ := keys.List(ctx, "")
 	if len(list) != 1 {
 		t.Fatalf("list has %d keys, want 1", len(list))
 	}
-	if err := keys.Revoke(ctx, list[0].ID); !errors.Is(err, errdefs.ErrConflict) {
+	if err := keys.Revoke(ctx, list[0].ID, ""); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("revoking the last key = %v, want ErrConflict", err)
 	}
 }
@@ -99,7 +99,7 @@ func TestEnsureInitialKey(t *testing.T) {
 	if err != nil || !created {
 		t.Fatalf("first start: created=%v err=%v", created, err)
 	}
-	if err := keys.Verify(ctx, plain); err != nil {
+	if _, err := keys.Verify(ctx, plain); err != nil {
 		t.Fatalf("initial key does not verify: %v", err)
 	}
 	path := filepath.Join(dir, KeyFileName)
@@ -183,5 +183,26 @@ func TestVerifyFileSignature(t *testing.T) {
 				t.Fatalf("verify = %v, want ErrUnauthorized", err)
 			}
 		})
+	}
+}
+
+// Keys of an ember without teams become the default team's admin keys at start; the default
+// team is made.
+func TestEnsureInitialKeyMovesKeysIntoTheDefaultTeam(t *testing.T) {
+	ctx := context.Background()
+	b := NewMemoryBackend()
+	if err := b.PutKey(ctx, &Key{ID: "old", Name: "old", Hash: HashKey("e2b_" + strings.Repeat("a", 40))}); err != nil {
+		t.Fatal(err)
+	}
+	keys := NewKeys(b)
+	if _, created, err := keys.EnsureInitialKey(ctx, t.TempDir()); err != nil || created {
+		t.Fatalf("created=%v err=%v", created, err)
+	}
+	k, err := keys.Verify(ctx, "e2b_"+strings.Repeat("a", 40))
+	if err != nil || k.Team != DefaultTeamID || !k.Admin {
+		t.Fatalf("migrated key %+v, %v", k, err)
+	}
+	if _, err := b.GetTeam(ctx, DefaultTeamID); err != nil {
+		t.Fatalf("default team: %v", err)
 	}
 }

@@ -40,6 +40,18 @@ type Key struct {
 	Hash      string    `json:"hash"`
 	Mask      string    `json:"mask"`
 	CreatedAt time.Time `json:"createdAt"`
+	// Team is the team the key belongs to ("" in a record of an ember without teams: the
+	// default team's, as an admin key). Admin keys manage teams and every team's keys.
+	Team  string `json:"team,omitempty"`
+	Admin bool   `json:"admin,omitempty"`
+}
+
+// Caller is who a request with this key acts for.
+func (k *Key) Caller() Caller {
+	if k.Team == "" {
+		return Caller{Team: DefaultTeamID, Admin: true, KeyID: k.ID}
+	}
+	return Caller{Team: k.Team, Admin: k.Admin, KeyID: k.ID}
 }
 
 // Backend persists keys. GetKeyByHash and DeleteKey return an error wrapping errdefs.ErrNotFound
@@ -139,20 +151,31 @@ func newKeyID() (string, error) {
 // MaxNameLen bounds a key's name.
 const MaxNameLen = 128
 
-// Create issues a new key. The plaintext is returned once and never again.
+// Create issues a new admin key of the default team. The plaintext is returned once and never
+// again.
 func (k *Keys) Create(ctx context.Context, name string) (string, *Key, error) {
+	return k.CreateFor(ctx, name, DefaultTeamID, true)
+}
+
+// CreateFor issues a new key of a team (which must exist when the store keeps teams).
+func (k *Keys) CreateFor(ctx context.Context, name, team string, admin bool) (string, *Key, error) {
+	if tb, ok := k.b.(TeamBackend); ok && team != DefaultTeamID {
+		if _, err := tb.GetTeam(ctx, team); err != nil {
+			return "", nil, err
+		}
+	}
 	plaintext, err := GenerateKey()
 	if err != nil {
 		return "", nil, err
 	}
-	key, err := k.register(ctx, name, plaintext)
+	key, err := k.register(ctx, name, team, admin, plaintext)
 	if err != nil {
 		return "", nil, err
 	}
 	return plaintext, key, nil
 }
 
-func (k *Keys) register(ctx context.Context, name, plaintext string) (*Key, error) {
+func (k *Keys) register(ctx context.Context, name, team string, admin bool, plaintext string) (*Key, error) {
 	name = strings.TrimSpace(name)
 	if name == "" {
 		name = "default"
@@ -170,6 +193,8 @@ func (k *Keys) register(ctx context.Context, name, plaintext string) (*Key, erro
 		Hash:      HashKey(plaintext),
 		Mask:      MaskKey(plaintext),
 		CreatedAt: k.now().UTC(),
+		Team:      team,
+		Admin:     admin,
 	}
 	if err := k.b.PutKey(ctx, key); err != nil {
 		return nil, fmt.Errorf("store api key: %w", err)
@@ -178,65 +203,84 @@ func (k *Keys) register(ctx context.Context, name, plaintext string) (*Key, erro
 	return key, nil
 }
 
-// Verify returns nil when plaintext is a live key, else an error wrapping
+// Verify returns the key when plaintext is a live key, else an error wrapping
 // errdefs.ErrUnauthorized (or the backend's failure).
-func (k *Keys) Verify(ctx context.Context, plaintext string) error {
+func (k *Keys) Verify(ctx context.Context, plaintext string) (*Key, error) {
 	if !ValidKeyFormat(plaintext) {
-		return fmt.Errorf("malformed api key: %w", errdefs.ErrUnauthorized)
+		return nil, fmt.Errorf("malformed api key: %w", errdefs.ErrUnauthorized)
 	}
 	hash := HashKey(plaintext)
 	if k.knownUnknown(hash) {
-		return fmt.Errorf("unknown api key: %w", errdefs.ErrUnauthorized)
+		return nil, fmt.Errorf("unknown api key: %w", errdefs.ErrUnauthorized)
 	}
 	key, err := k.b.GetKeyByHash(ctx, hash)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		k.rememberUnknown(hash)
-		return fmt.Errorf("unknown api key: %w", errdefs.ErrUnauthorized)
+		return nil, fmt.Errorf("unknown api key: %w", errdefs.ErrUnauthorized)
 	}
 	if err != nil {
-		return fmt.Errorf("look up api key: %w", err)
+		return nil, fmt.Errorf("look up api key: %w", err)
 	}
 	// The lookup is by hash; compare again in constant time so a backend that matches loosely
 	// (prefix, case) cannot let a wrong key through.
 	if subtle.ConstantTimeCompare([]byte(key.Hash), []byte(hash)) != 1 {
-		return fmt.Errorf("unknown api key: %w", errdefs.ErrUnauthorized)
+		return nil, fmt.Errorf("unknown api key: %w", errdefs.ErrUnauthorized)
 	}
-	return nil
+	return key, nil
 }
 
-// List returns all keys (without plaintext), oldest first as the backend orders them.
-func (k *Keys) List(ctx context.Context) ([]*Key, error) {
-	return k.b.ListKeys(ctx)
+// List returns the keys (without plaintext) of team ("" = every team's), oldest first as the
+// backend orders them.
+func (k *Keys) List(ctx context.Context, team string) ([]*Key, error) {
+	all, err := k.b.ListKeys(ctx)
+	if err != nil || team == "" {
+		return all, err
+	}
+	out := all[:0]
+	for _, key := range all {
+		if key.Caller().Team == team {
+			out = append(out, key)
+		}
+	}
+	return out, nil
 }
 
-// Revoke deletes a key. Revoking the last remaining key is refused (errdefs.ErrConflict) so the
-// daemon cannot be locked out by accident.
-func (k *Keys) Revoke(ctx context.Context, id string) error {
+// Revoke deletes a key of team ("" = of any team; a key of another team is not found).
+// Revoking the last remaining admin key is refused (errdefs.ErrConflict) so the daemon cannot
+// be locked out by accident.
+func (k *Keys) Revoke(ctx context.Context, id, team string) error {
 	keys, err := k.b.ListKeys(ctx)
 	if err != nil {
 		return err
 	}
-	found := false
+	var found *Key
+	admins := 0
 	for _, key := range keys {
-		if key.ID == id {
-			found = true
-			break
+		if key.Caller().Admin {
+			admins++
+		}
+		if key.ID == id && (team == "" || key.Caller().Team == team) {
+			found = key
 		}
 	}
-	if !found {
+	if found == nil {
 		return fmt.Errorf("api key %q: %w", id, errdefs.ErrNotFound)
 	}
-	if len(keys) == 1 {
-		return fmt.Errorf("api key %q is the last one; create another first: %w", id, errdefs.ErrConflict)
+	if found.Caller().Admin && admins == 1 {
+		return fmt.Errorf("api key %q is the last admin key; create another first: %w", id, errdefs.ErrConflict)
 	}
 	return k.b.DeleteKey(ctx, id)
 }
 
-// EnsureInitialKey makes sure at least one key exists. When the store has none it issues one
+// EnsureInitialKey makes sure the default team exists (moving the keys of an ember without
+// teams into it as its admin keys) and at least one key exists. When the store has none it issues one
 // (or re-registers the key already written in <dataDir>/api-key, so a wiped store keeps the
-// user's configured key working), writes it to <dataDir>/api-key with mode 0600 and returns it
+// user's configured key working) as the default team's admin key, writes it to <dataDir>/api-key with mode 0600 and returns it
 // with created=true so the daemon can print it once. When keys exist it returns "", false.
 func (k *Keys) EnsureInitialKey(ctx context.Context, dataDir string) (plaintext string, created bool, err error) {
+	if err := k.ensureDefaultTeam(ctx); err != nil {
+		return "", false, err
+	}
 	keys, err := k.b.ListKeys(ctx)
 	if err != nil {
 		return "", false, fmt.Errorf("list api keys: %w", err)
@@ -255,7 +299,7 @@ func (k *Keys) EnsureInitialKey(ctx context.Context, dataDir string) (plaintext 
 	if err := writeFileAtomic(path, []byte(plaintext+"\n"), 0o600); err != nil {
 		return "", false, err
 	}
-	if _, err := k.register(ctx, "initial", plaintext); err != nil {
+	if _, err := k.register(ctx, "initial", DefaultTeamID, true, plaintext); err != nil {
 		return "", false, err
 	}
 	return plaintext, true, nil

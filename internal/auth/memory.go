@@ -11,13 +11,14 @@ import (
 
 // MemoryBackend keeps keys in memory. It is for tests and for running without a store.
 type MemoryBackend struct {
-	mu   sync.Mutex
-	keys map[string]*Key // by id
+	mu    sync.Mutex
+	keys  map[string]*Key  // by id
+	teams map[string]*Team // by id
 }
 
 // NewMemoryBackend returns an empty in-memory Backend.
 func NewMemoryBackend() *MemoryBackend {
-	return &MemoryBackend{keys: map[string]*Key{}}
+	return &MemoryBackend{keys: map[string]*Key{}, teams: map[string]*Team{}}
 }
 
 // PutKey stores (or replaces) a key.
@@ -68,5 +69,50 @@ func (m *MemoryBackend) DeleteKey(_ context.Context, id string) error {
 		return fmt.Errorf("api key %q: %w", id, errdefs.ErrNotFound)
 	}
 	delete(m.keys, id)
+	return nil
+}
+
+// PutTeam stores (or replaces) a team.
+func (m *MemoryBackend) PutTeam(_ context.Context, t *Team) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	c := *t
+	m.teams[t.ID] = &c
+	return nil
+}
+
+// GetTeam finds a team by id.
+func (m *MemoryBackend) GetTeam(_ context.Context, id string) (*Team, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	t, ok := m.teams[id]
+	if !ok {
+		return nil, fmt.Errorf("team %q: %w", id, errdefs.ErrNotFound)
+	}
+	c := *t
+	return &c, nil
+}
+
+// ListTeams returns all teams, oldest first.
+func (m *MemoryBackend) ListTeams(_ context.Context) ([]*Team, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([]*Team, 0, len(m.teams))
+	for _, t := range m.teams {
+		c := *t
+		out = append(out, &c)
+	}
+	SortTeams(out)
+	return out, nil
+}
+
+// DeleteTeam removes a team by id.
+func (m *MemoryBackend) DeleteTeam(_ context.Context, id string) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if _, ok := m.teams[id]; !ok {
+		return fmt.Errorf("team %q: %w", id, errdefs.ErrNotFound)
+	}
+	delete(m.teams, id)
 	return nil
 }

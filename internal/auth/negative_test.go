@@ -33,7 +33,7 @@ func TestUnknownKeysAreCachedBriefly(t *testing.T) {
 	ctx := context.Background()
 	bogus, _ := GenerateKey()
 	for i := 0; i < 100; i++ {
-		if err := keys.Verify(ctx, bogus); !errors.Is(err, errdefs.ErrUnauthorized) {
+		if _, err := keys.Verify(ctx, bogus); !errors.Is(err, errdefs.ErrUnauthorized) {
 			t.Fatalf("unknown key: %v", err)
 		}
 	}
@@ -41,20 +41,20 @@ func TestUnknownKeysAreCachedBriefly(t *testing.T) {
 		t.Fatalf("100 requests with one unknown key cost %d backend lookups", n)
 	}
 	// Registered on another node (straight into the backend): known once the period passed.
-	if _, err := NewKeys(b.Backend).register(ctx, "elsewhere", bogus); err != nil {
+	if _, err := NewKeys(b.Backend).register(ctx, "elsewhere", DefaultTeamID, true, bogus); err != nil {
 		t.Fatal(err)
 	}
 	now = now.Add(negativeTTL + time.Millisecond)
-	if err := keys.Verify(ctx, bogus); err != nil {
+	if _, err := keys.Verify(ctx, bogus); err != nil {
 		t.Fatalf("a key created elsewhere after the period: %v", err)
 	}
 	// Created on this node: known at once, even right after a miss.
 	fresh, _ := GenerateKey()
 	keys.Verify(ctx, fresh)
-	if _, err := keys.register(ctx, "here", fresh); err != nil {
+	if _, err := keys.register(ctx, "here", DefaultTeamID, true, fresh); err != nil {
 		t.Fatal(err)
 	}
-	if err := keys.Verify(ctx, fresh); err != nil {
+	if _, err := keys.Verify(ctx, fresh); err != nil {
 		t.Fatalf("a key created here right after a miss: %v", err)
 	}
 }

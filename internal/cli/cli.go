@@ -49,7 +49,7 @@ func Main(args []string) int {
 	root.PersistentFlags().StringVar(&g.url, "url", envOr("EMBER_URL", "http://127.0.0.1:3000"), "daemon URL ($EMBER_URL)")
 	root.PersistentFlags().StringVar(&g.key, "api-key", "", "API key (default: $E2B_API_KEY, else <data-dir>/api-key of a local daemon)")
 	root.PersistentFlags().BoolVar(&g.asJSON, "json", false, "print JSON")
-	root.AddCommand(serveCmd(), sandboxCmd(g), templateCmd(g), poolCmd(g), keysCmd(g), nodeCmd(g), clusterCmd(g))
+	root.AddCommand(serveCmd(), sandboxCmd(g), templateCmd(g), poolCmd(g), keysCmd(g), teamCmd(g), nodeCmd(g), clusterCmd(g))
 	root.SetArgs(args)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

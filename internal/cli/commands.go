@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"os"
 	"time"
 
@@ -403,12 +404,14 @@ func truncate(s string, n int) string {
 
 func keysCmd(g *globals) *cobra.Command {
 	c := &cobra.Command{Use: "keys", Short: "Create, list and revoke API keys"}
-	var name string
+	var name, team string
+	var admin bool
 	create := &cobra.Command{
 		Use: "create", Short: "Create an API key (printed once)", Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var out map[string]any
-			if _, err := g.client().do(cmd.Context(), http.MethodPost, "/api-keys", map[string]any{"name": name}, &out); err != nil {
+			body := map[string]any{"name": name, "team": team, "admin": admin}
+			if _, err := g.client().do(cmd.Context(), http.MethodPost, "/api-keys", body, &out); err != nil {
 				return err
 			}
 			if g.asJSON {
@@ -419,11 +422,14 @@ func keysCmd(g *globals) *cobra.Command {
 		},
 	}
 	create.Flags().StringVar(&name, "name", "cli", "key name")
+	create.Flags().StringVar(&team, "team", "", "the team of the key (an admin key's choice; default: the caller's)")
+	create.Flags().BoolVar(&admin, "admin", false, "an admin key (manages teams and every team's keys; needs an admin key)")
+	var lsTeam string
 	ls := &cobra.Command{
 		Use: "ls", Short: "List API keys", Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var out []map[string]any
-			if _, err := g.client().do(cmd.Context(), http.MethodGet, "/api-keys", nil, &out); err != nil {
+			if _, err := g.client().do(cmd.Context(), http.MethodGet, "/api-keys?team="+url.QueryEscape(lsTeam), nil, &out); err != nil {
 				return err
 			}
 			if g.asJSON {
@@ -431,12 +437,17 @@ func keysCmd(g *globals) *cobra.Command {
 			}
 			rows := [][]string{}
 			for _, k := range out {
-				rows = append(rows, []string{str(k["id"]), str(k["name"]), str(k["mask"]), str(k["createdAt"])})
+				role := ""
+				if k["admin"] == true {
+					role = "admin"
+				}
+				rows = append(rows, []string{str(k["id"]), str(k["name"]), str(k["mask"]), str(k["team"]), role, str(k["createdAt"])})
 			}
-			table([]string{"ID", "NAME", "KEY", "CREATED"}, rows)
+			table([]string{"ID", "NAME", "KEY", "TEAM", "ROLE", "CREATED"}, rows)
 			return nil
 		},
 	}
+	ls.Flags().StringVar(&lsTeam, "team", "", "the team whose keys to list (an admin key's choice; * for every team)")
 	revoke := &cobra.Command{
 		Use: "revoke ID", Short: "Revoke an API key", Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {

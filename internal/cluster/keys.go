@@ -89,3 +89,63 @@ func (s keyStore) DeleteKey(ctx context.Context, id string) error {
 	}
 	return nil
 }
+
+// Teams are kept next to the keys, under teams/<id>: a team made on any node is every node's.
+
+func (s keyStore) PutTeam(ctx context.Context, t *auth.Team) error {
+	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
+	defer done()
+	b, err := json.Marshal(t)
+	if err != nil {
+		return err
+	}
+	if _, err := s.cl.c.Put(ctx, s.cl.key("teams", t.ID), string(b)); err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	return nil
+}
+
+func (s keyStore) GetTeam(ctx context.Context, id string) (*auth.Team, error) {
+	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
+	defer done()
+	r, err := s.cl.c.Get(ctx, s.cl.key("teams", id))
+	if err != nil {
+		return nil, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	var t auth.Team
+	if len(r.Kvs) == 0 || json.Unmarshal(r.Kvs[0].Value, &t) != nil {
+		return nil, fmt.Errorf("team %q: %w", id, errdefs.ErrNotFound)
+	}
+	return &t, nil
+}
+
+func (s keyStore) ListTeams(ctx context.Context) ([]*auth.Team, error) {
+	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
+	defer done()
+	r, err := s.cl.c.Get(ctx, s.cl.key("teams")+"/", clientv3.WithPrefix())
+	if err != nil {
+		return nil, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	out := make([]*auth.Team, 0, len(r.Kvs))
+	for _, kv := range r.Kvs {
+		var t auth.Team
+		if json.Unmarshal(kv.Value, &t) == nil {
+			out = append(out, &t)
+		}
+	}
+	auth.SortTeams(out)
+	return out, nil
+}
+
+func (s keyStore) DeleteTeam(ctx context.Context, id string) error {
+	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
+	defer done()
+	r, err := s.cl.c.Delete(ctx, s.cl.key("teams", id))
+	if err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	if r.Deleted == 0 {
+		return fmt.Errorf("team %q: %w", id, errdefs.ErrNotFound)
+	}
+	return nil
+}

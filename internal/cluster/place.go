@@ -291,7 +291,7 @@ func (cl *Cluster) claim(ctx context.Context, s LocalSandbox, rid string) error 
 	if r := cl.route(s.ID); r != nil && (r.Node != self || r.Epoch != epoch) {
 		return fmt.Errorf("sandbox %q is held by node %s: %w", s.ID, r.Node, errdefs.ErrConflict)
 	}
-	b, _ := json.Marshal(Route{Node: self, Epoch: epoch, TemplateID: s.TemplateID, CPU: s.CPU, MemoryMB: s.MemoryMB, Since: time.Now().UTC(), Volumes: s.Volumes})
+	b, _ := json.Marshal(Route{Node: self, Team: s.Team, Epoch: epoch, TemplateID: s.TemplateID, CPU: s.CPU, MemoryMB: s.MemoryMB, Since: time.Now().UTC(), Volumes: s.Volumes})
 	// Running here now: a pause image stored earlier is stale (moves.go).
 	ops := []clientv3.Op{clientv3.OpPut(cl.key("sandboxes", s.ID), string(b)), clientv3.OpDelete(cl.key("stored", s.ID))}
 	if rid != "" {
@@ -337,6 +337,8 @@ type Location struct {
 	// template (moves.go).
 	Stored     bool
 	TemplateID string
+	// Team owns the sandbox (from its route or lost record; "" : the default team).
+	Team string
 }
 
 // Known reports whether the cluster knows the sandbox.
@@ -361,13 +363,13 @@ func (cl *Cluster) Locate(ctx context.Context, id string, fresh bool) (Location,
 		} else if kvs := resp.Responses[1].GetResponseRange().Kvs; len(kvs) > 0 {
 			var l Lost
 			_ = json.Unmarshal(kvs[0].Value, &l)
-			return Location{Lost: &l}, nil
+			return Location{Lost: &l, Team: l.Team}, nil
 		}
 	}
 	if r == nil {
 		return Location{}, nil
 	}
-	loc := Location{Node: r.Node, Local: r.Node == cl.cfg.NodeID && r.Epoch == cl.epoch.Load(), Stored: r.Stored, TemplateID: r.TemplateID}
+	loc := Location{Node: r.Node, Local: r.Node == cl.cfg.NodeID && r.Epoch == cl.epoch.Load(), Stored: r.Stored, TemplateID: r.TemplateID, Team: r.Team}
 	if n := cl.node(r.Node); n != nil && n.Epoch == r.Epoch {
 		loc.URL = n.URL
 	} else if !loc.Local {

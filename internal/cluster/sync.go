@@ -233,7 +233,7 @@ func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, r
 	record := func(id string) string {
 		lr := Lost{Node: node, At: at.UTC(), Reason: reason}
 		if r := cl.route(id); r != nil {
-			lr.TemplateID, lr.CPU, lr.MemoryMB, lr.Since = r.TemplateID, r.CPU, r.MemoryMB, r.Since
+			lr.TemplateID, lr.CPU, lr.MemoryMB, lr.Since, lr.Team = r.TemplateID, r.CPU, r.MemoryMB, r.Since, r.Team
 		}
 		b, _ := json.Marshal(lr)
 		return string(b)

@@ -66,7 +66,10 @@ func (a Alloc) add(s TemplateSize, sign int) Alloc {
 
 // Route says which node (and which of its epochs) holds a sandbox.
 type Route struct {
-	Node       string    `json:"node"`
+	Node string `json:"node"`
+	// Team owns the sandbox ("" : the default team): every edge answers another team's
+	// sandbox as a missing one without asking its node.
+	Team       string    `json:"team,omitempty"`
 	Epoch      int64     `json:"epoch"`
 	TemplateID string    `json:"templateID,omitempty"`
 	CPU        int       `json:"cpu,omitempty"`
@@ -84,6 +87,7 @@ type Route struct {
 // Lost records a sandbox that died with its node.
 type Lost struct {
 	Node   string    `json:"node"`
+	Team   string    `json:"team,omitempty"` // from the route it replaced
 	At     time.Time `json:"at"`
 	Reason string    `json:"reason"`
 	// From the route it replaced (absent in records written before they were kept).
@@ -118,6 +122,7 @@ type NodeView struct {
 // LocalSandbox is one sandbox this node holds (running or paused).
 type LocalSandbox struct {
 	ID         string
+	Team       string
 	TemplateID string
 	Running    bool
 	CPU        int

@@ -33,6 +33,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/layerfs"
 	"github.com/ember-sandbox/ember/internal/metrics"
 	"github.com/ember-sandbox/ember/internal/network"
+	"github.com/ember-sandbox/ember/internal/quota"
 	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/runtime/gvisor"
 	"github.com/ember-sandbox/ember/internal/sandbox"
@@ -378,6 +379,9 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		mgr.Close()
 		return nil, err
 	}
+	_, _, diskMB := mgr.TemplateResources(&sandbox.Template{})
+	acfg.Quotas = quota.New(mgr, keys, diskMB) // the teams' quotas, counted on this node
+	met.SetTeams(acfg.Quotas)
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true
 	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: lfs, Cluster: cl, net: nm, moves: moves}, nil

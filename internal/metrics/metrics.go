@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/ember-sandbox/ember/internal/quota"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -35,8 +36,21 @@ type Metrics struct {
 	failures *prometheus.CounterVec
 	retries  prometheus.Counter
 
-	mu  sync.Mutex
-	src Source
+	mu    sync.Mutex
+	src   Source
+	teams TeamSource
+}
+
+// TeamSource reads every team's quota and usage (*quota.Quotas).
+type TeamSource interface {
+	All(ctx context.Context) ([]quota.TeamUsage, error)
+}
+
+// SetTeams sets what scrapes read the teams' quotas and usage from.
+func (m *Metrics) SetTeams(t TeamSource) {
+	m.mu.Lock()
+	m.teams = t
+	m.mu.Unlock()
 }
 
 // New returns the registry of one node, with the Go runtime and process collectors.
@@ -102,6 +116,8 @@ var (
 	descPoolCost  = prometheus.NewDesc("ember_pool_instance_bytes", "Memory one instance of a pool kind is counted at: its measured idle cost, or the estimate before one is measured.", []string{"kind"}, nil)
 	descPoolBudg  = prometheus.NewDesc("ember_pool_memory_budget_bytes", "Memory all warm pools of this node may hold.", nil, nil)
 	descPoolUsed  = prometheus.NewDesc("ember_pool_memory_used_bytes", "Memory the warm pools of this node hold or are making, each instance at its kind's cost.", nil, nil)
+	descQuota     = prometheus.NewDesc("ember_team_quota", "A team's quota (0: no limit): sandboxes, cpus, memoryMB, pausedDiskMB, builds, templateDiskMB.", []string{"team", "quota"}, nil)
+	descTeamUsed  = prometheus.NewDesc("ember_team_usage", "What a team holds on this node, in its quotas' units.", []string{"team", "quota"}, nil)
 	descSnapshots = prometheus.NewDesc("ember_snapshots", "Named snapshots by the state of their image (uploading, stored, failed, local).", []string{"state"}, nil)
 )
 
@@ -110,20 +126,30 @@ type stateCollector struct{ m *Metrics }
 
 func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descSandboxes, descPoolReady, descPoolTgt, descPoolHits, descPoolMiss, descPoolFill, descPoolRate,
-		descPoolBurst, descPoolWarm, descPoolCost, descPoolBudg, descPoolUsed, descSnapshots} {
+		descPoolBurst, descPoolWarm, descPoolCost, descPoolBudg, descPoolUsed, descSnapshots, descQuota, descTeamUsed} {
 		ch <- d
 	}
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 	c.m.mu.Lock()
-	src := c.m.src
+	src, teams := c.m.src, c.m.teams
 	c.m.mu.Unlock()
 	if src == nil {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
+	if teams != nil {
+		if tus, err := teams.All(ctx); err == nil {
+			for _, tu := range tus {
+				for _, f := range quotaFields(tu.Team.Quota, tu.Usage) {
+					ch <- prometheus.MustNewConstMetric(descQuota, prometheus.GaugeValue, float64(f.limit), tu.Team.ID, f.name)
+					ch <- prometheus.MustNewConstMetric(descTeamUsed, prometheus.GaugeValue, float64(f.used), tu.Team.ID, f.name)
+				}
+			}
+		}
+	}
 	if sbs, err := src.List(ctx, sandbox.ListFilter{States: []sandbox.State{sandbox.StateRunning, sandbox.StatePaused}}); err == nil {
 		n := map[sandbox.State]int{sandbox.StateRunning: 0, sandbox.StatePaused: 0}
 		for _, sb := range sbs {
@@ -167,5 +193,17 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 		for st, v := range n {
 			ch <- prometheus.MustNewConstMetric(descSnapshots, prometheus.GaugeValue, float64(v), st)
 		}
+	}
+}
+
+type quotaField struct {
+	name        string
+	limit, used int
+}
+
+func quotaFields(q, u quota.Usage) []quotaField {
+	return []quotaField{
+		{"sandboxes", q.Sandboxes, u.Sandboxes}, {"cpus", q.CPUs, u.CPUs}, {"memoryMB", q.MemoryMB, u.MemoryMB},
+		{"pausedDiskMB", q.PausedDiskMB, u.PausedDiskMB}, {"builds", q.Builds, u.Builds}, {"templateDiskMB", q.TemplateDiskMB, u.TemplateDiskMB},
 	}
 }

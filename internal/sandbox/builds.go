@@ -52,6 +52,7 @@ const (
 // BuildSpec is what a build is requested with (before its steps are known).
 type BuildSpec struct {
 	Name     string
+	Team     string // the team the template belongs to
 	Tags     []string
 	CPUCount int
 	MemoryMB int
@@ -76,6 +77,7 @@ type BuildReason struct {
 type TemplateBuild struct {
 	ID         string          `json:"id"`
 	TemplateID string          `json:"templateId"`
+	Team       string          `json:"team,omitempty"` // the team that asked for it (and owns the template)
 	Status     BuildStatus     `json:"status"`
 	Tags       []string        `json:"tags,omitempty"`
 	CPUCount   int             `json:"cpuCount"`
@@ -345,7 +347,7 @@ func (m *Manager) RequestBuild(ctx context.Context, req BuildSpec) (*TemplateBui
 		return nil, fmt.Errorf("%q is a snapshot: %w", name, errdefs.ErrConflict)
 	}
 	now := time.Now().UTC()
-	r := &buildRec{b: TemplateBuild{ID: newBuildID(), TemplateID: name, Status: BuildWaiting, Tags: tags,
+	r := &buildRec{b: TemplateBuild{ID: newBuildID(), TemplateID: name, Team: req.Team, Status: BuildWaiting, Tags: tags,
 		CPUCount: req.CPUCount, MemoryMB: req.MemoryMB, CreatedAt: now, UpdatedAt: now}}
 	m.tb.mu.Lock()
 	defer m.tb.mu.Unlock()
@@ -394,7 +396,7 @@ func (m *Manager) ListBuilds(ctx context.Context, templateID string) ([]*Templat
 	defer m.tb.mu.Unlock()
 	var out []*TemplateBuild
 	for _, r := range m.tb.recs {
-		if r.b.TemplateID == templateID {
+		if templateID == "" || r.b.TemplateID == templateID { // "": every template's
 			b := r.b
 			b.Logs = nil
 			out = append(out, &b)

@@ -570,6 +570,7 @@ func (m *Manager) SnapshotCheckpoint(ctx context.Context, id, cid, name string) 
 	snap := &Template{
 		ID:            snapID,
 		Kind:          "snapshot",
+		Team:          sb.Team,
 		RootFS:        ck.RootFS,
 		Lowers:        ck.Lowers,
 		Image:         image,

@@ -99,6 +99,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	now := time.Now().UTC()
 	sb := &Sandbox{
 		ID:               newID(),
+		Team:             req.Team,
 		TemplateID:       tpl.ID,
 		State:            StateRunning,
 		Metadata:         copyMap(req.Metadata),

@@ -80,6 +80,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 	snap := &Template{
 		ID:            snapID,
 		Kind:          "snapshot",
+		Team:          sb.Team,
 		VolumeMounts:  sb.VolumeMounts, // volumemounts.go
 		RootFS:        tpl.RootFS,
 		Lowers:        tpl.Lowers,
@@ -247,6 +248,7 @@ func newForkChild(parent *Sandbox, tpl *Template, timeout time.Duration) *Sandbo
 	now := time.Now().UTC()
 	return &Sandbox{
 		ID:               newID(),
+		Team:             parent.Team,
 		TemplateID:       parent.TemplateID,
 		Alias:            parent.Alias,
 		State:            StateRunning,

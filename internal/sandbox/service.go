@@ -55,6 +55,7 @@ type Service interface {
 // BuildRequest asks for a template build.
 type BuildRequest struct {
 	Name     string // template id / alias, e.g. "base"
+	Team     string // the team the template belongs to
 	From     string // "debian:bookworm" (default), "docker://REF", "docker+http://REF", "archive:NAME" (an import)
 	StartCmd string // optional command started before the checkpoint
 	ReadyCmd string // optional command that must succeed before the checkpoint

@@ -558,7 +558,7 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 		oldTags = old.Tags
 	}
 	tpl := &Template{
-		ID: name, Kind: "template", RootFS: stack.Top, Lowers: stack.Lowers, CreatedAt: created, CPUCount: spec.CPUCount, MemoryMB: spec.MemoryMB,
+		ID: name, Kind: "template", Team: spec.Team, RootFS: stack.Top, Lowers: stack.Lowers, CreatedAt: created, CPUCount: spec.CPUCount, MemoryMB: spec.MemoryMB,
 		BuildID: bid, InitToken: randomHex(16), Env: final.Env, User: final.User, Workdir: final.Workdir,
 		Format: TemplateFormat, BuildKey: tplKey, Tags: mergeTags(oldTags, spec.Tags, bid), Names: []string{name},
 	}

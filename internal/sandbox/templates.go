@@ -69,6 +69,7 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 	tpl := &Template{
 		ID:        req.Name,
 		Kind:      "template",
+		Team:      req.Team,
 		RootFS:    rootfs,
 		Lowers:    info.Lowers,
 		CreatedAt: time.Now().UTC(),

@@ -36,7 +36,10 @@ const EnvdVersion = "0.6.4"
 
 // Sandbox is the user-visible record of one sandbox. It is what the store persists.
 type Sandbox struct {
-	ID          string            `json:"id"`
+	ID string `json:"id"`
+	// Team owns the sandbox (auth.Owner: "" is the default team's); its snapshots, forks and
+	// checkpoints are the team's too.
+	Team        string            `json:"team,omitempty"`
 	TemplateID  string            `json:"templateId"`
 	Alias       string            `json:"alias,omitempty"`
 	State       State             `json:"state"`
@@ -106,6 +109,7 @@ type Placement struct {
 // CreateRequest is what a caller asks for when creating a sandbox.
 type CreateRequest struct {
 	TemplateID string
+	Team       string        // the team the sandbox belongs to
 	Timeout    time.Duration // 0 = DefaultTimeout
 	Metadata   map[string]string
 	EnvVars    map[string]string
@@ -175,6 +179,10 @@ type Template struct {
 	ID      string   `json:"id"`
 	Aliases []string `json:"aliases,omitempty"`
 	Kind    string   `json:"kind"` // "template" or "snapshot"
+	// Team owns the template ("" : the default team's, or public for a built-in one); Public
+	// makes it readable and usable by every team.
+	Team   string `json:"team,omitempty"`
+	Public bool   `json:"public,omitempty"`
 	// VolumeMounts: a snapshot's source's volumes; its checkpoint restores only with them
 	// (volumemounts.go).
 	VolumeMounts []VolumeMount `json:"volumeMounts,omitempty"`

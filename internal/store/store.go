@@ -31,6 +31,7 @@ var (
 	// bucketCheckpoints: step checkpoints, keyed <sandbox id>/<checkpoint id>.
 	bucketCheckpoints = []byte("checkpoints")
 	bucketVolumes     = []byte("volumes")
+	bucketTeams       = []byte("teams")
 )
 
 // Store is the metadata store. Safe for concurrent use.
@@ -46,7 +47,7 @@ func Open(path string) (*Store, error) {
 		return nil, fmt.Errorf("open store %s: %w", path, err)
 	}
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketSandboxes, bucketTemplates, bucketKeys, bucketCheckpoints, bucketVolumes} {
+		for _, b := range [][]byte{bucketSandboxes, bucketTemplates, bucketKeys, bucketCheckpoints, bucketVolumes, bucketTeams} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
@@ -270,6 +271,30 @@ func (s *Store) ListKeys(_ context.Context) ([]*auth.Key, error) {
 
 // DeleteKey removes an API key record (auth.Backend).
 func (s *Store) DeleteKey(_ context.Context, id string) error { return del(s.gc, bucketKeys, id) }
+
+// PutTeam stores a team (auth.TeamBackend).
+func (s *Store) PutTeam(_ context.Context, t *auth.Team) error {
+	return put(s.gc, bucketTeams, t.ID, t)
+}
+
+// GetTeam reads a team (auth.TeamBackend).
+func (s *Store) GetTeam(_ context.Context, id string) (*auth.Team, error) {
+	t := &auth.Team{}
+	if err := get(s.db, bucketTeams, id, t); err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+// ListTeams lists the teams, oldest first (auth.TeamBackend).
+func (s *Store) ListTeams(_ context.Context) ([]*auth.Team, error) {
+	out, err := all[auth.Team](s.db, bucketTeams)
+	auth.SortTeams(out)
+	return out, err
+}
+
+// DeleteTeam removes a team (auth.TeamBackend).
+func (s *Store) DeleteTeam(_ context.Context, id string) error { return del(s.gc, bucketTeams, id) }
 
 // PutCheckpoint inserts or replaces a step checkpoint record.
 func (s *Store) PutCheckpoint(_ context.Context, c *sandbox.Checkpoint) error {

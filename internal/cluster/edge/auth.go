@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
@@ -24,6 +25,9 @@ const (
 	// the client used (the owner's domain may differ).
 	HeaderFwdSandbox = "X-Ember-Sandbox-Id"
 	HeaderFwdPort    = "X-Ember-Sandbox-Port"
+	// HeaderTeam carries, between nodes, the team (and ";admin" for an admin key) of the
+	// client's key the sending edge checked; the node proof covers it.
+	HeaderTeam = "X-Ember-Team"
 	// HeaderNodeProof proves a request between nodes came from a node (below).
 	HeaderNodeProof = "X-Ember-Node-Proof"
 	// headerAPIKey is the client's API key header (api.HeaderAPIKey).
@@ -46,7 +50,7 @@ const proofWindow = 30 * time.Second
 func NodeProof(secret []byte, method, target string, at int64, h http.Header) string {
 	m := hmac.New(sha256.New, secret)
 	for _, part := range []string{"ember-node-proof-v1", method, target, strconv.FormatInt(at, 10), h.Get(HeaderForwarded),
-		h.Get(HeaderFwdSandbox), h.Get(HeaderFwdPort), h.Get(HeaderReservation)} {
+		h.Get(HeaderFwdSandbox), h.Get(HeaderFwdPort), h.Get(HeaderReservation), h.Get(HeaderTeam)} {
 		m.Write([]byte(part))
 		m.Write([]byte{0})
 	}
@@ -61,6 +65,10 @@ func Sign(secret []byte, out *http.Request) {
 
 func (e *Edge) sign(out *http.Request) {
 	out.Header.Set(HeaderForwarded, e.cl.NodeID())
+	out.Header.Del(HeaderTeam) // a client's own is never passed on
+	if c, ok := auth.CallerOf(out.Context()); ok {
+		out.Header.Set(HeaderTeam, EncodeCaller(c))
+	}
 	Sign(e.cl.Secret(), out)
 }
 
@@ -91,6 +99,24 @@ func Verify(secret []byte, r *http.Request) error {
 		return &errdefs.StatusError{Status: http.StatusForbidden, Message: "invalid node proof"}
 	}
 	return nil
+}
+
+// EncodeCaller is HeaderTeam's value for c.
+func EncodeCaller(c auth.Caller) string {
+	if c.Admin {
+		return c.Team + ";admin"
+	}
+	return c.Team
+}
+
+// CallerFrom reads HeaderTeam of a forwarded request whose proof checked (ok false: none).
+func CallerFrom(h http.Header) (auth.Caller, bool) {
+	v := h.Get(HeaderTeam)
+	if v == "" {
+		return auth.Caller{}, false
+	}
+	team, admin := strings.CutSuffix(v, ";admin")
+	return auth.Caller{Team: team, Admin: admin}, true
 }
 
 // Forwarded requests do not carry the client's API key: the edge checked it, and the node

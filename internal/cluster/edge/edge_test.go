@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
@@ -148,6 +149,7 @@ func TestNodeProof(t *testing.T) {
 		r := httptest.NewRequest(http.MethodPost, "/sandboxes?x=1", nil)
 		r.Header.Set(HeaderForwarded, "b")
 		r.Header.Set(HeaderReservation, "r1")
+		r.Header.Set(HeaderTeam, "team-b")
 		Sign(secret, r)
 		return r
 	}
@@ -164,6 +166,7 @@ func TestNodeProof(t *testing.T) {
 		"other key":    {func(r *http.Request) { r.Header.Set(HeaderReservation, "r2") }, http.StatusForbidden},
 		"other path":   {func(r *http.Request) { r.RequestURI = "/sandboxes" }, http.StatusForbidden},
 		"other node":   {func(r *http.Request) { r.Header.Set(HeaderForwarded, "c") }, http.StatusForbidden},
+		"other team":   {func(r *http.Request) { r.Header.Set(HeaderTeam, "default;admin") }, http.StatusForbidden},
 		"wrong secret": {func(r *http.Request) { Sign([]byte("other"), r) }, http.StatusForbidden},
 		"stale": {func(r *http.Request) {
 			r.Header.Set(HeaderNodeProof, "v1."+strconv.FormatInt(stale, 10)+"."+NodeProof(secret, r.Method, r.RequestURI, stale, r.Header))
@@ -217,5 +220,34 @@ func TestListOthers(t *testing.T) {
 	}
 	if pages[2].Body != nil || pages[2].Err != nil {
 		t.Fatalf("d (down): %+v", pages[2])
+	}
+}
+
+// The caller travels between nodes as the edge checked it; a client's own team header is
+// never passed on.
+func TestCallerHeader(t *testing.T) {
+	for _, c := range []auth.Caller{{Team: "team-b"}, {Team: "default", Admin: true}} {
+		h := http.Header{}
+		h.Set(HeaderTeam, EncodeCaller(c))
+		got, ok := CallerFrom(h)
+		if !ok || got.Team != c.Team || got.Admin != c.Admin {
+			t.Errorf("%+v came back as %+v", c, got)
+		}
+	}
+	if _, ok := CallerFrom(http.Header{}); ok {
+		t.Error("no header, a caller")
+	}
+	e := &Edge{cl: &fakeCluster{local: "a"}}
+	out := httptest.NewRequest(http.MethodGet, "/sandboxes", nil)
+	out.Header.Set(HeaderTeam, "default;admin") // the client's
+	e.sign(out)
+	if v := out.Header.Get(HeaderTeam); v != "" {
+		t.Errorf("a request without a caller went on with the client's team header %q", v)
+	}
+	out = httptest.NewRequest(http.MethodGet, "/sandboxes", nil).WithContext(auth.WithCaller(context.Background(), auth.Caller{Team: "team-b"}))
+	out.Header.Set(HeaderTeam, "default;admin")
+	e.sign(out)
+	if v := out.Header.Get(HeaderTeam); v != "team-b" {
+		t.Errorf("team header %q, want the checked caller's", v)
 	}
 }

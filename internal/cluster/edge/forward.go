@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
@@ -113,6 +114,11 @@ func (e *Edge) route(w http.ResponseWriter, r *http.Request, id, port string, sa
 	loc, err := e.cl.Locate(ctx, id, false)
 	if err == nil && (!loc.Known() || loc.Dead) {
 		loc, err = e.cl.Locate(ctx, id, true)
+	}
+	if err == nil && !sandboxPlane && loc.Known() {
+		if c, ok := auth.CallerOf(ctx); ok && auth.Owner(loc.Team) != c.Team {
+			return false // another team's: this node answers it as a missing one
+		}
 	}
 	if err == nil && !sandboxPlane {
 		var done bool
