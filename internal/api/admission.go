@@ -54,12 +54,7 @@ func withAdmission(w http.ResponseWriter, r *http.Request) (context.Context, err
 	return admission.WithTicket(r.Context(), t), nil
 }
 
-// tenantOf is who r is among the callers the admission queue is fair to: today its API key
-// (by the key's hash, the key's identity in the store; teams will make it the key's team).
-// It is the one place that decides it.
-func tenantOf(r *http.Request) string {
-	if key := apiKeyOf(r); key != "" {
-		return auth.HashKey(key)
-	}
-	return ""
-}
+// tenantOf is who r is among the callers the admission queue is fair to: the caller's team
+// (auth.TeamOf; a request that carries no caller counts as the default team). It is the one
+// place that decides it.
+func tenantOf(r *http.Request) string { return auth.TeamOf(r.Context()) }

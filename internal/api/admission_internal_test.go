@@ -9,10 +9,11 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/admission"
+	"github.com/ember-sandbox/ember/internal/auth"
 )
 
 // The queue timeout comes from the header, else the query parameter, else the default; the
-// tenant is the caller's key; bad values are a 400.
+// tenant is the caller's team; bad values are a 400.
 func TestAdmissionTicketOfARequest(t *testing.T) {
 	for _, tc := range []struct {
 		header, query string
@@ -34,7 +35,7 @@ func TestAdmissionTicketOfARequest(t *testing.T) {
 		if tc.header != "" {
 			r.Header.Set(HeaderQueueTimeout, tc.header)
 		}
-		r.Header.Set(HeaderAPIKey, "e2b_00ff")
+		r = r.WithContext(auth.WithCaller(r.Context(), auth.Caller{Team: "t-two"}))
 		ctx, err := withAdmission(nil, r)
 		if tc.bad {
 			if err == nil || statusOf(err) != http.StatusBadRequest {
@@ -46,8 +47,8 @@ func TestAdmissionTicketOfARequest(t *testing.T) {
 			t.Fatalf("%+v: %v", tc, err)
 		}
 		got := admission.TicketOf(ctx)
-		if got.Wait != tc.want || got.Tenant == "" || got.Tenant == "e2b_00ff" {
-			t.Errorf("%+v: ticket %+v, want wait %s and the key's identity (not the key)", tc, got, tc.want)
+		if got.Wait != tc.want || got.Tenant != "t-two" {
+			t.Errorf("%+v: ticket %+v, want wait %s and the caller's team", tc, got, tc.want)
 		}
 	}
 }
