@@ -110,10 +110,7 @@ func (e *Edge) ServeForwarded(w http.ResponseWriter, r *http.Request) {
 // sandboxPlane: port is the guest port ("" = envd's).
 func (e *Edge) route(w http.ResponseWriter, r *http.Request, id, port string, sandboxPlane bool) bool {
 	ctx := r.Context()
-	loc, err := e.cl.Locate(ctx, id, false)
-	if err == nil && (!loc.Known() || loc.Dead) {
-		loc, err = e.cl.Locate(ctx, id, true)
-	}
+	loc, err := e.cl.Locate(ctx, id, false) // reads etcd on a miss
 	if err == nil && !sandboxPlane {
 		var done bool
 		if loc, done, err = e.serveUnheld(w, r, id, loc); done { // stored.go
