@@ -89,15 +89,15 @@ type Cluster struct {
 	epoch  atomic.Int64 // current lease; 0 while fenced or not yet registered
 	fenced atomic.Bool
 
-	mu      sync.RWMutex
-	nodes   map[string]*NodeInfo
-	allocs  map[string]allocEntry
-	drains  map[string]bool
+	mu     sync.RWMutex
+	nodes  map[string]*NodeInfo
+	allocs map[string]allocEntry
+	drains map[string]bool
 	// routes holds this node's routes (it writes them) and those of other nodes' sandboxes
 	// it looked up (cache.go); byNode indexes them by node.
 	routes   map[string]*Route
 	byNode   map[string]map[string]struct{}
-	routeGen uint64 // counts the routes cached: Route.gen
+	routeGen uint64            // counts the routes cached: Route.gen
 	keys     map[string][]byte // apikeys/<id> → JSON
 	down     map[string]time.Time
 	watchRev map[string]int64 // by watched kind: the last revision its cache reflects

@@ -394,11 +394,9 @@ func (cl *Cluster) Locate(ctx context.Context, id string, fresh bool) (Location,
 		}
 	}
 	if fresh {
-		ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
-		defer done()
-		resp, err := cl.c.Txn(ctx).Then(clientv3.OpGet(cl.key("sandboxes", id)), clientv3.OpGet(cl.key("lost", id))).Commit()
+		resp, err := cl.readRoute(ctx, id)
 		if err != nil {
-			return Location{}, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+			return Location{}, err
 		}
 		r = nil
 		if kvs := resp.Responses[0].GetResponseRange().Kvs; len(kvs) > 0 {
@@ -428,6 +426,31 @@ func (cl *Cluster) Locate(ctx context.Context, id string, fresh bool) (Location,
 		}
 	}
 	return loc, nil
+}
+
+// readRoute reads sandbox id's route and lost record. Without a quorum (or when the
+// linearizable read fails) it reads them from the member it reaches (a serializable read,
+// which needs no leader): the sandbox plane goes on through any edge while etcd has no
+// leader, as it did when every edge cached every route.
+func (cl *Cluster) readRoute(ctx context.Context, id string) (*clientv3.TxnResponse, error) {
+	ops := func(o ...clientv3.OpOption) []clientv3.Op {
+		return []clientv3.Op{clientv3.OpGet(cl.key("sandboxes", id), o...), clientv3.OpGet(cl.key("lost", id), o...)}
+	}
+	if cl.Available() == nil {
+		octx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
+		resp, err := cl.c.Txn(octx).Then(ops()...).Commit()
+		done()
+		if err == nil {
+			return resp, nil
+		}
+	}
+	sctx, done := context.WithTimeout(ctx, cl.cfg.ProbeTimeout)
+	defer done()
+	resp, err := cl.c.Txn(sctx).Then(ops(clientv3.WithSerializable())...).Commit()
+	if err != nil {
+		return nil, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	return resp, nil
 }
 
 // lostOf is the loss of route r, whose node is gone.

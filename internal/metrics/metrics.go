@@ -35,8 +35,17 @@ type Metrics struct {
 	failures *prometheus.CounterVec
 	retries  prometheus.Counter
 
-	mu  sync.Mutex
-	src Source
+	mu    sync.Mutex
+	src   Source
+	store Store
+}
+
+// Store is what a scrape reads of the node's cluster store client (*cluster.Cluster).
+type Store interface {
+	// EtcdRequests counts the requests sent to etcd by kind (Range, Txn, LeaseKeepAlive, ...).
+	EtcdRequests() map[string]int64
+	// WatchEvents counts the watch events received.
+	WatchEvents() int64
 }
 
 // New returns the registry of one node, with the Go runtime and process collectors.
@@ -77,6 +86,13 @@ func (m *Metrics) ObserveStage(stage sandbox.Stage, took time.Duration, err erro
 // PlacementRetry counts one create placed again elsewhere (cluster placement).
 func (m *Metrics) PlacementRetry() { m.retries.Inc() }
 
+// SetStore sets what scrapes read the node's etcd figures from (cluster mode).
+func (m *Metrics) SetStore(st Store) {
+	m.mu.Lock()
+	m.store = st
+	m.mu.Unlock()
+}
+
 // SetSource sets what scrapes read the node's state from (the Manager, once it exists).
 func (m *Metrics) SetSource(src Source) {
 	m.mu.Lock()
@@ -103,6 +119,8 @@ var (
 	descPoolBudg  = prometheus.NewDesc("ember_pool_memory_budget_bytes", "Memory all warm pools of this node may hold.", nil, nil)
 	descPoolUsed  = prometheus.NewDesc("ember_pool_memory_used_bytes", "Memory the warm pools of this node hold or are making, each instance at its kind's cost.", nil, nil)
 	descSnapshots = prometheus.NewDesc("ember_snapshots", "Named snapshots by the state of their image (uploading, stored, failed, local).", []string{"state"}, nil)
+	descEtcdReqs  = prometheus.NewDesc("ember_etcd_requests_total", "Requests this node sent to etcd, by kind (the gRPC method: Range, Txn, Put, DeleteRange, LeaseGrant, LeaseKeepAlive, Watch, ...); cluster mode.", []string{"kind"}, nil)
+	descEtcdWatch = prometheus.NewDesc("ember_etcd_watch_events_total", "Watch events this node received from etcd (cluster mode).", nil, nil)
 )
 
 // stateCollector reads the node's state at each scrape.
@@ -110,15 +128,21 @@ type stateCollector struct{ m *Metrics }
 
 func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descSandboxes, descPoolReady, descPoolTgt, descPoolHits, descPoolMiss, descPoolFill, descPoolRate,
-		descPoolBurst, descPoolWarm, descPoolCost, descPoolBudg, descPoolUsed, descSnapshots} {
+		descPoolBurst, descPoolWarm, descPoolCost, descPoolBudg, descPoolUsed, descSnapshots, descEtcdReqs, descEtcdWatch} {
 		ch <- d
 	}
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 	c.m.mu.Lock()
-	src := c.m.src
+	src, store := c.m.src, c.m.store
 	c.m.mu.Unlock()
+	if store != nil {
+		for kind, n := range store.EtcdRequests() {
+			ch <- prometheus.MustNewConstMetric(descEtcdReqs, prometheus.CounterValue, float64(n), kind)
+		}
+		ch <- prometheus.MustNewConstMetric(descEtcdWatch, prometheus.CounterValue, float64(store.WatchEvents()))
+	}
 	if src == nil {
 		return
 	}
