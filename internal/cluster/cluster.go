@@ -106,6 +106,8 @@ type Cluster struct {
 
 	templates map[string]*SharedTemplate // templates/<id>: the cluster's templates (templates.go)
 
+	drainedAt atomic.Int64 // unix ns: the last time this node was seen drained (adoptable, sync.go)
+
 	kick      chan struct{}
 	closeOnce sync.Once
 	cancel    context.CancelFunc

@@ -388,8 +388,9 @@ func (cl *Cluster) Locate(ctx context.Context, id string, fresh bool) (Location,
 	var r *Route
 	if !fresh {
 		// A miss is read; so is a cached route to a node that is gone (it may have been
-		// stored or moved since).
-		if r = cl.route(id); r == nil || r.Node != cl.cfg.NodeID && cl.gone(r) {
+		// stored or moved since), and a stored sandbox of this node while another may adopt
+		// it (moves.go).
+		if r = cl.route(id); r == nil || r.Node != cl.cfg.NodeID && cl.gone(r) || r.Node == cl.cfg.NodeID && r.Stored && cl.adoptable() {
 			fresh = true
 		}
 	}

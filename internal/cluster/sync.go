@@ -75,8 +75,12 @@ func (cl *Cluster) sync(ctx context.Context) {
 		cl.log.Warn("cluster: sync: list local sandboxes", "err", err)
 		return
 	}
-	if cl.draining(self) {
-		cl.refreshStored(ctx, local) // adopted elsewhere while this node is drained?
+	// Adopted elsewhere while this node was drained? Another node adopts a stored sandbox
+	// only then (or once this node is gone: it fenced and killed everything), and nothing
+	// tells this node but the route: read the routes of what it stored while it is drained,
+	// and for a while after (an adoption that saw the drain may commit after it ended).
+	if cl.adoptable() {
+		cl.refreshStored(ctx, local)
 	}
 	have := map[string]bool{}
 	var stale []staleRoute
@@ -142,6 +146,17 @@ func (cl *Cluster) sync(ctx context.Context) {
 				Then(clientv3.OpPut(cl.key("nodes", self), string(b), clientv3.WithLease(clientv3.LeaseID(epoch)))).Commit()
 		}
 	}
+}
+
+// adoptable reports whether another node may adopt this node's stored sandboxes now: while
+// it is drained, and for a while after.
+func (cl *Cluster) adoptable() bool {
+	if cl.draining(cl.cfg.NodeID) {
+		cl.drainedAt.Store(time.Now().UnixNano())
+		return true
+	}
+	at := cl.drainedAt.Load()
+	return at != 0 && time.Since(time.Unix(0, at)) < 2*cl.cfg.TTL
 }
 
 // refreshStored reads again the routes of the local sandboxes this node stored: while it is
