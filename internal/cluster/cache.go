@@ -193,6 +193,9 @@ func (cl *Cluster) applyPut(kv *mvccpb.KeyValue) {
 		}
 	case "drain":
 		cl.drains[rest] = true
+		if rest == cl.cfg.NodeID {
+			cl.drainedAt.Store(time.Now().UnixNano())
+		}
 	case "apikeys":
 		cl.keys[rest] = kv.Value
 	case "templates":
@@ -211,6 +214,9 @@ func (cl *Cluster) applyDelete(key string) {
 	switch kind {
 	case "drain":
 		delete(cl.drains, rest)
+		if rest == cl.cfg.NodeID {
+			cl.drainedAt.Store(time.Now().UnixNano()) // adoptable a while more (sync.go)
+		}
 	case "apikeys":
 		delete(cl.keys, rest)
 	case "templates":

@@ -317,7 +317,14 @@ func (cl *Cluster) claim(ctx context.Context, s LocalSandbox, rid string) error 
 			}
 			return fmt.Errorf("sandbox %q was lost with its node or this node's epoch ended: %w", s.ID, errdefs.ErrConflict)
 		}
-		prev = kvs[0].ModRevision // this node's, written again since it was cached
+		cur.modRev = kvs[0].ModRevision
+		if r == nil {
+			// Routed here already (a reconcile that listed the sandbox before its claim was
+			// cached): kept as it is, never overwritten (it may be stored since).
+			cl.setRoute(s.ID, &cur)
+			return nil
+		}
+		prev = cur.modRev // this node's, written again since it was cached
 	}
 }
 
