@@ -4,13 +4,16 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/cluster/edge"
+	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -264,21 +267,34 @@ func (s *server) nodeRoutes(rt *router) {
 	rt.handle(http.MethodDelete, "/nodes/{id}/drain", s.drainNode(false))
 }
 
-func (s *server) listNodes(w http.ResponseWriter, _ *http.Request, _ params) error {
+func (s *server) listNodes(w http.ResponseWriter, r *http.Request, _ params) error {
 	if s.cl == nil {
 		return edge.ErrNoCluster
 	}
-	writeJSON(w, http.StatusOK, s.cl.Nodes())
+	vs, err := s.cl.ListNodes(r.Context())
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusOK, vs)
 	return nil
 }
 
-func (s *server) getNode(w http.ResponseWriter, _ *http.Request, p params) error {
+// node returns node id's view (404 for an unknown node).
+func (s *server) nodeView(r *http.Request, id string) (cluster.NodeView, error) {
+	v, err := s.cl.GetNode(r.Context(), id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return v, notFound("node %s not found", quoteID(id))
+	}
+	return v, err
+}
+
+func (s *server) getNode(w http.ResponseWriter, r *http.Request, p params) error {
 	if s.cl == nil {
 		return edge.ErrNoCluster
 	}
-	v, err := s.cl.Node(p["id"])
+	v, err := s.nodeView(r, p["id"])
 	if err != nil {
-		return notFound("node %s not found", quoteID(p["id"]))
+		return err
 	}
 	writeJSON(w, http.StatusOK, v)
 	return nil
@@ -289,13 +305,16 @@ func (s *server) drainNode(on bool) handlerFunc {
 		if s.cl == nil {
 			return edge.ErrNoCluster
 		}
-		if _, err := s.cl.Node(p["id"]); err != nil {
-			return notFound("node %s not found", quoteID(p["id"]))
+		if _, err := s.nodeView(r, p["id"]); err != nil {
+			return err
 		}
 		if err := s.cl.Drain(r.Context(), p["id"], on); err != nil {
 			return err
 		}
-		v, _ := s.cl.Node(p["id"])
+		v, err := s.nodeView(r, p["id"])
+		if err != nil {
+			return err
+		}
 		writeJSON(w, http.StatusOK, v)
 		return nil
 	}

@@ -11,7 +11,7 @@ import (
 func nodeCmd(g *globals) *cobra.Command {
 	c := &cobra.Command{Use: "node", Short: "The nodes of a cluster: list, drain"}
 	ls := &cobra.Command{
-		Use: "ls", Short: "List the cluster's nodes (state, capacity, sandboxes)", Args: cobra.NoArgs,
+		Use: "ls", Short: "List the cluster's nodes (state, capacity, sandboxes routed there, lease age since its last renewal)", Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var out []map[string]any
 			if _, err := g.client().do(cmd.Context(), http.MethodGet, "/nodes", nil, &out); err != nil {
@@ -28,12 +28,20 @@ func nodeCmd(g *globals) *cobra.Command {
 				cp, _ := n["capacity"].(map[string]any)
 				al, _ := n["allocated"].(map[string]any)
 				sbxs, _ := n["sandboxes"].([]any)
+				routes := fmt.Sprint(len(sbxs))
+				if r, ok := n["routes"]; ok {
+					routes = str(r)
+				}
+				lease := "-" // a node found dead has none
+				if ttl, ok := n["leaseTTLSeconds"]; ok {
+					lease = fmt.Sprintf("%ss/%ss", str(n["leaseAgeSeconds"]), str(ttl))
+				}
 				rows = append(rows, []string{str(n["nodeID"]), str(n["state"]), str(n["url"]),
 					fmt.Sprintf("%s/%s", str(al["slots"]), str(cp["slots"])),
 					fmt.Sprintf("%s/%s", str(al["memoryMB"]), str(cp["memoryMB"])),
-					str(cp["cpu"]), fmt.Sprint(len(sbxs))})
+					str(cp["cpu"]), routes, lease})
 			}
-			table([]string{"NODE", "STATE", "URL", "SLOTS", "MEMORY MB", "CPU", "SANDBOXES"}, rows)
+			table([]string{"NODE", "STATE", "URL", "SLOTS", "MEMORY MB", "CPU", "ROUTES", "LEASE AGE/TTL"}, rows)
 			return nil
 		},
 	}

@@ -74,6 +74,9 @@ type Config struct {
 	// OpTimeout bounds each etcd round trip of a control call (default 5 s): without a
 	// leader, a write can wait on etcd much longer.
 	OpTimeout time.Duration
+	// Counters counts the requests of Client (its DialOptions on the client), for /metrics;
+	// may be nil.
+	Counters *EtcdCounters
 }
 
 // Cluster is this node's membership in the cluster and its caches of the others.
@@ -86,18 +89,24 @@ type Cluster struct {
 	epoch  atomic.Int64 // current lease; 0 while fenced or not yet registered
 	fenced atomic.Bool
 
-	mu      sync.RWMutex
-	nodes   map[string]*NodeInfo
-	allocs  map[string]allocEntry
-	drains  map[string]bool
-	routes  map[string]*Route
-	byNode  map[string]map[string]struct{}
-	keys    map[string][]byte // apikeys/<id> → JSON
-	down    map[string]time.Time
-	rev     int64 // last revision applied to the caches
-	revCond *sync.Cond
+	mu     sync.RWMutex
+	nodes  map[string]*NodeInfo
+	allocs map[string]allocEntry
+	drains map[string]bool
+	// routes holds this node's routes (it writes them) and those of other nodes' sandboxes
+	// it looked up (cache.go); byNode indexes them by node.
+	routes   map[string]*Route
+	byNode   map[string]map[string]struct{}
+	routeGen uint64            // counts the routes cached: Route.gen
+	keys     map[string][]byte // apikeys/<id> → JSON
+	down     map[string]time.Time
+	watchRev map[string]int64 // by watched kind: the last revision its cache reflects
+
+	watchEvents atomic.Int64
 
 	templates map[string]*SharedTemplate // templates/<id>: the cluster's templates (templates.go)
+
+	drainedAt atomic.Int64 // unix ns: the last time this node was seen drained (adoptable, sync.go)
 
 	kick      chan struct{}
 	closeOnce sync.Once
@@ -154,9 +163,11 @@ func New(ctx context.Context, cfg Config) (*Cluster, error) {
 	}
 	cl := &Cluster{cfg: cfg, c: cfg.Client, p: cfg.Prefix, log: cfg.Logger.With("node_id", cfg.NodeID),
 		kick: make(chan struct{}, 1)}
-	cl.revCond = sync.NewCond(cl.mu.RLocker())
 	rev, err := cl.load(ctx)
 	if err != nil {
+		return nil, fmt.Errorf("etcd: %w", err)
+	}
+	if err := cl.loadOwnRoutes(ctx); err != nil {
 		return nil, fmt.Errorf("etcd: %w", err)
 	}
 	if err := cl.loadSecret(ctx); err != nil {
@@ -186,9 +197,6 @@ func New(ctx context.Context, cfg Config) (*Cluster, error) {
 func (cl *Cluster) Close() {
 	cl.cancel()
 	cl.wg.Wait()
-	cl.mu.Lock()
-	cl.revCond.Broadcast()
-	cl.mu.Unlock()
 	if cl.cfg.OwnClient {
 		cl.closeOnce.Do(func() { cl.c.Close() })
 	}

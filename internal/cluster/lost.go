@@ -19,22 +19,36 @@ type LostSandbox struct {
 }
 
 // LostSandboxes lists the sandboxes lost with their nodes that the cluster still remembers
-// (LostTTL), oldest loss first. One etcd read: lost records are not cached.
+// (LostTTL), oldest loss first: the lost records, and the routes of gone nodes not yet
+// replaced by one (Locate). Reads of etcd: neither is cached.
 func (cl *Cluster) LostSandboxes(ctx context.Context) ([]LostSandbox, error) {
 	ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
 	defer done()
+	// The routes first: one replaced by its lost record in between is then read twice
+	// (kept once), never missed.
+	var out []LostSandbox
+	derived := map[string]bool{}
+	if err := cl.scanRoutes(ctx, func(id string, rt *Route) {
+		if !rt.Stored && cl.gone(rt) {
+			out = append(out, LostSandbox{ID: id, Lost: *cl.lostOf(rt)})
+			derived[id] = true
+		}
+	}); err != nil {
+		return nil, err
+	}
 	r, err := cl.c.Get(ctx, cl.key("lost")+"/", clientv3.WithPrefix())
 	if err != nil {
 		return nil, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
 	}
-	out := make([]LostSandbox, 0, len(r.Kvs))
 	for _, kv := range r.Kvs {
 		var l LostSandbox
 		if json.Unmarshal(kv.Value, &l.Lost) != nil {
 			continue
 		}
 		l.ID = strings.TrimPrefix(string(kv.Key), cl.key("lost")+"/")
-		out = append(out, l)
+		if !derived[l.ID] {
+			out = append(out, l)
+		}
 	}
 	sort.Slice(out, func(i, j int) bool {
 		if !out[i].At.Equal(out[j].At) {

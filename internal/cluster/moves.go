@@ -102,9 +102,15 @@ func (mv *Moves) Stored(ctx context.Context, p *sandbox.PortableSandbox) error {
 		if r, err = cl.freshRoute(ctx, id); err != nil {
 			return err
 		}
+		cl.setRoute(id, r)
 		if attempt == 2 || r == nil || r.Node != cl.cfg.NodeID || r.Epoch != epoch {
 			return fmt.Errorf("sandbox %q: its route changed: %w", id, errdefs.ErrConflict)
 		}
+	}
+	{
+		nr := *r
+		nr.Stored, nr.modRev = true, resp.Header.Revision
+		cl.setRoute(id, &nr)
 	}
 	// The image of an earlier pause that no resume consumed is nobody's now.
 	if prev := resp.Responses[0].GetResponsePut().GetPrevKv(); prev != nil {
@@ -113,7 +119,7 @@ func (mv *Moves) Stored(ctx context.Context, p *sandbox.PortableSandbox) error {
 			mv.p.DeleteStored(context.WithoutCancel(ctx), old.ImageID)
 		}
 	}
-	return cl.WaitRevision(ctx, resp.Header.Revision)
+	return nil
 }
 
 // freshRoute reads sandbox id's route from etcd (nil when it has none), not from the cache.
@@ -188,8 +194,10 @@ func (mv *Moves) Adopt(ctx context.Context, id string) error {
 		}
 		return fmt.Errorf("sandbox %q moved meanwhile: %w", id, errdefs.ErrConflict)
 	}
+	r.modRev = t.Header.Revision
+	cl.setRoute(id, &r)
 	cl.log.Info("cluster: adopted a stored paused sandbox", "sandbox_id", id, "from", from, "ms", time.Since(start).Milliseconds())
-	return cl.WaitRevision(ctx, t.Header.Revision)
+	return nil
 }
 
 func (cl *Cluster) draining(node string) bool {
@@ -229,9 +237,13 @@ func (mv *Moves) drainLoop(ctx context.Context) {
 }
 
 // StoredImage returns the store id of sandbox id's stored pause image, "" when its route
-// (in the cache) is not stored.
+// (cached, or read on a miss) is not stored.
 func (mv *Moves) StoredImage(ctx context.Context, id string) string {
-	if r := mv.cl.route(id); r == nil || !r.Stored {
+	r := mv.cl.route(id)
+	if r == nil {
+		r, _ = mv.cl.freshRoute(ctx, id)
+	}
+	if r == nil || !r.Stored {
 		return ""
 	}
 	resp, err := mv.cl.c.Get(ctx, mv.cl.key("stored", id))
@@ -339,6 +351,7 @@ func (mv *Moves) Forget(ctx context.Context, id string) error {
 	if p.ImageID != "" {
 		mv.p.DeleteStored(context.WithoutCancel(ctx), p.ImageID)
 	}
+	cl.setRoute(id, nil)
 	cl.log.Info("cluster: killed a stored paused sandbox of a gone node", "sandbox_id", id, "node", r.Node)
-	return cl.WaitRevision(ctx, t.Header.Revision)
+	return nil
 }

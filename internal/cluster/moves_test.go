@@ -137,3 +137,40 @@ func TestStoredPausedSandboxOutlivesItsNode(t *testing.T) {
 		t.Fatalf("sp resumed but still stored: %+v", l)
 	}
 }
+
+// A drained node's stored sandbox adopted by another node: the drained node, drained no more
+// a moment later, serves it no more from its copy (it routes it to the adopter, as every edge
+// does once it reads the route) and kills the copy.
+func TestAdoptedFromADrainedNode(t *testing.T) {
+	e := clustertest.Start(t, 1)
+	la, lb := newLocal("base"), newLocal("base")
+	a := join(t, e.Endpoints(), "a", 4, la)
+	b := join(t, e.Endpoints(), "b", 4, lb)
+	pa, pb := &fakePorter{local: la}, &fakePorter{local: lb}
+	ma, mb := cluster.NewMoves(a, pa), cluster.NewMoves(b, pb)
+	t.Cleanup(ma.Close)
+	t.Cleanup(mb.Close)
+	ctx := context.Background()
+	testutil.Eventually(t, 5*time.Second, "a sees both", func() bool { return len(a.Live()) == 2 })
+	s := la.add("sd")
+	if err := a.Claim(ctx, s, ""); err != nil {
+		t.Fatal(err)
+	}
+	if err := ma.Stored(ctx, stored("sd", "paused-sd")); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Drain(ctx, "a", true); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Eventually(t, 5*time.Second, "b sees a drained", func() bool { return b.Draining("a") })
+	if err := mb.Adopt(ctx, "sd"); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Drain(ctx, "a", false); err != nil {
+		t.Fatal(err)
+	}
+	if l, err := a.Locate(ctx, "sd", false); err != nil || l.Local || l.Node != "b" {
+		t.Fatalf("sd through a after b adopted it: %+v %v, want b's", l, err)
+	}
+	testutil.Eventually(t, 5*time.Second, "a kills its copy", func() bool { return !la.has("sd") })
+}

@@ -27,7 +27,8 @@ func (cl *Cluster) syncLoop(ctx context.Context) {
 // sync reconciles etcd with what this node holds: routes for its sandboxes (a sandbox the
 // cluster marked lost, or routes to another node or epoch, is killed: never resurrected),
 // routes of ended sandboxes removed, routes of an earlier epoch marked lost, and alloc/<id> =
-// what runs here plus the reservations made for it.
+// what runs here plus the reservations made for it. Its one read also refreshes the cached
+// allocations of every node (they are not watched: cache.go).
 func (cl *Cluster) sync(ctx context.Context) {
 	epoch := cl.epoch.Load()
 	if epoch == 0 || cl.Available() != nil {
@@ -37,18 +38,22 @@ func (cl *Cluster) sync(ctx context.Context) {
 	// Reservations before the local list: a reservation consumed in between is then counted
 	// twice (until the next round), never missed.
 	// One read for both: the allocation compared below is the one these reservations sum to.
-	tr, err := cl.c.Txn(ctx).Then(clientv3.OpGet(cl.key("resv", self)+"/", clientv3.WithPrefix()), clientv3.OpGet(cl.key("alloc", self))).Commit()
+	tr, err := cl.c.Txn(ctx).Then(clientv3.OpGet(cl.key("resv", self)+"/", clientv3.WithPrefix()), clientv3.OpGet(cl.key("alloc")+"/", clientv3.WithPrefix())).Commit()
 	if err != nil {
 		cl.log.Warn("cluster: sync: read reservations", "err", err)
 		return
 	}
 	cl.noteStore(nil) // a linearizable read answered: no probe needed this interval
 	rr, ar := tr.Responses[0].GetResponseRange(), tr.Responses[1].GetResponseRange()
+	cl.refreshAllocs(ar.Kvs)
 	var ae allocEntry
-	hasAlloc := len(ar.Kvs) > 0
-	if hasAlloc {
-		_ = json.Unmarshal(ar.Kvs[0].Value, &ae.a)
-		ae.modRev = ar.Kvs[0].ModRevision
+	hasAlloc := false
+	for _, kv := range ar.Kvs {
+		if string(kv.Key) == cl.key("alloc", self) {
+			hasAlloc = true
+			_ = json.Unmarshal(kv.Value, &ae.a)
+			ae.modRev = kv.ModRevision
+		}
 	}
 	var total Alloc
 	for _, kv := range rr.Kvs {
@@ -62,11 +67,20 @@ func (cl *Cluster) sync(ctx context.Context) {
 		}
 		total = total.add(r.TemplateSize, 1)
 	}
-	revBefore := cl.Revision()
+	cl.mu.RLock()
+	genBefore := cl.routeGen
+	cl.mu.RUnlock()
 	local, err := cl.cfg.Local.Sandboxes(ctx)
 	if err != nil {
 		cl.log.Warn("cluster: sync: list local sandboxes", "err", err)
 		return
+	}
+	// Adopted elsewhere while this node was drained? Another node adopts a stored sandbox
+	// only then (or once this node is gone: it fenced and killed everything), and nothing
+	// tells this node but the route: read the routes of what it stored while it is drained,
+	// and for a while after (an adoption that saw the drain may commit after it ended).
+	if cl.adoptable() {
+		cl.refreshStored(ctx, local)
 	}
 	have := map[string]bool{}
 	var stale []staleRoute
@@ -82,7 +96,7 @@ func (cl *Cluster) sync(ctx context.Context) {
 		case r.Node != self || r.Epoch != epoch:
 			cl.killLocal(ctx, s.ID, "the cluster has it on node "+r.Node)
 			if r.Node == self && !r.Stored { // a stored one stays resumable anywhere
-				stale = append(stale, staleRoute{s.ID, r.modRev})
+				stale = append(stale, staleRoute{s.ID, r.modRev, r})
 			}
 			continue
 		}
@@ -94,22 +108,21 @@ func (cl *Cluster) sync(ctx context.Context) {
 	var ended []staleRoute
 	for id := range cl.byNode[self] {
 		r := cl.routes[id]
-		if have[id] || r == nil || r.modRev > revBefore {
+		if have[id] || r == nil || r.gen > genBefore {
 			continue
 		}
 		if r.Epoch != epoch {
 			if r.Stored {
 				continue // resumable anywhere (moves.go)
 			}
-			stale = append(stale, staleRoute{id, r.modRev})
+			stale = append(stale, staleRoute{id, r.modRev, r})
 		} else {
-			ended = append(ended, staleRoute{id, r.modRev})
+			ended = append(ended, staleRoute{id, r.modRev, r})
 		}
 	}
 	cl.mu.RUnlock()
 	for _, e := range ended {
-		_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", e.id)), "=", e.modRev)).
-			Then(clientv3.OpDelete(cl.key("sandboxes", e.id))).Commit()
+		cl.dropOwnRoute(ctx, e.id, e.modRev)
 	}
 	if len(stale) > 0 {
 		cl.markLost(ctx, self, stale, "the node restarted", time.Now())
@@ -135,9 +148,55 @@ func (cl *Cluster) sync(ctx context.Context) {
 	}
 }
 
+// adoptable reports whether another node may adopt this node's stored sandboxes now: while
+// it is drained, and for a while after.
+func (cl *Cluster) adoptable() bool {
+	if cl.draining(cl.cfg.NodeID) {
+		cl.drainedAt.Store(time.Now().UnixNano())
+		return true
+	}
+	at := cl.drainedAt.Load()
+	return at != 0 && time.Since(time.Unix(0, at)) < 2*cl.cfg.TTL
+}
+
+// refreshStored reads again the routes of the local sandboxes this node stored: while it is
+// drained another node may adopt them (moves.go), and nothing tells this node but the route.
+func (cl *Cluster) refreshStored(ctx context.Context, local []LocalSandbox) {
+	var ids []string
+	for _, s := range local {
+		if r := cl.route(s.ID); r != nil && r.Stored {
+			ids = append(ids, s.ID)
+		}
+	}
+	for len(ids) > 0 {
+		batch := ids[:min(len(ids), maxTxnOps)]
+		ids = ids[len(batch):]
+		ops := make([]clientv3.Op, 0, len(batch))
+		for _, id := range batch {
+			ops = append(ops, clientv3.OpGet(cl.key("sandboxes", id)))
+		}
+		t, err := cl.c.Txn(ctx).Then(ops...).Commit()
+		if err != nil {
+			return
+		}
+		for i, id := range batch {
+			var r *Route
+			if kvs := t.Responses[i].GetResponseRange().Kvs; len(kvs) > 0 {
+				r = &Route{}
+				if json.Unmarshal(kvs[0].Value, r) != nil {
+					continue
+				}
+				r.modRev = kvs[0].ModRevision
+			}
+			cl.setRoute(id, r)
+		}
+	}
+}
+
 type staleRoute struct {
 	id     string
 	modRev int64
+	r      *Route
 }
 
 func (cl *Cluster) killLocal(ctx context.Context, id, why string) {
@@ -152,10 +211,11 @@ type deadNode struct {
 	epoch int64
 }
 
-// nodeDied runs when a node's record goes (its lease expired or was revoked). One live node
-// takes the reaping of that epoch (a create-if-absent key under its own lease) and marks the
-// dead node's sandboxes lost at once; the others look again a TTL later and take it over if
-// the reaper died too (its claim went with its lease) and routes remain.
+// nodeDied runs when a node's record goes (its lease expired or was revoked). Its sandboxes
+// are lost from that moment (Locate derives it from their routes' epoch). One live node
+// takes the cleaning up of that epoch (a create-if-absent key under its own lease): it records
+// the node down and replaces the dead epoch's routes by lost records; the others look again a
+// TTL later and take it over if the reaper died too (its claim went with its lease).
 func (cl *Cluster) nodeDied(ctx context.Context, d deadNode, at time.Time) {
 	if d.id == cl.cfg.NodeID {
 		return
@@ -165,11 +225,10 @@ func (cl *Cluster) nodeDied(ctx context.Context, d deadNode, at time.Time) {
 		defer cl.wg.Done()
 		for attempt := 0; attempt < 3; attempt++ {
 			if cl.claimReaping(ctx, d) {
-				cl.reap(ctx, d.id, at)
-				_, _ = cl.c.Delete(ctx, cl.key("reaping", d.id, strconv.FormatInt(d.epoch, 16)))
+				cl.reap(ctx, d, at)
 				return
 			}
-			if !sleep(ctx, cl.cfg.TTL) || !cl.hasRoutes(d.id) {
+			if !sleep(ctx, cl.cfg.TTL) {
 				return
 			}
 		}
@@ -187,40 +246,42 @@ func (cl *Cluster) claimReaping(ctx context.Context, d deadNode) bool {
 	return err == nil && r.Succeeded
 }
 
-func (cl *Cluster) hasRoutes(node string) bool {
-	cl.mu.RLock()
-	defer cl.mu.RUnlock()
-	return len(cl.byNode[node]) > 0
-}
-
-// reap marks every sandbox of a dead node (or of an ended epoch of it) lost and records the
-// node as down. Its capacity went with its lease.
-func (cl *Cluster) reap(ctx context.Context, node string, at time.Time) {
+// reap records a dead node down and replaces the routes of its dead epoch (found by one paged
+// read of the routes) by lost records. Its capacity went with its lease. Done, the reaping
+// key stays (under a LostTTL lease) so that no other node reaps that epoch again.
+func (cl *Cluster) reap(ctx context.Context, d deadNode, at time.Time) {
 	if cl.epoch.Load() == 0 {
 		return
 	}
+	node := d.id
 	cl.mu.RLock()
 	n := cl.nodes[node]
-	var rs []staleRoute
-	for id := range cl.byNode[node] {
-		// A stored paused sandbox is not lost: another node resumes it (moves.go).
-		if r := cl.routes[id]; r != nil && !r.Stored && (n == nil || r.Epoch != n.Epoch) {
-			rs = append(rs, staleRoute{id, r.modRev})
-		}
-	}
 	_, known := cl.down[node]
 	cl.mu.RUnlock()
+	l, err := cl.c.Grant(ctx, int64(cl.cfg.LostTTL/time.Second))
+	if err != nil {
+		return
+	}
 	if n == nil && !known {
-		if l, err := cl.c.Grant(ctx, int64(cl.cfg.LostTTL/time.Second)); err == nil {
-			b, _ := json.Marshal(at.UTC())
-			_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.Version(cl.key("nodes", node)), "=", 0)).
-				Then(clientv3.OpPut(cl.key("down", node), string(b), clientv3.WithLease(l.ID))).Commit()
+		b, _ := json.Marshal(at.UTC())
+		_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.Version(cl.key("nodes", node)), "=", 0)).
+			Then(clientv3.OpPut(cl.key("down", node), string(b), clientv3.WithLease(l.ID))).Commit()
+	}
+	var rs []staleRoute
+	if err := cl.scanRoutes(ctx, func(id string, r *Route) {
+		// A stored paused sandbox is not lost: another node resumes it (moves.go).
+		if r.Node == node && !r.Stored && (n == nil || r.Epoch != n.Epoch) {
+			rs = append(rs, staleRoute{id, r.modRev, r})
 		}
+	}); err != nil {
+		cl.log.Warn("cluster: reap: read routes", "lost_node", node, "err", err)
+		return
 	}
 	if len(rs) > 0 {
-		cl.log.Warn("cluster: node lost: marking its sandboxes lost", "lost_node", node, "sandboxes", len(rs))
+		cl.log.Warn("cluster: node lost: recording its sandboxes lost", "lost_node", node, "sandboxes", len(rs))
 		cl.markLost(ctx, node, rs, "its node stopped answering", at)
 	}
+	_, _ = cl.c.Put(ctx, cl.key("reaping", node, strconv.FormatInt(d.epoch, 16)), "done", clientv3.WithLease(l.ID))
 }
 
 // markLost replaces routes (unchanged since read) by lost records, in batches.
@@ -230,9 +291,9 @@ func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, r
 		cl.log.Warn("cluster: mark lost: grant", "err", err)
 		return
 	}
-	record := func(id string) string {
+	record := func(s staleRoute) string {
 		lr := Lost{Node: node, At: at.UTC(), Reason: reason}
-		if r := cl.route(id); r != nil {
+		if r := s.r; r != nil {
 			lr.TemplateID, lr.CPU, lr.MemoryMB, lr.Since, lr.Team = r.TemplateID, r.CPU, r.MemoryMB, r.Since, r.Team
 		}
 		b, _ := json.Marshal(lr)
@@ -245,7 +306,7 @@ func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, r
 		var ops []clientv3.Op
 		for _, r := range rs[:n] {
 			cmps = append(cmps, clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", r.id)), "=", r.modRev))
-			ops = append(ops, clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), record(r.id), clientv3.WithLease(l.ID)))
+			ops = append(ops, clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), record(r), clientv3.WithLease(l.ID)))
 		}
 		resp, err := cl.c.Txn(ctx).If(cmps...).Then(ops...).Commit()
 		if err != nil {
@@ -256,8 +317,11 @@ func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, r
 			// One of them changed: one by one.
 			for _, r := range rs[:n] {
 				_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", r.id)), "=", r.modRev)).
-					Then(clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), record(r.id), clientv3.WithLease(l.ID))).Commit()
+					Then(clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), record(r), clientv3.WithLease(l.ID))).Commit()
 			}
+		}
+		for _, r := range rs[:n] {
+			cl.setRoute(r.id, nil) // lost, or changed meanwhile: read again when met
 		}
 		rs = rs[n:]
 	}

@@ -82,6 +82,7 @@ type Route struct {
 	// route names it (volumes.go).
 	Volumes []string `json:"volumes,omitempty"`
 	modRev  int64
+	gen     uint64 // when this node cached it (cache.go)
 }
 
 // Lost records a sandbox that died with its node.
@@ -117,6 +118,13 @@ type NodeView struct {
 	Templates []string  `json:"templates,omitempty"`
 	Sandboxes []string  `json:"sandboxes"`
 	Since     time.Time `json:"since,omitzero"` // started, or found dead
+	// Routes counts the sandboxes routed to the node (len(Sandboxes)).
+	Routes int `json:"routes"`
+	// LeaseTTL is the node's lease as granted, LeaseAge the time since it was last renewed
+	// (seconds, as etcd counts them; absent for a node found dead).
+	LeaseTTL float64 `json:"leaseTTLSeconds,omitempty"`
+	LeaseAge float64 `json:"leaseAgeSeconds"`
+	epoch    int64
 }
 
 // LocalSandbox is one sandbox this node holds (running or paused).

@@ -22,7 +22,7 @@ import (
 )
 
 // openCluster joins the cluster at cfg.EtcdEndpoints.
-func openCluster(ctx context.Context, cfg Config, c *clientv3.Client, seal *cluster.SealKey, mgr *sandbox.Manager, onRetry func()) (*cluster.Cluster, error) {
+func openCluster(ctx context.Context, cfg Config, c *clientv3.Client, counters *cluster.EtcdCounters, seal *cluster.SealKey, mgr *sandbox.Manager, onRetry func()) (*cluster.Cluster, error) {
 	if cfg.NodeID == "" {
 		return nil, fmt.Errorf("etcd-endpoints: cluster mode needs --node-id: %w", errdefs.ErrInvalid)
 	}
@@ -59,6 +59,7 @@ func openCluster(ctx context.Context, cfg Config, c *clientv3.Client, seal *clus
 		SealKey:          seal,
 		QuorumGrace:      cfg.ClusterQuorumGrace,
 		OwnClient:        true,
+		Counters:         counters,
 		OnPlacementRetry: onRetry,
 		OnFence: func(reason string) {
 			fmt.Fprintf(cfg.Out, "FENCED: %s: this node's sandboxes were killed; it rejoins under a new epoch when etcd answers\n", reason)

@@ -241,9 +241,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	var etcd *clientv3.Client
 	var seal *cluster.SealKey
 	var snapKey []byte
-	etcdOwned := false // by the cluster, once joined
+	etcdOwned := false                        // by the cluster, once joined
+	etcdCounters := cluster.NewEtcdCounters() // its requests, in /metrics
 	if len(cfg.EtcdEndpoints) > 0 {
-		if etcd, seal, err = dialEtcd(ctx, cfg); err != nil {
+		if etcd, seal, err = dialEtcdCounted(ctx, cfg, etcdCounters); err != nil {
 			return nil, err
 		}
 		defer func() {
@@ -342,7 +343,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	var cl *cluster.Cluster
 	var moves *cluster.Moves
 	if len(cfg.EtcdEndpoints) > 0 {
-		if cl, err = openCluster(ctx, cfg, etcd, seal, mgr, met.PlacementRetry); err != nil {
+		if cl, err = openCluster(ctx, cfg, etcd, etcdCounters, seal, mgr, met.PlacementRetry); err != nil {
 			mgr.Close()
 			return nil, err
 		}
@@ -355,6 +356,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			return nil, err
 		}
 		acfg.Cluster = cl
+		met.SetStore(cl)
 		var tpls *cluster.Templates
 		if shareTemplates {
 			tpls = cluster.NewTemplates(cl, mgr)

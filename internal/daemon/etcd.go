@@ -21,6 +21,11 @@ import (
 // (plain http, no client certificate, an etcd that takes clients without one) unless
 // --etcd-insecure, and loads the cluster sealing key (required unless --etcd-insecure).
 func dialEtcd(ctx context.Context, cfg Config) (*clientv3.Client, *cluster.SealKey, error) {
+	return dialEtcdCounted(ctx, cfg, nil)
+}
+
+// dialEtcdCounted is dialEtcd with the client's requests counted in counters (nil: not).
+func dialEtcdCounted(ctx context.Context, cfg Config, counters *cluster.EtcdCounters) (*clientv3.Client, *cluster.SealKey, error) {
 	if cfg.NodeID == "" {
 		return nil, nil, fmt.Errorf("etcd-endpoints: cluster mode needs --node-id: %w", errdefs.ErrInvalid)
 	}
@@ -41,8 +46,12 @@ func dialEtcd(ctx context.Context, cfg Config) (*clientv3.Client, *cluster.SealK
 	if err := cluster.CheckTLS(ctx, cfg.EtcdEndpoints, tc, cfg.EtcdInsecure); err != nil {
 		return nil, nil, err
 	}
-	c, err := clientv3.New(clientv3.Config{Endpoints: cfg.EtcdEndpoints, DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
-		DialKeepAliveTime: 5 * time.Second, DialKeepAliveTimeout: 3 * time.Second, TLS: tc})
+	ccfg := clientv3.Config{Endpoints: cfg.EtcdEndpoints, DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
+		DialKeepAliveTime: 5 * time.Second, DialKeepAliveTimeout: 3 * time.Second, TLS: tc}
+	if counters != nil {
+		ccfg.DialOptions = counters.DialOptions()
+	}
+	c, err := clientv3.New(ccfg)
 	if err != nil {
 		return nil, nil, fmt.Errorf("etcd: %w", err)
 	}

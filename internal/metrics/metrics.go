@@ -39,6 +39,7 @@ type Metrics struct {
 	mu    sync.Mutex
 	src   Source
 	teams TeamSource
+	store Store
 }
 
 // TeamSource reads every team's quota and usage (*quota.Quotas).
@@ -51,6 +52,14 @@ func (m *Metrics) SetTeams(t TeamSource) {
 	m.mu.Lock()
 	m.teams = t
 	m.mu.Unlock()
+}
+
+// Store is what a scrape reads of the node's cluster store client (*cluster.Cluster).
+type Store interface {
+	// EtcdRequests counts the requests sent to etcd by kind (Range, Txn, LeaseKeepAlive, ...).
+	EtcdRequests() map[string]int64
+	// WatchEvents counts the watch events received.
+	WatchEvents() int64
 }
 
 // New returns the registry of one node, with the Go runtime and process collectors.
@@ -91,6 +100,13 @@ func (m *Metrics) ObserveStage(stage sandbox.Stage, took time.Duration, err erro
 // PlacementRetry counts one create placed again elsewhere (cluster placement).
 func (m *Metrics) PlacementRetry() { m.retries.Inc() }
 
+// SetStore sets what scrapes read the node's etcd figures from (cluster mode).
+func (m *Metrics) SetStore(st Store) {
+	m.mu.Lock()
+	m.store = st
+	m.mu.Unlock()
+}
+
 // SetSource sets what scrapes read the node's state from (the Manager, once it exists).
 func (m *Metrics) SetSource(src Source) {
 	m.mu.Lock()
@@ -119,6 +135,8 @@ var (
 	descQuota     = prometheus.NewDesc("ember_team_quota", "A team's quota (0: no limit): sandboxes, cpus, memoryMB, pausedDiskMB, builds, templateDiskMB.", []string{"team", "quota"}, nil)
 	descTeamUsed  = prometheus.NewDesc("ember_team_usage", "What a team holds on this node, in its quotas' units.", []string{"team", "quota"}, nil)
 	descSnapshots = prometheus.NewDesc("ember_snapshots", "Named snapshots by the state of their image (uploading, stored, failed, local).", []string{"state"}, nil)
+	descEtcdReqs  = prometheus.NewDesc("ember_etcd_requests_total", "Requests this node sent to etcd, by kind (the gRPC method: Range, Txn, Put, DeleteRange, LeaseGrant, LeaseKeepAlive, Watch, ...); cluster mode.", []string{"kind"}, nil)
+	descEtcdWatch = prometheus.NewDesc("ember_etcd_watch_events_total", "Watch events this node received from etcd (cluster mode).", nil, nil)
 )
 
 // stateCollector reads the node's state at each scrape.
@@ -126,15 +144,21 @@ type stateCollector struct{ m *Metrics }
 
 func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descSandboxes, descPoolReady, descPoolTgt, descPoolHits, descPoolMiss, descPoolFill, descPoolRate,
-		descPoolBurst, descPoolWarm, descPoolCost, descPoolBudg, descPoolUsed, descSnapshots, descQuota, descTeamUsed} {
+		descPoolBurst, descPoolWarm, descPoolCost, descPoolBudg, descPoolUsed, descSnapshots, descQuota, descTeamUsed, descEtcdReqs, descEtcdWatch} {
 		ch <- d
 	}
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 	c.m.mu.Lock()
-	src, teams := c.m.src, c.m.teams
+	src, teams, store := c.m.src, c.m.teams, c.m.store
 	c.m.mu.Unlock()
+	if store != nil {
+		for kind, n := range store.EtcdRequests() {
+			ch <- prometheus.MustNewConstMetric(descEtcdReqs, prometheus.CounterValue, float64(n), kind)
+		}
+		ch <- prometheus.MustNewConstMetric(descEtcdWatch, prometheus.CounterValue, float64(store.WatchEvents()))
+	}
 	if src == nil {
 		return
 	}

@@ -22,15 +22,28 @@ import (
 // the first builds `base`, the others load it from the store.
 func storedCluster(t *testing.T, members int, ids []string, cidrBase int) (*clustertest.Etcd, []*daemon) {
 	t.Helper()
+	e, flags := storedClusterFlags(t, members)
+	return e, addNodes(t, flags, nil, ids, cidrBase)
+}
+
+// storedClusterFlags starts a real etcd (members) and a real S3 server and returns the flags
+// of the ember nodes that use them.
+func storedClusterFlags(t *testing.T, members int) (*clustertest.Etcd, []string) {
+	t.Helper()
 	e := clustertest.Start(t, members)
 	s3 := s3test.Start(t)
 	// No --snapshot-key: the cluster shares its own through etcd (as the README's example).
-	flags := append(e.ServeFlags(), "--cluster-ttl", "5s", "--pool-size", "1",
+	return e, append(e.ServeFlags(), "--cluster-ttl", "5s", "--pool-size", "1",
 		"--s3-endpoint", s3.Endpoint, "--s3-bucket", s3.Bucket, "--s3-access-key", s3.AccessKey, "--s3-secret-key", s3.SecretKey)
-	var nodes []*daemon
+}
+
+// addNodes starts ember nodes ids (CIDRs from cidrBase) after nodes, with the API key of the
+// first node, and waits until every node sees every other.
+func addNodes(t *testing.T, flags []string, nodes []*daemon, ids []string, cidrBase int) []*daemon {
+	t.Helper()
 	for i, id := range ids {
 		o := daemonOpts{NodeID: id, CIDR: nodeCIDR(cidrBase + i), Flags: flags}
-		if i > 0 {
+		if len(nodes) > 0 {
 			iso, _ := isolate(id, "")
 			dir := filepath.Join(buildDir, iso)
 			if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -41,14 +54,15 @@ func storedCluster(t *testing.T, members int, ids []string, cidrBase int) (*clus
 			}
 		}
 		t0 := time.Now()
-		nodes = append(nodes, newDaemonWith(t, o))
-		t.Logf("node %s up in %v", nodes[i].nodeID, time.Since(t0).Round(time.Millisecond))
+		d := newDaemonWith(t, o)
+		nodes = append(nodes, d)
+		t.Logf("node %s up in %v", d.nodeID, time.Since(t0).Round(time.Millisecond))
 	}
 	testutil.Eventually(t, 30*time.Second, "every node sees every node", func() bool {
 		var ns []nodeJSON
 		return nodes[0].api(t, "GET", "/nodes", nil, &ns) == 200 && len(ns) == len(nodes)
 	})
-	return e, nodes
+	return nodes
 }
 
 type templateListed struct {

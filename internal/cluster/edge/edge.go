@@ -33,8 +33,11 @@ type Cluster interface {
 	Cancel(ctx context.Context, r *cluster.Reservation)
 	HasReservation(ctx context.Context, id string) bool
 	Live() []cluster.NodeInfo
-	Nodes() []cluster.NodeView
-	Node(id string) (cluster.NodeView, error)
+	// ListNodes and GetNode read the nodes with every sandbox routed to each, and their leases.
+	ListNodes(ctx context.Context) ([]cluster.NodeView, error)
+	GetNode(ctx context.Context, id string) (cluster.NodeView, error)
+	// Draining reports whether node id is drained.
+	Draining(id string) bool
 	Drain(ctx context.Context, id string, on bool) error
 	LostSandboxes(ctx context.Context) ([]cluster.LostSandbox, error)
 	// Secret signs the requests between nodes (auth.go).

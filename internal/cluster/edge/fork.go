@@ -42,7 +42,7 @@ func (e *Edge) ForkAcross(ctx context.Context, sb *sandbox.Sandbox, count int, t
 	var order, used []string
 	for i := 0; i < count; i++ {
 		// Spread: each child avoids the nodes its siblings went to while others have room.
-		if len(used) > 0 && len(used)%max(1, len(e.cl.Nodes())) == 0 {
+		if len(used) > 0 && len(used)%max(1, len(e.cl.Live())) == 0 {
 			used = used[:0]
 		}
 		resv, err := e.cl.Place(ctx, cluster.PlaceRequest{TemplateID: sb.TemplateID, Avoid: used})

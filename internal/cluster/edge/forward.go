@@ -111,10 +111,7 @@ func (e *Edge) ServeForwarded(w http.ResponseWriter, r *http.Request) {
 // sandboxPlane: port is the guest port ("" = envd's).
 func (e *Edge) route(w http.ResponseWriter, r *http.Request, id, port string, sandboxPlane bool) bool {
 	ctx := r.Context()
-	loc, err := e.cl.Locate(ctx, id, false)
-	if err == nil && (!loc.Known() || loc.Dead) {
-		loc, err = e.cl.Locate(ctx, id, true)
-	}
+	loc, err := e.cl.Locate(ctx, id, false) // reads etcd on a miss
 	if err == nil && !sandboxPlane && loc.Known() {
 		if c, ok := auth.CallerOf(ctx); ok && auth.Owner(loc.Team) != c.Team {
 			return false // another team's: this node answers it as a missing one

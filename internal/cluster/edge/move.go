@@ -34,10 +34,7 @@ func (e *Edge) relocate(r *http.Request, id string, loc cluster.Location) (clust
 	if e.mover == nil || loc.Lost != nil {
 		return loc, nil
 	}
-	draining := false
-	if v, err := e.cl.Node(loc.Node); err == nil && v.State == cluster.StateDraining {
-		draining = true
-	}
+	draining := e.cl.Draining(loc.Node)
 	if !loc.Stored && draining && !loc.Local {
 		// A draining node is storing its sandboxes: this edge's cache may not have seen the
 		// stored route yet, and the node itself would resume it there.
