@@ -2,10 +2,13 @@ package cluster
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/url"
+	"slices"
 	"sort"
+	"strings"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -102,19 +105,21 @@ func (s volumeStore) ListVolumes(ctx context.Context) ([]*volume.Volume, error) 
 }
 
 // VolumeUsers lists the sandboxes of the cluster, on any node, running or paused, that mount
-// volume id (their routes name it).
-func (cl *Cluster) VolumeUsers(id string) []string {
-	cl.mu.RLock()
-	defer cl.mu.RUnlock()
+// volume id (their routes name it). Nodes do not watch each other's routes, so this reads them
+// all: a destroy is rare, and it must not miss a sandbox another node just made.
+func (cl *Cluster) VolumeUsers(ctx context.Context, id string) ([]string, error) {
+	resp, err := cl.c.Get(ctx, cl.key("sandboxes")+"/", clientv3.WithPrefix())
+	if err != nil {
+		return nil, fmt.Errorf("volume users: %w", errdefs.ErrUnavailable)
+	}
 	var out []string
-	for sid, r := range cl.routes {
-		for _, v := range r.Volumes {
-			if v == id {
-				out = append(out, sid)
-				break
-			}
+	for _, kv := range resp.Kvs {
+		var r Route
+		if json.Unmarshal(kv.Value, &r) != nil || !slices.Contains(r.Volumes, id) {
+			continue
 		}
+		out = append(out, strings.TrimPrefix(string(kv.Key), cl.key("sandboxes")+"/"))
 	}
 	sort.Strings(out)
-	return out
+	return out, nil
 }

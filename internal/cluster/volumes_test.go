@@ -48,14 +48,16 @@ func TestVolumesAcrossNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	testutil.Eventually(t, 5*time.Second, "b sees a's sandbox among vol1's users", func() bool {
-		return slices.Equal(b.VolumeUsers("vol1"), []string{"sx"})
+		u, err := b.VolumeUsers(ctx, "vol1")
+		return err == nil && slices.Equal(u, []string{"sx"})
 	})
-	if u := b.VolumeUsers("other"); len(u) != 0 {
+	if u, err := b.VolumeUsers(ctx, "other"); err != nil || len(u) != 0 {
 		t.Fatalf("users of another volume: %v", u)
 	}
 	a.Release(ctx, "sx")
 	testutil.Eventually(t, 5*time.Second, "vol1 has no users once sx is released", func() bool {
-		return len(b.VolumeUsers("vol1")) == 0
+		u, err := b.VolumeUsers(ctx, "vol1")
+		return err == nil && len(u) == 0
 	})
 
 	if err := b.Volumes().DeleteVolume(ctx, "vol1"); err != nil {

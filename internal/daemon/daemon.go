@@ -703,7 +703,11 @@ func openVolumes(ctx context.Context, cfg Config, st *store.Store, cl *cluster.C
 			if err != nil {
 				return nil, err
 			}
-			for _, sid := range cl.VolumeUsers(id) {
+			users, err := cl.VolumeUsers(ctx, id)
+			if err != nil {
+				return nil, err
+			}
+			for _, sid := range users {
 				if !slices.Contains(out, sid) {
 					out = append(out, sid)
 				}
