@@ -22,6 +22,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/secret"
 	"github.com/ember-sandbox/ember/internal/volume"
 )
 
@@ -62,6 +63,8 @@ type Config struct {
 	Forker Forker
 	// Volumes, when set, serves E2B's volumes and their content API (volumes.go).
 	Volumes *volume.Manager
+	// Secrets, when set, serves E2B's secrets (secrets.go) and resolves them at egress.
+	Secrets *secret.Manager
 }
 
 func (c Config) withDefaults() Config {

@@ -55,6 +55,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodGet, "/api-keys", s.listAPIKeys)
 	rt.handle(http.MethodDelete, "/api-keys/{id}", s.deleteAPIKey)
 	s.volumeRoutes(rt) // volumes.go
+	s.secretRoutes(rt) // secrets.go
 	s.nodeRoutes(rt)
 	s.moveRoutes(rt) // cluster.go
 	return rt

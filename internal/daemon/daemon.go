@@ -39,6 +39,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/snapshot"
 	"github.com/ember-sandbox/ember/internal/snapshot/local"
 	snaps3 "github.com/ember-sandbox/ember/internal/snapshot/s3"
+	"github.com/ember-sandbox/ember/internal/secret"
 	"github.com/ember-sandbox/ember/internal/store"
 	"github.com/ember-sandbox/ember/internal/template"
 	"github.com/ember-sandbox/ember/internal/tlsca"
@@ -359,6 +360,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		// From now on the cluster follows every change of this node's sandboxes and templates
 		// (what changed before, the cluster's sync loop reconciles).
 		mgr.Listen(cluster.NewEvents(cl, moves, tpls))
+	}
+	if acfg.Secrets, err = secret.Open(st, filepath.Join(cfg.DataDir, "secrets.key"), cfg.Logger); err != nil {
+		mgr.Close()
+		return nil, err
 	}
 	if acfg.Volumes, err = openVolumes(ctx, cfg, st); err != nil {
 		mgr.Close()
