@@ -1,8 +1,8 @@
 package egress
 
 import (
-	"bytes"
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
