@@ -191,6 +191,7 @@ func addrPortOf(a net.Addr) netip.AddrPort {
 // handle decides one redirected connection.
 func (p *Proxy) handle(c net.Conn) {
 	guest := addrPortOf(c.RemoteAddr()).Addr()
+	local := addrPortOf(c.LocalAddr()).Addr()
 	pol := p.policy(guest)
 	dst, err := p.cfg.OriginalDst(c)
 	if pol == nil || err != nil {
@@ -224,11 +225,11 @@ func (p *Proxy) handle(c net.Conn) {
 	defer p.untrack(t)
 	client := &replayConn{Conn: c, r: io.MultiReader(bytes.NewReader(replay), c)}
 	if name != "" && pol.headersFor(name) != nil && (isHTTP || isTLS && pol.httpsPort(dst.Port())) {
-		p.intercept(client, guest, dst, name, isTLS)
+		p.intercept(client, guest, local, dst, name)
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
-	up, err := p.dial(ctx, pol, dst)
+	up, err := p.dial(ctx, pol, local, dst)
 	cancel()
 	if err != nil {
 		log.Info("egress dial failed: connection closed", "host", name, "err", err)
@@ -239,9 +240,13 @@ func (p *Proxy) handle(c net.Conn) {
 }
 
 // dial connects to dst, through the policy's SOCKS5 upstream when it has one (never around
-// it).
-func (p *Proxy) dial(ctx context.Context, pol *Policy, dst netip.AddrPort) (net.Conn, error) {
+// it), from local: the address the sandbox reached the proxy at (its slot's host side), so
+// the host routes and masquerades the proxy's connections as it does the slot's own.
+func (p *Proxy) dial(ctx context.Context, pol *Policy, local netip.Addr, dst netip.AddrPort) (net.Conn, error) {
 	d := &net.Dialer{Timeout: 10 * time.Second}
+	if local.IsValid() && !local.IsUnspecified() {
+		d.LocalAddr = &net.TCPAddr{IP: local.AsSlice()}
+	}
 	if pol.Upstream == nil {
 		return d.DialContext(ctx, "tcp", dst.String())
 	}
@@ -266,7 +271,7 @@ func (p *Proxy) dial(ctx context.Context, pol *Policy, dst netip.AddrPort) (net.
 
 // intercept terminates the connection with goproxy (TLS with a certificate of the node's CA
 // when isTLS) and forwards each request with the rule's headers.
-func (p *Proxy) intercept(client *replayConn, guest netip.Addr, dst netip.AddrPort, name string, isTLS bool) {
+func (p *Proxy) intercept(client *replayConn, guest, local netip.Addr, dst netip.AddrPort, name string) {
 	done := make(chan struct{})
 	client.onClose = func() { close(done) }
 	client.skipWrites = 1 // goproxy's "200 OK" answer to the CONNECT made up below
@@ -279,7 +284,7 @@ func (p *Proxy) intercept(client *replayConn, guest netip.Addr, dst netip.AddrPo
 			if pol == nil {
 				return nil, fmt.Errorf("sandbox %s has no egress policy", guest)
 			}
-			return p.dial(ctx, pol, dst)
+			return p.dial(ctx, pol, local, dst)
 		},
 		TLSClientConfig:       &tls.Config{RootCAs: p.roots, MinVersion: tls.VersionTLS12},
 		ForceAttemptHTTP2:     false,
