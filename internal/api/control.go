@@ -90,7 +90,7 @@ func (s *server) createFrom(w http.ResponseWriter, r *http.Request, reservation 
 	if err != nil {
 		return nil, err
 	}
-	network, err := req.Network.toConfig()
+	network, err := req.Network.toConfig(ownerOf(r))
 	if err != nil {
 		return nil, err
 	}

@@ -110,6 +110,9 @@ func (p *Proxy) Set(guest netip.Addr, pol *Policy) {
 	}
 }
 
+// Policy returns the policy of the sandbox at guest (nil: none).
+func (p *Proxy) Policy(guest netip.Addr) *Policy { return p.policy(guest) }
+
 func (p *Proxy) policy(guest netip.Addr) *Policy {
 	p.mu.Lock()
 	defer p.mu.Unlock()
