@@ -227,7 +227,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	var nm *network.Manager
-	px, pxPort, err := startEgressProxy(cfg, names.Table, secrets, func(a netip.Addr) bool { return nm.IsAlwaysDenied(a) })
+	px, pxPort, egressCA, err := startEgressProxy(cfg, names.Table, secrets, func(a netip.Addr) bool { return nm.IsAlwaysDenied(a) })
 	if err != nil {
 		return nil, err
 	}
@@ -280,6 +280,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		DataDir:      cfg.DataDir,
 		Driver:       drv,
 		Network:      &netAdapter{m: nm, px: px, slots: map[int]*network.Slot{}},
+		EgressCA:     egressCA,
 		Store:        st,
 		Builder:      &builderAdapter{dataDir: cfg.DataDir, allow: cfg.RegistryAllow, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
 		Images:       images,

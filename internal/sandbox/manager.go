@@ -107,6 +107,9 @@ type Config struct {
 	Images   ImageStore // optional
 	Logger   *slog.Logger
 	EnvdPath string // envd inside the rootfs
+	// EgressCA is the PEM certificate of the node's egress CA, installed in sandboxes with
+	// network rules (egressca.go).
+	EgressCA []byte
 	// EnvdTimeout bounds the wait for envd after a boot or restore.
 	EnvdTimeout time.Duration
 	// PoolSize is the least number of restored, unassigned sandboxes kept per template

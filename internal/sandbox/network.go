@@ -334,6 +334,11 @@ func (m *Manager) UpdateNetwork(ctx context.Context, id string, u NetworkUpdate)
 	if err := up.Update(ctx, e.sb.Runtime.SlotIndex, next.Egress()); err != nil {
 		return fmt.Errorf("update network of sandbox %q: %w", id, err)
 	}
+	if len(nc.Rules) > 0 && e.sb.Runtime.GuestIP != "" {
+		if err := m.trustEgressCA(ctx, m.guest, envdBase(e.sb.Runtime.GuestIP), &next); err != nil { // egressca.go
+			m.logger(id).Warn("egress CA not installed; TLS to the rules' hosts will not verify", "err", err)
+		}
+	}
 	e.sb.AllowInternet, e.sb.Network = next.AllowInternet, next.Network
 	if err := m.cfg.Store.PutSandbox(ctx, e.sb); err != nil {
 		return err
