@@ -13,8 +13,8 @@ import (
 // /sandboxes/{id}/network (SandboxNetworkUpdateConfig, the SDK's updateNetwork), and the
 // guest-port controls of the sandbox plane (traffic access token, Host masking).
 
-// networkJSON is SandboxNetworkConfig as the SDK sends it. allowOut host names, rules,
-// egressProxy and httpsPorts are enforced by the node's egress proxy (internal/egress).
+// networkJSON is SandboxNetworkConfig as the SDK sends it. allowOut host names, rules and
+// egressProxy are enforced by the node's egress proxy (internal/egress); httpsPorts is refused.
 type networkJSON struct {
 	AllowOut           []string                         `json:"allowOut"`
 	DenyOut            []string                         `json:"denyOut"`

@@ -39,8 +39,8 @@ func TestCreateNetworkValidation(t *testing.T) {
 		{"egress proxy", `{"egressProxy":{"address":"203.0.113.7:1080","username":"u","password":"p"}}`, 201, ""},
 		{"egress proxy on loopback", `{"egressProxy":{"address":"127.0.0.1:1080"}}`, 400, "internal, loopback and link-local"},
 		{"egress proxy without port", `{"egressProxy":{"address":"proxy.example"}}`, 400, "host:port"},
-		{"https ports", `{"httpsPorts":[443,8443]}`, 201, ""},
-		{"bad https port", `{"httpsPorts":[0]}`, 400, "invalid https port"},
+		{"https ports unsupported", `{"httpsPorts":[8443]}`, 400, "httpsPorts"},
+		{"rule domains are lowered", `{"rules":{"API.Example.com":[{}]}}`, 201, ""},
 		{"wrong type", `{"allowOut":"1.1.1.1"}`, 400, "allowOut"},
 		{"valid lists", `{"allowOut":["1.1.1.1","8.8.8.0/24"],"denyOut":["0.0.0.0/0"]}`, 201, ""},
 		{"valid mask", `{"maskRequestHost":"${PORT}-app.example.com"}`, 201, ""},
@@ -303,7 +303,7 @@ func TestNetworkRulesReported(t *testing.T) {
 	e := newEnv(t)
 	r := e.ctl("POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["api.example.com"],"denyOut":["0.0.0.0/0"],`+
 		`"rules":{"api.example.com":[{"transform":{"headers":{"Authorization":"Bearer ${e2b.secrets.key}"}}}]},`+
-		`"egressProxy":{"address":"socks5://203.0.113.7:1080","username":"u","password":"hunter2-pw"},"httpsPorts":[443]}}`)
+		`"egressProxy":{"address":"socks5://203.0.113.7:1080","username":"u","password":"hunter2-pw"}}}`)
 	if r.status != 201 {
 		t.Fatalf("create: %d %s", r.status, r.body)
 	}
@@ -317,7 +317,7 @@ func TestNetworkRulesReported(t *testing.T) {
 	}
 	body := string(r.body)
 	for _, want := range []string{`"allowOut":["api.example.com"]`, `"Authorization":"Bearer ${e2b.secrets.key}"`,
-		`"egressProxy":{"address":"socks5://203.0.113.7:1080","username":"u"}`, `"httpsPorts":[443]`} {
+		`"egressProxy":{"address":"socks5://203.0.113.7:1080","username":"u"}`} {
 		if !strings.Contains(body, want) {
 			t.Errorf("getInfo lacks %s: %s", want, body)
 		}

@@ -64,7 +64,7 @@ func egressPolicy(e sandbox.Egress) *egress.Policy {
 		return nil
 	}
 	p := &egress.Policy{AllowInternet: e.AllowInternet, AllowOut: e.AllowOut, DenyOut: e.DenyOut,
-		AllowHosts: e.AllowHosts, HTTPSPorts: e.HTTPSPorts, Owner: e.Owner}
+		AllowHosts: e.AllowHosts, Owner: e.Owner}
 	if len(e.Rules) > 0 {
 		p.Rules = map[string]http.Header{}
 		for d, hs := range e.Rules {

@@ -7,12 +7,13 @@
 //   - a name matching AllowHosts is allowed, else one matching DenyHosts is denied, else the
 //     address rules decide (AllowOut, then DenyOut / no internet, then allow) as the firewall
 //     does for sandboxes without the proxy;
-//   - for a name with Rules, HTTP (any port) and TLS (on HTTPSPorts, 443 by default) are
-//     terminated: TLS with a certificate the node's CA signs for the name (the sandbox trusts
-//     that CA), then each request whose Host matches gets the rule's headers, with
+//   - for a name with Rules, TLS (any port) is terminated with a certificate the node's CA
+//     signs for the name (the sandbox trusts that CA), then each request whose Host matches
+//     gets the rule's headers, with
 //     `${e2b.secrets.<name>}` replaced by the owner's secret, and goes to the real server over
 //     TLS verified against the system roots (plus Config.RootCAs): a secret is only ever sent to
-//     a server that proves the name. Other connections are passed through untouched.
+//     a server that proves the name. Plain HTTP is never given a rule's headers (a secret
+//     would cross the network in clear); it and every other connection pass through untouched.
 //   - with an Upstream, every connection leaves through that SOCKS5 proxy; when it cannot be
 //     reached the connection is closed (fail closed, never direct).
 //
@@ -37,11 +38,10 @@ type Policy struct {
 	// "*.example.com" (any name below it).
 	AllowHosts []string
 	DenyHosts  []string
-	// Rules maps host-name patterns to the headers set on matching requests (values may hold
-	// `${e2b.secrets.<name>}`).
+	// Rules maps host-name patterns to the headers set on matching HTTPS requests (values may
+	// hold `${e2b.secrets.<name>}`). An exact name wins over wildcards, a longer wildcard
+	// over a shorter one; rule sets are not merged.
 	Rules map[string]http.Header
-	// HTTPSPorts are the ports where TLS to a host with rules is terminated (nil: 443).
-	HTTPSPorts []int
 	// Upstream, when set, carries every connection (SOCKS5).
 	Upstream *Upstream
 	// Owner is whose secrets the placeholders name.
@@ -69,27 +69,23 @@ func matchAny(patterns []string, host string) bool {
 	return slices.ContainsFunc(patterns, func(p string) bool { return MatchHost(p, host) })
 }
 
-// headersFor returns the rule headers for host (nil when no rule matches; the first matching
-// pattern in sorted order wins, so the answer does not depend on map order).
+// headersFor returns the rule headers for host (nil when no rule matches): the exact name's,
+// else the longest matching wildcard's.
 func (p *Policy) headersFor(host string) http.Header {
-	keys := make([]string, 0, len(p.Rules))
-	for k := range p.Rules {
-		keys = append(keys, k)
+	host = strings.TrimSuffix(strings.ToLower(host), ".")
+	if h, ok := p.Rules[host]; ok {
+		return h
 	}
-	slices.Sort(keys)
-	for _, k := range keys {
-		if MatchHost(k, host) {
-			return p.Rules[k]
+	best := ""
+	for k := range p.Rules {
+		if strings.HasPrefix(k, "*.") && MatchHost(k, host) && len(k) > len(best) {
+			best = k
 		}
 	}
-	return nil
-}
-
-func (p *Policy) httpsPort(port uint16) bool {
-	if len(p.HTTPSPorts) == 0 {
-		return port == 443
+	if best == "" {
+		return nil
 	}
-	return slices.Contains(p.HTTPSPorts, int(port))
+	return p.Rules[best]
 }
 
 func covers(ps []netip.Prefix, a netip.Addr) bool {

@@ -211,9 +211,9 @@ func (p *Proxy) handle(c net.Conn) {
 		return
 	}
 	var replay []byte
-	name, isTLS, isHTTP := "", false, false
+	name, isTLS := "", false
 	if pol.needsName(dst.Addr()) {
-		replay, name, isTLS, isHTTP = sniff(c, p.cfg.SniffTimeout)
+		replay, name, isTLS = sniff(c, p.cfg.SniffTimeout)
 	}
 	if !pol.allows(dst.Addr(), name) {
 		log.Info("egress denied", "host", name)
@@ -227,7 +227,7 @@ func (p *Proxy) handle(c net.Conn) {
 	}
 	defer p.untrack(t)
 	client := &replayConn{Conn: c, r: io.MultiReader(bytes.NewReader(replay), c)}
-	if name != "" && pol.headersFor(name) != nil && (isHTTP || isTLS && pol.httpsPort(dst.Port())) {
+	if name != "" && isTLS && pol.headersFor(name) != nil {
 		p.intercept(client, guest, local, dst, name)
 		return
 	}
@@ -272,8 +272,8 @@ func (p *Proxy) dial(ctx context.Context, pol *Policy, local netip.Addr, dst net
 	return conn, nil
 }
 
-// intercept terminates the connection with goproxy (TLS with a certificate of the node's CA
-// when isTLS) and forwards each request with the rule's headers.
+// intercept terminates the TLS connection with goproxy (a certificate of the node's CA for
+// name) and forwards each request with the rule's headers.
 func (p *Proxy) intercept(client *replayConn, guest, local netip.Addr, dst netip.AddrPort, name string) {
 	done := make(chan struct{})
 	client.onClose = func() { close(done) }
@@ -346,14 +346,14 @@ var errSniffed = errors.New("sniffed")
 
 // sniff reads the client's first bytes (up to timeout) and returns them with the name they
 // carry: the SNI of a TLS ClientHello or the Host of an HTTP request.
-func sniff(c net.Conn, timeout time.Duration) (replay []byte, name string, isTLS, isHTTP bool) {
+func sniff(c net.Conn, timeout time.Duration) (replay []byte, name string, isTLS bool) {
 	var rec bytes.Buffer
 	_ = c.SetReadDeadline(time.Now().Add(timeout))
 	defer func() { _ = c.SetReadDeadline(time.Time{}) }()
 	src := io.TeeReader(c, &rec)
 	first := make([]byte, 1)
 	if _, err := io.ReadFull(src, first); err != nil {
-		return rec.Bytes(), "", false, false
+		return rec.Bytes(), "", false
 	}
 	rest := io.MultiReader(bytes.NewReader(first), src)
 	switch {
@@ -368,14 +368,13 @@ func sniff(c net.Conn, timeout time.Duration) (replay []byte, name string, isTLS
 		_ = hs.Handshake()
 	case first[0] >= 'A' && first[0] <= 'Z': // an HTTP method
 		if req, err := http.ReadRequest(bufio.NewReader(rest)); err == nil {
-			isHTTP = true
 			name = hostOnly(req.Host)
 		}
 	}
 	if _, err := netip.ParseAddr(name); err == nil {
 		name = "" // an address is not a name
 	}
-	return rec.Bytes(), strings.TrimSuffix(strings.ToLower(name), "."), isTLS, isHTTP
+	return rec.Bytes(), strings.TrimSuffix(strings.ToLower(name), "."), isTLS
 }
 
 // replayConn reads r (the sniffed bytes, then the connection) and can drop its first writes.

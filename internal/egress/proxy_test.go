@@ -181,8 +181,10 @@ func TestFilterByName(t *testing.T) {
 func TestTransformHTTPS(t *testing.T) {
 	up, dst := upstream(t, true)
 	tp := newTestProxy(t, up.Certificate())
-	tp.p.Set(guest, &Policy{AllowInternet: true, HTTPSPorts: []int{int(netip.MustParseAddrPort(dst).Port())},
-		Rules: map[string]http.Header{"example.com": {"Authorization": {"Bearer ${e2b.secrets.api-key}"}}}})
+	tp.p.Set(guest, &Policy{AllowInternet: true, Rules: map[string]http.Header{
+		"example.com":   {"Authorization": {"Bearer ${e2b.secrets.api-key}"}},
+		"*.com":         {"Authorization": {"wrong: a wildcard"}},
+		"*.example.com": {"Authorization": {"wrong: not the apex"}}}})
 	// httptest's certificate names example.com: the upstream is verified for the name.
 	u := "https://example.com:" + itoa(netip.MustParseAddrPort(dst).Port()) + "/"
 	resp, body, err := tp.get(dst, u)
@@ -192,15 +194,15 @@ func TestTransformHTTPS(t *testing.T) {
 	if body != "auth=Bearer s3cr3t-value host=example.com:"+itoa(netip.MustParseAddrPort(dst).Port()) {
 		t.Fatalf("upstream saw %q (%d)", body, resp.StatusCode)
 	}
-	// Plain HTTP to a host with rules gets them too.
+	// Plain HTTP to a host with rules passes untouched: a secret never crosses in clear.
 	_, hdst := upstream(t, false)
 	tp.p.Set(guest, &Policy{AllowInternet: true, Rules: map[string]http.Header{"example.com": {"Authorization": {"k ${e2b.secrets.api-key}"}}}})
-	if _, body, err := tp.get(hdst, "http://example.com:"+itoa(netip.MustParseAddrPort(hdst).Port())+"/"); err != nil || !strings.HasPrefix(body, "auth=k s3cr3t-value") {
+	if _, body, err := tp.get(hdst, "http://example.com:"+itoa(netip.MustParseAddrPort(hdst).Port())+"/"); err != nil || !strings.HasPrefix(body, "auth= ") {
 		t.Fatalf("http: %q %v", body, err)
 	}
 	// An unknown secret: the request is not sent.
 	tp.p.Set(guest, &Policy{AllowInternet: true, Rules: map[string]http.Header{"example.com": {"Authorization": {"${e2b.secrets.nope}"}}}})
-	if resp, body, err := tp.get(hdst, "http://example.com:"+itoa(netip.MustParseAddrPort(hdst).Port())+"/"); err != nil || resp.StatusCode != http.StatusBadGateway {
+	if resp, body, err := tp.get(dst, u); err != nil || resp.StatusCode != http.StatusBadGateway {
 		t.Fatalf("unknown secret: %v %q %v", resp, body, err)
 	}
 }
@@ -210,8 +212,7 @@ func TestTransformHTTPS(t *testing.T) {
 func TestTransformRefusesUnverifiedUpstream(t *testing.T) {
 	_, dst := upstream(t, true)
 	tp := newTestProxy(t) // the upstream's certificate is not trusted
-	tp.p.Set(guest, &Policy{AllowInternet: true, HTTPSPorts: []int{int(netip.MustParseAddrPort(dst).Port())},
-		Rules: map[string]http.Header{"example.com": {"Authorization": {"${e2b.secrets.api-key}"}}}})
+	tp.p.Set(guest, &Policy{AllowInternet: true, Rules: map[string]http.Header{"example.com": {"Authorization": {"${e2b.secrets.api-key}"}}}})
 	resp, body, err := tp.get(dst, "https://example.com:"+itoa(netip.MustParseAddrPort(dst).Port())+"/")
 	if err == nil && resp.StatusCode == http.StatusOK {
 		t.Fatalf("unverified upstream answered: %q", body)

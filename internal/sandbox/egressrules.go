@@ -13,9 +13,10 @@ import (
 	"golang.org/x/net/http/httpguts"
 )
 
-// E2B's egress by name (SandboxNetworkConfig's allowOut host names, rules, egressProxy,
-// httpsPorts): enforced by the node's egress proxy (internal/egress), which the sandbox's
-// outbound TCP goes through when any of them is set.
+// E2B's egress by name (SandboxNetworkConfig's allowOut host names, rules, egressProxy):
+// enforced by the node's egress proxy (internal/egress), which the sandbox's outbound TCP goes
+// through when any of them is set. httpsPorts (HTTPS to the sandbox's own ports, through the
+// sandbox plane) is not supported yet and refused.
 
 // Limits on what one sandbox's rules may hold.
 const (
@@ -23,7 +24,6 @@ const (
 	MaxRulesPerDomain   = 8
 	MaxHeadersPerRule   = 32
 	MaxHeaderValueBytes = 8 << 10
-	MaxHTTPSPorts       = 32
 )
 
 // NetworkRule is one of a domain's rules (E2B's SandboxNetworkRule).
@@ -120,6 +120,9 @@ func ValidateRules(rules map[string][]NetworkRule, px *EgressProxy, httpsPorts [
 		if err := validHostName("rule domain", domain); err != nil {
 			return err
 		}
+		if _, dup := rules[strings.ToLower(domain)]; dup && domain != strings.ToLower(domain) {
+			return invalidf("rule domain %s is given twice (names are case-insensitive)", domain)
+		}
 		rs := rules[domain]
 		if len(rs) > MaxRulesPerDomain {
 			return invalidf("rules for %s: at most %d", domain, MaxRulesPerDomain)
@@ -149,13 +152,8 @@ func ValidateRules(rules map[string][]NetworkRule, px *EgressProxy, httpsPorts [
 			}
 		}
 	}
-	if len(httpsPorts) > MaxHTTPSPorts {
-		return invalidf("httpsPorts may hold at most %d ports", MaxHTTPSPorts)
-	}
-	for _, p := range httpsPorts {
-		if p < 1 || p > 65535 {
-			return invalidf("invalid https port %d", p)
-		}
+	if len(httpsPorts) > 0 {
+		return invalidf("network httpsPorts (HTTPS to the sandbox's ports) is not supported by this server")
 	}
 	if px != nil {
 		if err := validateEgressProxy(px); err != nil {
@@ -211,6 +209,18 @@ func egressHosts(entries []string) (hosts []string, addrs []string) {
 		}
 	}
 	return hosts, addrs
+}
+
+// lowerRules returns rules with their domains in lower case (E2B normalizes them on write).
+func lowerRules(rules map[string][]NetworkRule) map[string][]NetworkRule {
+	if rules == nil {
+		return nil
+	}
+	out := make(map[string][]NetworkRule, len(rules))
+	for d, rs := range rules {
+		out[strings.TrimSuffix(strings.ToLower(d), ".")] = rs
+	}
+	return out
 }
 
 // ruleHeaders flattens a network's rules to the headers set per domain (later rules of a

@@ -3,7 +3,6 @@ package sandbox
 import (
 	"context"
 	"fmt"
-	"maps"
 	"net"
 	"net/netip"
 	"regexp"
@@ -50,7 +49,8 @@ type NetworkConfig struct {
 	Rules map[string][]NetworkRule `json:"rules,omitempty"`
 	// EgressProxy is a SOCKS5 upstream all outbound TCP goes through.
 	EgressProxy *EgressProxy `json:"egressProxy,omitempty"`
-	// HTTPSPorts are where TLS to a host with rules is terminated (nil: 443).
+	// HTTPSPorts: guest ports serving HTTPS (E2B's httpsPorts); refused until the sandbox
+	// plane speaks HTTPS to them.
 	HTTPSPorts []int `json:"httpsPorts,omitempty"`
 	// SecretsOwner is whose secrets the rules' placeholders name (set by the API edge).
 	SecretsOwner string `json:"secretsOwner,omitempty"`
@@ -64,10 +64,9 @@ type Egress struct {
 	AllowOut      []netip.Prefix
 	DenyOut       []netip.Prefix
 	// What the egress proxy enforces (Proxied): host names of allowOut, rules (domain ->
-	// header -> value), HTTPS ports, SOCKS5 upstream, and whose secrets the rules name.
+	// header -> value), SOCKS5 upstream, and whose secrets the rules name.
 	AllowHosts []string
 	Rules      map[string]map[string]string
-	HTTPSPorts []int
 	Upstream   *EgressProxy
 	Owner      string
 }
@@ -94,7 +93,6 @@ func (sb *Sandbox) Egress() Egress {
 	}
 	e.AllowHosts = hosts
 	e.Rules = ruleHeaders(sb.Network.Rules)
-	e.HTTPSPorts = slices.Clone(sb.Network.HTTPSPorts)
 	e.Upstream = sb.Network.EgressProxy.clone()
 	e.Owner = sb.Network.SecretsOwner
 	return e
@@ -119,7 +117,7 @@ func (n *NetworkConfig) ForNew() *NetworkConfig {
 	c := *n
 	c.AllowOut = slices.Clone(n.AllowOut)
 	c.DenyOut = slices.Clone(n.DenyOut)
-	c.Rules = maps.Clone(n.Rules)
+	c.Rules = lowerRules(n.Rules)
 	c.HTTPSPorts = slices.Clone(n.HTTPSPorts)
 	if n.EgressProxy != nil {
 		px := *n.EgressProxy
@@ -329,7 +327,7 @@ func (m *Manager) UpdateNetwork(ctx context.Context, id string, u NetworkUpdate)
 		nc = *e.sb.Network
 	}
 	nc.AllowOut, nc.DenyOut = slices.Clone(u.AllowOut), slices.Clone(u.DenyOut)
-	nc.Rules, nc.EgressProxy = maps.Clone(u.Rules), u.EgressProxy.clone()
+	nc.Rules, nc.EgressProxy = lowerRules(u.Rules), u.EgressProxy
 	next.Network = &nc
 	if err := up.Update(ctx, e.sb.Runtime.SlotIndex, next.Egress()); err != nil {
 		return fmt.Errorf("update network of sandbox %q: %w", id, err)
