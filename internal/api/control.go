@@ -467,15 +467,7 @@ func (s *server) listSnapshots(w http.ResponseWriter, r *http.Request, _ params)
 		}
 		items = append(items, pageItem[*sandbox.Template]{at: t.CreatedAt, id: t.ID, v: t})
 	}
-	page, next := paginate(items, true, cur, limit)
-	out := make([]snapshotJSON, 0, len(page))
-	for _, t := range page {
-		out = append(out, toSnapshot(t))
-	}
-	if next != "" {
-		w.Header().Set(HeaderNextToken, next)
-	}
-	writeJSON(w, http.StatusOK, out)
+	writePage(w, items, true, cur, limit, toSnapshot)
 	return nil
 }
 

@@ -110,15 +110,7 @@ func (s *server) listSecrets(w http.ResponseWriter, r *http.Request, _ params) e
 	for _, sec := range secs {
 		items = append(items, pageItem[*secret.Secret]{at: sec.CreatedAt, id: sec.ID, v: sec})
 	}
-	page, next := paginate(items, false, cur, limit)
-	out := make([]secretJSON, 0, len(page))
-	for _, sec := range page {
-		out = append(out, toSecretJSON(sec))
-	}
-	if next != "" {
-		w.Header().Set(HeaderNextToken, next)
-	}
-	writeJSON(w, http.StatusOK, out)
+	writePage(w, items, false, cur, limit, toSecretJSON)
 	return nil
 }
 

@@ -4,25 +4,16 @@ import (
 	"bytes"
 	"context"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"testing"
 
-	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/secret"
 	"github.com/ember-sandbox/ember/internal/store"
 )
 
 func newSecretEnv(t *testing.T) (*env, *secret.Manager, string) {
 	t.Helper()
-	keys := auth.NewKeys(auth.NewMemoryBackend())
-	key, _, err := keys.Create(context.Background(), "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := newGuest(t)
-	fake := newService(t, g.srv.Listener.Addr().String())
 	dir := t.TempDir()
 	st, err := store.Open(filepath.Join(dir, "store.db"))
 	if err != nil {
@@ -33,9 +24,7 @@ func newSecretEnv(t *testing.T) (*env, *secret.Manager, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewServer(New(Config{Domain: testDomain, Secrets: sm}, fake, keys, testLogger(t)))
-	t.Cleanup(srv.Close)
-	return &env{t: t, fake: fake, keys: keys, key: key, api: srv, guest: g}, sm, dir
+	return newEnvConfig(t, Config{Domain: testDomain, Secrets: sm}), sm, dir
 }
 
 // TestSecretAPI: E2B's shapes and answers, values never returned and never stored in clear.

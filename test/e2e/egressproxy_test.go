@@ -145,12 +145,16 @@ func makeEgressProxyUpstream(t *testing.T, cidr string) *epUpstream {
 	go (&http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintln(w, "plain upstream")
 	})}).Serve(plainLn)
-	go serveSOCKS5(u.socksLn, &u.socksUse)
+	// The SOCKS5 server's own connections are made inside the namespace: never off the machine.
+	go serveSOCKS5(u.socksLn, &u.socksUse, func(addr string) (c net.Conn, err error) {
+		inNetns(t, ns, func() { c, err = net.Dial("tcp4", addr) })
+		return c, err
+	})
 	return u
 }
 
 // serveSOCKS5 is a minimal SOCKS5 server (no auth, CONNECT to IPv4 only): the test's upstream.
-func serveSOCKS5(ln net.Listener, used *atomic.Int32) {
+func serveSOCKS5(ln net.Listener, used *atomic.Int32, dial func(string) (net.Conn, error)) {
 	for {
 		c, err := ln.Accept()
 		if err != nil {
@@ -169,7 +173,7 @@ func serveSOCKS5(ln net.Listener, used *atomic.Int32) {
 			if _, err := io.ReadFull(br, req); err != nil || req[1] != 1 || req[3] != 1 {
 				return
 			}
-			up, err := net.Dial("tcp4", net.JoinHostPort(net.IP(req[4:8]).String(), fmt.Sprint(int(req[8])<<8|int(req[9]))))
+			up, err := dial(net.JoinHostPort(net.IP(req[4:8]).String(), fmt.Sprint(int(req[8])<<8|int(req[9]))))
 			if err != nil {
 				c.Write([]byte{5, 5, 0, 1, 0, 0, 0, 0, 0, 0})
 				return
