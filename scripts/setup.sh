@@ -14,6 +14,8 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 pkgs=(debootstrap nftables iproute2 runc busybox-static ca-certificates tar btrfs-progs xfsprogs protobuf-compiler libprotobuf-dev tmux)
+# Volumes in a cluster: each node mounts the cluster's S3 bucket with s3fs-fuse (internal/volume/shared.go).
+pkgs+=(s3fs)
 # What E2B's Python SDK kit (../shared/e2b-python, README.txt) needs from Debian: the Python tests
 # (test/python, `make sdk`, `make sdk-python`) run the SDK with them.
 pkgs+=(python3-httpx python3-httpcore python3-h2 python3-attr python3-dateutil python3-packaging

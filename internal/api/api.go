@@ -244,12 +244,7 @@ func (s *server) authenticate(r *http.Request) error {
 	if fromNode, _ := r.Context().Value(nodeAuthenticated{}).(bool); fromNode {
 		return nil // an edge's, with a valid node proof: it checked the client's key (internal/cluster/edge)
 	}
-	key := r.Header.Get(HeaderAPIKey)
-	if key == "" {
-		if v := r.Header.Get("Authorization"); len(v) > 7 && strings.EqualFold(v[:7], "bearer ") {
-			key = strings.TrimSpace(v[7:])
-		}
-	}
+	key := apiKeyOf(r)
 	if key == "" {
 		return &httpError{status: http.StatusUnauthorized, msg: "Invalid API key"}
 	}
@@ -260,6 +255,17 @@ func (s *server) authenticate(r *http.Request) error {
 		return err
 	}
 	return nil
+}
+
+// apiKeyOf is r's API key: X-API-Key, else `Authorization: Bearer <key>` ("" = none).
+func apiKeyOf(r *http.Request) string {
+	key := r.Header.Get(HeaderAPIKey)
+	if key == "" {
+		if v := r.Header.Get("Authorization"); len(v) > 7 && strings.EqualFold(v[:7], "bearer ") {
+			key = strings.TrimSpace(v[7:])
+		}
+	}
+	return key
 }
 
 // statusWriter records the status for the access log; Unwrap keeps Flush and friends working

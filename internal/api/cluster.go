@@ -100,6 +100,13 @@ func (s *server) placeCreate(w http.ResponseWriter, r *http.Request) {
 		s.routes.serve(w, r, s.log)
 		return
 	}
+	// Its admission ticket: with the cluster full, the edge queues it (admission.go).
+	actx, err := withAdmission(w, r)
+	if err != nil {
+		writeError(w, s.log, r, err)
+		return
+	}
+	r = r.WithContext(actx)
 	here := func(ctx context.Context, reservation string) ([]byte, error) {
 		lr := r.Clone(ctx)
 		lr.Body = io.NopCloser(bytes.NewReader(body))

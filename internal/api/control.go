@@ -99,7 +99,11 @@ func (s *server) createFrom(w http.ResponseWriter, r *http.Request, reservation 
 		return nil, err
 	}
 	defer release()
-	sbx, err := s.svc.Create(r.Context(), sandbox.CreateRequest{
+	ctx, err := withAdmission(w, r) // admission.go
+	if err != nil {
+		return nil, err
+	}
+	sbx, err := s.svc.Create(ctx, sandbox.CreateRequest{
 		TemplateID:      req.TemplateID,
 		Timeout:         timeout,
 		Metadata:        req.Metadata,

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net/http"
 	"regexp"
 	"strconv"
@@ -118,6 +119,11 @@ func writeError(w http.ResponseWriter, log *slog.Logger, r *http.Request, err er
 		}
 	case status >= 500:
 		log.Warn("api error", "method", r.Method, "path", r.URL.Path, "status", status, "err", err)
+	}
+	// A 429 says when to try again: what the refusal says (the admission queue's), else 1 s.
+	var ra interface{ RetryAfter() time.Duration }
+	if status == http.StatusTooManyRequests && errors.As(err, &ra) {
+		w.Header().Set("Retry-After", strconv.Itoa(max(1, int(math.Ceil(ra.RetryAfter().Seconds())))))
 	}
 	errdefs.WriteBody(w, status, msg) // with Retry-After on a 429
 }

@@ -34,7 +34,11 @@ func (l managerLocal) Sandboxes(ctx context.Context) ([]LocalSandbox, error) {
 }
 
 func localOf(s *sandbox.Sandbox) LocalSandbox {
-	return LocalSandbox{ID: s.ID, TemplateID: s.TemplateID, Running: s.State == sandbox.StateRunning, CPU: s.CPUCount, MemoryMB: s.MemoryMB}
+	l := LocalSandbox{ID: s.ID, TemplateID: s.TemplateID, Running: s.State == sandbox.StateRunning, CPU: s.CPUCount, MemoryMB: s.MemoryMB}
+	for _, v := range s.VolumeMounts {
+		l.Volumes = append(l.Volumes, v.ID)
+	}
+	return l
 }
 
 func (l managerLocal) Templates(ctx context.Context) (map[string]TemplateSize, error) {

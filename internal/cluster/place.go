@@ -171,6 +171,22 @@ type candidate struct {
 	score  float64
 }
 
+// Room is how many sandboxes of templateID the live, undrained nodes have room for (slots
+// and memory), as this node's view of the cluster has it: no etcd read. The edge's admission
+// queue asks it for a create waiting in a full cluster.
+func (cl *Cluster) Room(templateID string) int {
+	cands, _ := cl.candidates(PlaceRequest{TemplateID: templateID})
+	n := 0
+	for _, c := range cands {
+		free := c.n.Capacity.Slots - c.alloc.Slots
+		if c.size.MemoryMB > 0 {
+			free = min(free, int((c.n.Capacity.MemoryMB-c.alloc.MemoryMB)/int64(c.size.MemoryMB)))
+		}
+		n += max(free, 0)
+	}
+	return n
+}
+
 func (cl *Cluster) candidates(req PlaceRequest) (out []candidate, haveTpl bool) {
 	cl.mu.RLock()
 	defer cl.mu.RUnlock()
@@ -275,7 +291,7 @@ func (cl *Cluster) claim(ctx context.Context, s LocalSandbox, rid string) error 
 	if r := cl.route(s.ID); r != nil && (r.Node != self || r.Epoch != epoch) {
 		return fmt.Errorf("sandbox %q is held by node %s: %w", s.ID, r.Node, errdefs.ErrConflict)
 	}
-	b, _ := json.Marshal(Route{Node: self, Epoch: epoch, TemplateID: s.TemplateID, CPU: s.CPU, MemoryMB: s.MemoryMB, Since: time.Now().UTC()})
+	b, _ := json.Marshal(Route{Node: self, Epoch: epoch, TemplateID: s.TemplateID, CPU: s.CPU, MemoryMB: s.MemoryMB, Since: time.Now().UTC(), Volumes: s.Volumes})
 	// Running here now: a pause image stored earlier is stale (moves.go).
 	ops := []clientv3.Op{clientv3.OpPut(cl.key("sandboxes", s.ID), string(b)), clientv3.OpDelete(cl.key("stored", s.ID))}
 	if rid != "" {

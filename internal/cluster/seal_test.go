@@ -21,15 +21,7 @@ import (
 // nodes read them back; a node with another key cannot join, and a record planted in plain
 // text by someone without the key is not taken.
 func TestEtcdHoldsNoPlainSecrets(t *testing.T) {
-	e := clustertest.Start(t, 1)
-	key, err := cluster.LoadSealKey(e.KeyFile())
-	if err != nil {
-		t.Fatal(err)
-	}
-	sealed := func(c *cluster.Config) { c.SealKey = key }
-	la, lb := newLocal("base"), newLocal("base")
-	a := join(t, e.Endpoints(), "a", 4, la, sealed)
-	b := join(t, e.Endpoints(), "b", 4, lb, sealed)
+	e, key, a, la, b, lb := sealedPair(t)
 	if !bytes.Equal(a.Secret(), b.Secret()) {
 		t.Fatal("the nodes sign with different secrets")
 	}
@@ -104,4 +96,19 @@ func TestEtcdHoldsNoPlainSecrets(t *testing.T) {
 	if img := mb.StoredImage(ctx, "sx"); img != "" {
 		t.Fatalf("a planted plain record was taken: image %q", img)
 	}
+}
+
+// sealedPair starts etcd (one member) and two nodes, a and b, that seal with the cluster key.
+func sealedPair(t *testing.T) (e *clustertest.Etcd, key *cluster.SealKey, a *cluster.Cluster, la *fakeLocal, b *cluster.Cluster, lb *fakeLocal) {
+	t.Helper()
+	e = clustertest.Start(t, 1)
+	key, err := cluster.LoadSealKey(e.KeyFile())
+	if err != nil {
+		t.Fatal(err)
+	}
+	sealed := func(c *cluster.Config) { c.SealKey = key }
+	la, lb = newLocal("base"), newLocal("base")
+	a = join(t, e.Endpoints(), "a", 4, la, sealed)
+	b = join(t, e.Endpoints(), "b", 4, lb, sealed)
+	return e, key, a, la, b, lb
 }

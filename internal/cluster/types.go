@@ -75,7 +75,10 @@ type Route struct {
 	// Stored: the sandbox is paused and its pause image is in the image store (stored/<sid>):
 	// any node may resume it once its node is gone or drained (moves.go).
 	Stored bool `json:"stored,omitempty"`
-	modRev int64
+	// Volumes are the ids of the volumes the sandbox mounts: a volume is not destroyed while a
+	// route names it (volumes.go).
+	Volumes []string `json:"volumes,omitempty"`
+	modRev  int64
 }
 
 // Lost records a sandbox that died with its node.
@@ -119,4 +122,5 @@ type LocalSandbox struct {
 	Running    bool
 	CPU        int
 	MemoryMB   int
+	Volumes    []string // ids of the volumes it mounts
 }

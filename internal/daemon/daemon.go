@@ -91,6 +91,8 @@ type Config struct {
 	// MaxSandboxes and MaxBuilds cap what this node runs at once (0 = the Manager's defaults);
 	// MaxConns caps concurrent client connections (0 = 8192).
 	MaxSandboxes, MaxBuilds, MaxConns int
+	// MaxQueued bounds the creates waiting for room in the admission queue (0 = 1000).
+	MaxQueued int
 	// DiskMB is the default disk of a sandbox's writable layer, and the disk of build
 	// sandboxes and template warm-ups (0 = the Manager's default, 2048).
 	DiskMB int
@@ -275,7 +277,15 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	met := metrics.New()
+	var volumeDir func(string) string
+	if sharedVolumes(cfg) {
+		// A cluster's volumes are at this node's own path (a sandbox made on another node
+		// records that node's).
+		dir := volume.SharedDir(s3fsConfig(cfg), sharedVolumesMount(cfg))
+		volumeDir = func(id string) string { return filepath.Join(dir, id) }
+	}
 	mgr, err := sandbox.New(ctx, sandbox.Config{
+		VolumeDir:    volumeDir,
 		Observer:     met,
 		DataDir:      cfg.DataDir,
 		Driver:       drv,
@@ -294,6 +304,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		// Memory pauses: in place (hot) and for how long, or by a checkpoint.
 		PauseMode: cfg.PauseMode, PausedMemoryMB: cfg.PausedMemoryMB, HotPauseMax: cfg.HotPauseMax,
 		MaxSandboxes: cfg.MaxSandboxes,
+		MaxQueued:    cfg.MaxQueued,
 		MaxBuilds:    cfg.MaxBuilds,
 		DiskMB:       cfg.DiskMB,
 		// How the pools size themselves and refill.
@@ -380,7 +391,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		mgr.Listen(cluster.NewEvents(cl, moves, tpls))
 	}
 	acfg.Secrets = secrets
-	if acfg.Volumes, err = openVolumes(ctx, cfg, st); err != nil {
+	if acfg.Volumes, err = openVolumes(ctx, cfg, st, cl); err != nil {
+		if cl != nil {
+			cl.Close()
+		}
 		mgr.Close()
 		return nil, err
 	}
@@ -657,26 +671,60 @@ func serveMetrics(ln net.Listener, h http.Handler) *http.Server {
 	return srv
 }
 
+// sharedVolumes: in a cluster with an S3 store, volumes are in the bucket (openVolumes).
+func sharedVolumes(cfg Config) bool { return len(cfg.EtcdEndpoints) > 0 && cfg.S3.Endpoint != "" }
+
+// sharedVolumesMount is where this node mounts the cluster's bucket for the volumes.
+func sharedVolumesMount(cfg Config) string { return filepath.Join(cfg.DataDir, "volumes", "s3") }
+
+func s3fsConfig(cfg Config) volume.S3FS {
+	return volume.S3FS{Endpoint: cfg.S3.Endpoint, TLS: cfg.S3.TLS, CAFile: cfg.S3.CAFile, Insecure: cfg.S3.InsecureSkipVerify,
+		Bucket: cfg.S3.Bucket, Prefix: cfg.S3.Prefix, AccessKey: cfg.S3.AccessKey, SecretKey: cfg.S3.SecretKey, Region: cfg.S3.Region}
+}
+
 // openVolumes opens <data-dir>/volumes; a destroy is refused while a live or paused sandbox
-// of the store mounts the volume.
-func openVolumes(ctx context.Context, cfg Config, st *store.Store) (*volume.Manager, error) {
-	return volume.Open(ctx, volume.Config{
+// of the store mounts the volume. In a cluster with an S3 store (shared), volumes are
+// directories of the bucket mounted with s3fs on every node and their records are in etcd
+// (volume.MountShared): a destroy is refused while a sandbox on any node mounts the volume.
+func openVolumes(ctx context.Context, cfg Config, st *store.Store, cl *cluster.Cluster) (*volume.Manager, error) {
+	local := func(ctx context.Context, id string) ([]string, error) {
+		sbs, err := st.ListSandboxes(ctx)
+		if err != nil {
+			return nil, err
+		}
+		var out []string
+		for _, sb := range sbs {
+			if (sb.State == sandbox.StateRunning || sb.State == sandbox.StatePaused) && sb.UsesVolume(id) {
+				out = append(out, sb.ID)
+			}
+		}
+		return out, nil
+	}
+	vcfg := volume.Config{
 		Dir:    filepath.Join(cfg.DataDir, "volumes"),
 		Store:  st,
 		SizeMB: cfg.VolumeSizeMB,
 		Logger: cfg.Logger,
-		Users: func(ctx context.Context, id string) ([]string, error) {
-			sbs, err := st.ListSandboxes(ctx)
+		Users:  local,
+	}
+	if sharedVolumes(cfg) && cl != nil {
+		dir, err := volume.MountShared(ctx, s3fsConfig(cfg), sharedVolumesMount(cfg), cfg.DataDir)
+		if err != nil {
+			return nil, fmt.Errorf("volumes: %w", err)
+		}
+		vcfg.Shared, vcfg.Store = dir, cl.Volumes()
+		vcfg.Users = func(ctx context.Context, id string) ([]string, error) {
+			out, err := local(ctx, id)
 			if err != nil {
 				return nil, err
 			}
-			var out []string
-			for _, sb := range sbs {
-				if (sb.State == sandbox.StateRunning || sb.State == sandbox.StatePaused) && sb.UsesVolume(id) {
-					out = append(out, sb.ID)
+			for _, sid := range cl.VolumeUsers(id) {
+				if !slices.Contains(out, sid) {
+					out = append(out, sid)
 				}
 			}
 			return out, nil
-		},
-	})
+		}
+	}
+	return volume.Open(ctx, vcfg)
 }

@@ -61,6 +61,10 @@ type Spec struct {
 type Bind struct {
 	Source string // absolute host path
 	Path   string // absolute path inside the instance
+	// Remote: Source is a filesystem shared with other hosts whose open files keep what they
+	// read (s3fs: a cluster's volumes), so the runtime holds no host file open beyond the
+	// guest's own opens: a guest open sees what other hosts closed before.
+	Remote bool
 }
 
 // Stack is the root filesystem's read-only layers, top first: RootFS, then Lowers.

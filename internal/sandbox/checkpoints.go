@@ -54,6 +54,28 @@ type Checkpoint struct {
 	// long the checkpoint took in all.
 	Stopped time.Duration `json:"stopped"`
 	Took    time.Duration `json:"took"`
+	// Token is the envd access token the image's envd holds: one of the checkpoint's own, as
+	// a snapshot's (snaptoken.go), so that a snapshot promoted from it carries no live token.
+	// "" (a checkpoint of an earlier version) = the sandbox's own.
+	Token string `json:"token,omitempty"`
+}
+
+// initToken is the token that authenticates the first /init of an instance restored from ck
+// (the sandbox's own for a checkpoint of an earlier version).
+func (ck *Checkpoint) initToken(sb *Sandbox) string {
+	if ck.Token != "" {
+		return ck.Token
+	}
+	return sb.AccessToken
+}
+
+// reinit is what a launch restoring ck for sb sends envd: sb's identity, authenticated with
+// the checkpoint's token (nil when envd holds sb's own token already).
+func (ck *Checkpoint) reinit(sb *Sandbox) (*Sandbox, string) {
+	if ck.Token == "" || ck.Token == sb.AccessToken {
+		return nil, ""
+	}
+	return sb, ck.Token
 }
 
 // CheckpointTree is a sandbox's checkpoints (oldest first, each with its parent), its head,
@@ -152,7 +174,14 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 		layerDir = filepath.Join(forks, cid)
 	}
 	start := time.Now()
-	top, stopped, err := m.captureRunningLocked(ctx, e, stage, layerDir)
+	var top string
+	var stopped time.Duration
+	// The image holds a token of its own, not the sandbox's (snaptoken.go).
+	token, err := m.withSnapshotToken(ctx, sb, tpl, func() error {
+		var cerr error
+		top, stopped, cerr = m.captureRunningLocked(ctx, e, stage, layerDir)
+		return cerr
+	})
 	if err != nil {
 		removeTree(stage)
 		m.observe(StageCheckpoint, start, err)
@@ -160,7 +189,7 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 	}
 	image := filepath.Join(dir, cid)
 	ck := &Checkpoint{ID: cid, SandboxID: id, ParentID: sb.CheckpointHead, CreatedAt: time.Now().UTC(),
-		Image: image, RootFS: tpl.RootFS, Lowers: tpl.Lowers, Stopped: stopped}
+		Image: image, RootFS: tpl.RootFS, Lowers: tpl.Lowers, Stopped: stopped, Token: token}
 	if top != "" {
 		c := childTemplate(tpl, top)
 		ck.Layer, ck.RootFS, ck.Lowers = layerDir, c.RootFS, c.Lowers
@@ -366,7 +395,9 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 		}
 	}
 	if !swapped {
+		init, initToken := ck.reinit(sb)
 		p, err = m.launch(ctx, launchSpec{owner: sb.ID, tpl: &onto, image: ck.Image, busyDir: sb.Runtime.StateDir,
+			init: init, initToken: initToken,
 			cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()})
 		if err != nil {
 			m.observe(StageRollback, start, err)
@@ -468,6 +499,7 @@ func (m *Manager) ForkCheckpoint(ctx context.Context, id, cid string, count int,
 	onto := *tpl
 	onto.RootFS, onto.Lowers = ck.RootFS, ck.Lowers
 	start := time.Now()
+	parent.AccessToken = ck.initToken(parent) // what the children's /init authenticates with
 	results := m.forkChildren(ctx, parent, &onto, ck.Image, count, timeout)
 	ok := 0
 	for _, r := range results {
@@ -521,6 +553,10 @@ func (m *Manager) SnapshotCheckpoint(ctx context.Context, id, cid, name string) 
 	if err != nil {
 		return nil, err
 	}
+	if ck.Token == "" && sb.AccessToken != "" {
+		// Its image holds the sandbox's live token, which a snapshot must not carry.
+		return nil, fmt.Errorf("checkpoint %q was taken by an earlier version of ember and holds the sandbox's own token: take a new checkpoint to make a snapshot of: %w", cid, errdefs.ErrConflict)
+	}
 	tpl, err := m.templateOf(ctx, sb)
 	if err != nil {
 		return nil, err
@@ -541,7 +577,7 @@ func (m *Manager) SnapshotCheckpoint(ctx context.Context, id, cid, name string) 
 		Ready:         true,
 		CPUCount:      sb.CPUCount,
 		MemoryMB:      sb.MemoryMB,
-		InitToken:     sb.AccessToken,
+		InitToken:     ck.Token, // not the sandbox's (Checkpoint.Token)
 		SourceSandbox: sb.ID,
 		Names:         []string{snapID},
 		SnapshotState: SnapshotLocal,

@@ -205,6 +205,10 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	if err := m.startedLocked(ctx, e, EventStarted, StartCreated, req.Reservation); err != nil {
 		return nil, err
 	}
+	// Refills hold back until the caller's first request (its first command) has finished.
+	id := sb.ID
+	m.firstReqs.add(id)
+	m.guestT.watchFirst(sb.Runtime.GuestIP, func() { m.firstReqs.done(id) })
 	return m.snapshotOf(e), nil
 }
 

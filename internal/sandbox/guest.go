@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/envdclient"
@@ -49,6 +50,9 @@ type guestTransport struct {
 	mu     sync.Mutex
 	conns  map[*trackedConn]struct{}
 	closed bool
+	// first, when set, is called once the next request through the transport finished
+	// (watchFirst).
+	first atomic.Pointer[func()]
 }
 
 // newGuestTransports makes the transports; dial reaches a guest address (nil: a net.Dialer).
@@ -120,7 +124,7 @@ func (g *guestTransports) RoundTrip(r *http.Request) (*http.Response, error) {
 	if gt == nil {
 		return nil, fmt.Errorf("no running sandbox at %s: %w", r.URL.Host, errdefs.ErrUnavailable)
 	}
-	return gt.RoundTrip(r)
+	return gt.roundTrip(r)
 }
 
 // dial records every connection the transport makes; a dial that completes after closeAll is
@@ -145,6 +149,9 @@ func (gt *guestTransport) dial(d dialFunc) dialFunc {
 
 // closeAll closes the transport's connections, in use or idle, and refuses new ones.
 func (gt *guestTransport) closeAll() {
+	if f := gt.first.Swap(nil); f != nil {
+		(*f)() // the sandbox stopped before its first request
+	}
 	gt.mu.Lock()
 	gt.closed = true
 	conns := gt.conns

@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/netip"
@@ -9,6 +10,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/admission"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
@@ -97,7 +99,7 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 	if spec.into != nil {
 		return p, m.restoreInto(ctx, spec, p, t0)
 	}
-	if err := m.admit(inst); err != nil {
+	if err := m.admit(ctx, inst); err != nil {
 		return p, err
 	}
 	slot, err := m.cfg.Network.Acquire(ctx, spec.egress)
@@ -123,7 +125,7 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 		DiskMB:       spec.diskMB,
 		ConsumeImage: spec.consume,
 		LayerFrom:    spec.layerFrom,
-		Binds:        binds(spec.mounts),
+		Binds:        binds(spec.mounts, m.cfg.VolumeDir),
 	}
 	p.StateDir = rs.StateDir
 	if err := os.MkdirAll(rs.StateDir, 0o700); err != nil {
@@ -241,22 +243,40 @@ func (m *Manager) teardown(ctx context.Context, owner string, p Placement) {
 	}
 }
 
-// admit counts instance against the node's MaxSandboxes, or refuses it there.
-func (m *Manager) admit(instance string) error {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if len(m.instances) >= m.cfg.MaxSandboxes {
-		return fmt.Errorf("this node runs its maximum of %d sandboxes: %w", m.cfg.MaxSandboxes, errdefs.ErrExhausted)
+// admit counts instance against the node's MaxSandboxes. A launch over it waits in the
+// node's fair admission queue as long as ctx's admission.Ticket allows (creates through the
+// API: internal/api), else it is refused at once. Waiting holds nothing: admit is the first
+// thing a launch acquires.
+func (m *Manager) admit(ctx context.Context, instance string) error {
+	t := admission.TicketOf(ctx)
+	if t.Waited != nil {
+		defer func(start time.Time) { t.Waited(time.Since(start)) }(time.Now())
 	}
-	m.instances[instance] = true
-	return nil
+	err := m.admission.Admit(ctx, t.Tenant, t.Wait, func() bool {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		if len(m.instances) >= m.cfg.MaxSandboxes {
+			return false
+		}
+		m.instances[instance] = true
+		return true
+	})
+	var ref *admission.Refusal
+	if errors.As(err, &ref) {
+		return fmt.Errorf("this node runs its maximum of %d sandboxes: %w", m.cfg.MaxSandboxes, err)
+	}
+	return err
 }
 
-// release stops counting instance (idempotent).
+// release stops counting instance (idempotent); its room goes to the queue's next waiter.
 func (m *Manager) release(instance string) {
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	_, held := m.instances[instance]
 	delete(m.instances, instance)
+	m.mu.Unlock()
+	if held {
+		m.admission.Kick()
+	}
 }
 
 func envdBase(guestIP string) string {

@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/admission"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
@@ -110,6 +111,11 @@ type Config struct {
 	// EgressCA is the PEM certificate of the node's egress CA, installed in sandboxes with
 	// network rules (egressca.go).
 	EgressCA []byte
+	// VolumeDir, when set, is the host directory of volume id on this node, used at every
+	// launch instead of the HostDir a sandbox recorded (a cluster's volumes are at a path of
+	// each node's own: a fork child or a paused sandbox moved from another node mounts them
+	// here). Nil: the recorded HostDir.
+	VolumeDir func(id string) string
 	// EnvdTimeout bounds the wait for envd after a boot or restore.
 	EnvdTimeout time.Duration
 	// PoolSize is the least number of restored, unassigned sandboxes kept per template
@@ -141,8 +147,12 @@ type Config struct {
 	MemoryMB int
 	DiskMB   int
 	// MaxSandboxes caps the running sandboxes (pool instances included) of this node
-	// (default 500); creates, forks and resumes over it fail with ErrExhausted (429).
+	// (default 500). A create over it whose context carries an admission.Ticket waits in the
+	// node's fair admission queue for its ticket's time (admit); other launches (forks,
+	// resumes, the pools) and creates whose wait passes fail with ErrExhausted (429).
 	MaxSandboxes int
+	// MaxQueued bounds the creates waiting for room (default admission.DefaultMaxWaiters).
+	MaxQueued int
 	// MaxBuilds caps concurrent template builds (default 2).
 	MaxBuilds int
 	// MaxImportBytes bounds an uploaded image archive (default DefaultMaxImportBytes).
@@ -208,6 +218,9 @@ type Manager struct {
 
 	pool      *pool // restored sandboxes waiting for an assignment
 	prestarts *pool // pre-started instances waiting for a restore into them
+	// firstReqs: sandboxes created lately whose first request has not finished; refills wait
+	// for them (firstreq.go).
+	firstReqs firstRequests
 	// resumePre counts the instances pre-started for the resume of a paused sandbox
 	// (entry.pre), which share the pools' memory budget.
 	resumePre atomic.Int32
@@ -225,6 +238,8 @@ type Manager struct {
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool
+	// admission is the queue of creates waiting for room under MaxSandboxes (launch.go).
+	admission *admission.Queue
 	// uploads are the snapshot uploads in flight, by snapshot id (snapupload.go).
 	uploads    map[string]*upload
 	collectDue bool // a snapshot was deleted: collect unused chunks once no upload runs
@@ -385,6 +400,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		faults:     &faults{fail: cfg.Fail},
 		builds:     make(chan struct{}, cfg.MaxBuilds),
 		instances:  map[string]bool{},
+		admission:  admission.New(admission.Options{MaxWaiters: cfg.MaxQueued}),
 		preOf:      map[string]string{},
 		uploads:    map[string]*upload{},
 		tierKick:   make(chan struct{}, 1),

@@ -305,7 +305,8 @@ func (p *pool) loop() {
 
 // fill starts refills towards every template's target, most needed first: up to
 // Config.PoolRefills at once, one while creates are in flight (after waiting up to 100 ms for
-// them to finish). A refill that ends pokes the loop, which calls fill again.
+// them, and for the first requests of the sandboxes just created, to finish: firstreq.go). A
+// refill that ends pokes the loop, which calls fill again.
 func (p *pool) fill() {
 	ctx := p.m.bg
 	for {
@@ -314,13 +315,12 @@ func (p *pool) fill() {
 			return
 		default:
 		}
-		// Creates in flight go first: a refill competes with them for the CPU.
-		for i := 0; i < 50 && p.m.busy(); i++ {
-			select {
-			case <-p.stop:
-				return
-			case <-time.After(2 * time.Millisecond):
-			}
+		// Creates in flight go first: a refill competes with them for the CPU (for about 100 ms
+		// at most). Then the first requests of the sandboxes just created (the caller's first
+		// command), for about firstRequestGrace at most, so that a steady stream of creates
+		// does not starve the pool.
+		if !p.waitWhile(50, p.m.busy) || !p.waitWhile(int(firstRequestGrace/(2*time.Millisecond)), p.m.firstReqs.pending) {
+			return
 		}
 		limit := p.parallel()
 		if p.m.busy() {
@@ -337,6 +337,18 @@ func (p *pool) fill() {
 			p.refill(ctx, tpl, owner)
 		}()
 	}
+}
+
+// waitWhile polls cond every 2 ms, up to n times, while it holds; false when the pool stops.
+func (p *pool) waitWhile(n int, cond func() bool) bool {
+	for i := 0; i < n && cond(); i++ {
+		select {
+		case <-p.stop:
+			return false
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
+	return true
 }
 
 // refill makes one instance of tpl for the pool, as owner (already counted as in flight).

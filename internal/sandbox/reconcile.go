@@ -231,6 +231,9 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		// Stage directories of exports and imports interrupted by a crash.
 		stages, _ := filepath.Glob(filepath.Join(dir, ".*"))
 		for _, s := range stages {
+			if filepath.Base(s) == tokenSwapName {
+				continue // undone below (snaptoken.go)
+			}
 			removeTree(s)
 		}
 	}
@@ -271,6 +274,9 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		return err
 	}
 	for _, e := range watch {
+		// A snapshot's token swap the crash cut: envd gets the sandbox's own token back
+		// before anyone is told the sandbox runs (snaptoken.go).
+		m.reconcileTokenSwap(ctx, e.sb)
 		m.watch(e, e.sb.Runtime.InstanceID)
 		m.emitLocked(ctx, e, EventStarted, StartAdopted)
 	}

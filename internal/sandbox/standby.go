@@ -117,7 +117,9 @@ func (m *Manager) buildStandby(ctx context.Context, e *entry, sb *Sandbox, ck *C
 	}
 	onto := *tpl
 	onto.RootFS, onto.Lowers = ck.RootFS, ck.Lowers
+	init, initToken := ck.reinit(sb) // envd takes the sandbox's token before the freeze
 	p, err := m.launch(ctx, launchSpec{owner: sb.ID, tpl: &onto, image: ck.Image, busyDir: sb.Runtime.StateDir,
+		init: init, initToken: initToken,
 		cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()})
 	if err == nil {
 		if err = m.cfg.Driver.Freeze(ctx, p.InstanceID); err != nil {

@@ -55,11 +55,17 @@ func ValidateVolumeMounts(mounts []VolumeMount) error {
 	return nil
 }
 
-// binds are the runtime bind mounts of mounts.
-func binds(mounts []VolumeMount) []runtime.Bind {
+// binds are the runtime bind mounts of mounts; dir, when set, gives each volume's host
+// directory on this node (Config.VolumeDir: a cluster's volumes, in a filesystem the nodes
+// share, mounted Remote).
+func binds(mounts []VolumeMount, dir func(id string) string) []runtime.Bind {
 	var out []runtime.Bind
 	for _, v := range mounts {
-		out = append(out, runtime.Bind{Source: v.HostDir, Path: v.Path})
+		src := v.HostDir
+		if dir != nil {
+			src = dir(v.ID)
+		}
+		out = append(out, runtime.Bind{Source: src, Path: v.Path, Remote: dir != nil})
 	}
 	return out
 }

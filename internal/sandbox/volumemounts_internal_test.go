@@ -44,3 +44,16 @@ func TestMountsForSnapshot(t *testing.T) {
 		t.Fatalf("a snapshot without volumes: %+v", got)
 	}
 }
+
+// A sandbox recorded on another node (a fork child, a moved paused sandbox) mounts its volumes
+// at this node's directory of each, when the node says where (Config.VolumeDir).
+func TestBindsOnThisNode(t *testing.T) {
+	mounts := []VolumeMount{{Name: "v", Path: "/mnt/v", ID: "id1", HostDir: "/other-node/volumes/id1"}}
+	if b := binds(mounts, nil); len(b) != 1 || b[0].Source != "/other-node/volumes/id1" || b[0].Path != "/mnt/v" || b[0].Remote {
+		t.Fatalf("binds without VolumeDir: %+v", b)
+	}
+	here := func(id string) string { return "/this-node/volumes/" + id }
+	if b := binds(mounts, here); len(b) != 1 || b[0].Source != "/this-node/volumes/id1" || b[0].Path != "/mnt/v" || !b[0].Remote {
+		t.Fatalf("binds with VolumeDir: %+v", b)
+	}
+}

@@ -1,6 +1,9 @@
 // Package store is ember's embedded metadata store: sandboxes, templates (and named snapshots),
 // API keys and volumes, in one bbolt file under the data directory. Every write is a committed,
 // fsynced transaction, so what the API acknowledged survives a crash or a kill -9 of the daemon.
+// Concurrent writes share a transaction (group commit): a write that arrives while another
+// commits waits for that fsync and goes into the next one with every other write that came
+// meanwhile, so N writers cost about two fsyncs instead of N and a lone writer waits for nothing.
 // It stores records; it does not decide anything about them.
 package store
 
@@ -10,6 +13,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"sort"
+	"sync"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -35,6 +39,7 @@ var (
 // Store is the metadata store. Safe for concurrent use.
 type Store struct {
 	db *bolt.DB
+	gc *groupCommit
 }
 
 // Open opens (creating if needed) the store file at path.
@@ -55,18 +60,104 @@ func Open(path string) (*Store, error) {
 		db.Close()
 		return nil, fmt.Errorf("init store: %w", err)
 	}
-	return &Store{db: db}, nil
+	return &Store{db: db, gc: &groupCommit{db: db}}, nil
 }
 
 // Close closes the store file.
 func (s *Store) Close() error { return s.db.Close() }
 
-func put(db *bolt.DB, bucket []byte, key string, v any) error {
+// groupCommit runs write functions in shared bolt transactions. A writer that finds no commit
+// under way leads: it commits every queued write in one transaction (one fsync). Writes that
+// arrive meanwhile queue up; when the commit ends, the first of them leads the next one with all
+// of them. Each writer returns once the transaction holding its write is committed (on disk),
+// with its own error, and leads at most one commit.
+//
+// bolt's db.Batch does the same but waits up to MaxBatchDelay (10 ms) for company before it
+// commits, which a lone writer (the common case: one create) would pay on every write.
+type groupCommit struct {
+	db      *bolt.DB
+	mu      sync.Mutex
+	queue   []*write
+	leading bool
+}
+
+type write struct {
+	fn       func(*bolt.Tx) error
+	finished bool
+	err      error
+	// wake gets one value: when the write is finished, or when its writer is to lead.
+	wake chan struct{}
+}
+
+// update runs fn in a write transaction shared with concurrent callers and returns once that
+// transaction is committed. fn may run more than once (when another write of its transaction
+// fails, the others run again without it), so it must only depend on the transaction.
+func (g *groupCommit) update(fn func(*bolt.Tx) error) error {
+	w := &write{fn: fn, wake: make(chan struct{}, 1)}
+	g.mu.Lock()
+	g.queue = append(g.queue, w)
+	if g.leading {
+		g.mu.Unlock()
+		<-w.wake
+		if w.finished {
+			return w.err
+		}
+		g.mu.Lock()
+	}
+	g.leading = true
+	batch := g.queue
+	g.queue = nil
+	g.mu.Unlock()
+
+	g.commit(batch)
+
+	g.mu.Lock()
+	if len(g.queue) > 0 {
+		g.queue[0].wake <- struct{}{} // it leads the next commit
+	} else {
+		g.leading = false
+	}
+	g.mu.Unlock()
+	return w.err
+}
+
+// commit commits batch in one transaction. A write whose fn fails gets its error and the
+// transaction is rolled back and retried without it, so one failed write (a delete of a missing
+// record) neither fails nor partly applies the others.
+func (g *groupCommit) commit(batch []*write) {
+	finish := func(w *write, err error) {
+		w.err, w.finished = err, true
+		w.wake <- struct{}{}
+	}
+	for len(batch) > 0 {
+		failed := -1
+		err := g.db.Update(func(tx *bolt.Tx) error {
+			for i, w := range batch {
+				if err := w.fn(tx); err != nil {
+					failed = i
+					return err
+				}
+			}
+			return nil
+		})
+		if failed < 0 {
+			// Committed (err == nil) or the commit itself failed: the same answer for all.
+			for _, w := range batch {
+				finish(w, err)
+			}
+			return
+		}
+		finish(batch[failed], err)
+		batch = append(batch[:failed:failed], batch[failed+1:]...)
+	}
+}
+
+func put(g *groupCommit, bucket []byte, key string, v any) error {
 	b, err := json.Marshal(v)
 	if err != nil {
 		return err
 	}
-	return db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucket).Put([]byte(key), b) })
+	return g.update(func(tx *bolt.Tx) error { return tx.Bucket(bucket).Put([]byte(key), b) })
 }
 
 func get(db *bolt.DB, bucket []byte, key string, v any) error {
@@ -79,8 +170,8 @@ func get(db *bolt.DB, bucket []byte, key string, v any) error {
 	})
 }
 
-func del(db *bolt.DB, bucket []byte, key string) error {
-	return db.Update(func(tx *bolt.Tx) error {
+func del(g *groupCommit, bucket []byte, key string) error {
+	return g.update(func(tx *bolt.Tx) error {
 		bk := tx.Bucket(bucket)
 		if bk.Get([]byte(key)) == nil {
 			return fmt.Errorf("%s %q: %w", bucket[:len(bucket)-1], key, errdefs.ErrNotFound)
@@ -106,7 +197,7 @@ func all[T any](db *bolt.DB, bucket []byte) ([]*T, error) {
 
 // PutSandbox inserts or replaces a sandbox record.
 func (s *Store) PutSandbox(_ context.Context, sb *sandbox.Sandbox) error {
-	return put(s.db, bucketSandboxes, sb.ID, sb)
+	return put(s.gc, bucketSandboxes, sb.ID, sb)
 }
 
 // GetSandbox returns a sandbox record (ErrNotFound if absent).
@@ -120,7 +211,7 @@ func (s *Store) GetSandbox(_ context.Context, id string) (*sandbox.Sandbox, erro
 
 // DeleteSandbox removes a sandbox record.
 func (s *Store) DeleteSandbox(_ context.Context, id string) error {
-	return del(s.db, bucketSandboxes, id)
+	return del(s.gc, bucketSandboxes, id)
 }
 
 // ListSandboxes returns every sandbox record, oldest first.
@@ -132,7 +223,7 @@ func (s *Store) ListSandboxes(_ context.Context) ([]*sandbox.Sandbox, error) {
 
 // PutTemplate inserts or replaces a template record.
 func (s *Store) PutTemplate(_ context.Context, t *sandbox.Template) error {
-	return put(s.db, bucketTemplates, t.ID, t)
+	return put(s.gc, bucketTemplates, t.ID, t)
 }
 
 // GetTemplate returns a template by id (ErrNotFound if absent).
@@ -146,7 +237,7 @@ func (s *Store) GetTemplate(_ context.Context, id string) (*sandbox.Template, er
 
 // DeleteTemplate removes a template record.
 func (s *Store) DeleteTemplate(_ context.Context, id string) error {
-	return del(s.db, bucketTemplates, id)
+	return del(s.gc, bucketTemplates, id)
 }
 
 // ListTemplates returns every template record, oldest first.
@@ -157,7 +248,7 @@ func (s *Store) ListTemplates(_ context.Context) ([]*sandbox.Template, error) {
 }
 
 // PutKey stores an API key record (auth.Backend).
-func (s *Store) PutKey(_ context.Context, k *auth.Key) error { return put(s.db, bucketKeys, k.ID, k) }
+func (s *Store) PutKey(_ context.Context, k *auth.Key) error { return put(s.gc, bucketKeys, k.ID, k) }
 
 // GetKeyByHash finds an API key by the hash of its plaintext (auth.Backend).
 func (s *Store) GetKeyByHash(_ context.Context, hash string) (*auth.Key, error) {
@@ -181,16 +272,16 @@ func (s *Store) ListKeys(_ context.Context) ([]*auth.Key, error) {
 }
 
 // DeleteKey removes an API key record (auth.Backend).
-func (s *Store) DeleteKey(_ context.Context, id string) error { return del(s.db, bucketKeys, id) }
+func (s *Store) DeleteKey(_ context.Context, id string) error { return del(s.gc, bucketKeys, id) }
 
 // PutCheckpoint inserts or replaces a step checkpoint record.
 func (s *Store) PutCheckpoint(_ context.Context, c *sandbox.Checkpoint) error {
-	return put(s.db, bucketCheckpoints, c.SandboxID+"/"+c.ID, c)
+	return put(s.gc, bucketCheckpoints, c.SandboxID+"/"+c.ID, c)
 }
 
 // DeleteCheckpoint removes a step checkpoint record (ErrNotFound if absent).
 func (s *Store) DeleteCheckpoint(_ context.Context, sandboxID, id string) error {
-	return del(s.db, bucketCheckpoints, sandboxID+"/"+id)
+	return del(s.gc, bucketCheckpoints, sandboxID+"/"+id)
 }
 
 // ListCheckpoints returns the step checkpoints of sandboxID ("" = of every sandbox), oldest
@@ -218,7 +309,7 @@ func (s *Store) ListCheckpoints(_ context.Context, sandboxID string) ([]*sandbox
 
 // PutVolume inserts or replaces a volume record (volume.Store).
 func (s *Store) PutVolume(_ context.Context, v *volume.Volume) error {
-	return put(s.db, bucketVolumes, v.ID, v)
+	return put(s.gc, bucketVolumes, v.ID, v)
 }
 
 // GetVolume returns a volume record (ErrNotFound if absent).
@@ -231,7 +322,7 @@ func (s *Store) GetVolume(_ context.Context, id string) (*volume.Volume, error) 
 }
 
 // DeleteVolume removes a volume record.
-func (s *Store) DeleteVolume(_ context.Context, id string) error { return del(s.db, bucketVolumes, id) }
+func (s *Store) DeleteVolume(_ context.Context, id string) error { return del(s.gc, bucketVolumes, id) }
 
 // ListVolumes returns every volume record, oldest first.
 func (s *Store) ListVolumes(_ context.Context) ([]*volume.Volume, error) {
@@ -242,7 +333,7 @@ func (s *Store) ListVolumes(_ context.Context) ([]*volume.Volume, error) {
 
 // PutSecret inserts or replaces a secret record (secret.Store; its value is sealed).
 func (s *Store) PutSecret(_ context.Context, v *secret.Secret) error {
-	return put(s.db, bucketSecrets, v.ID, v)
+	return put(s.gc, bucketSecrets, v.ID, v)
 }
 
 // GetSecret returns a secret record (ErrNotFound if absent).
@@ -255,7 +346,7 @@ func (s *Store) GetSecret(_ context.Context, id string) (*secret.Secret, error) 
 }
 
 // DeleteSecret removes a secret record.
-func (s *Store) DeleteSecret(_ context.Context, id string) error { return del(s.db, bucketSecrets, id) }
+func (s *Store) DeleteSecret(_ context.Context, id string) error { return del(s.gc, bucketSecrets, id) }
 
 // ListSecrets returns every secret record.
 func (s *Store) ListSecrets(_ context.Context) ([]*secret.Secret, error) {

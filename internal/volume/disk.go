@@ -14,6 +14,9 @@ const imageName = "disk.img"
 // provision makes a new volume's directory: the image, formatted and mounted, with its data
 // directory (world-traversable, root's: the sandbox's users create their own files in it).
 func (m *Manager) provision(v *Volume) error {
+	if m.cfg.Shared != "" {
+		return mkdirOpen(m.DataDir(v.ID))
+	}
 	dir := m.volDir(v.ID)
 	if err := os.MkdirAll(filepath.Join(dir, "mnt"), 0o700); err != nil {
 		return err
@@ -38,7 +41,12 @@ func (m *Manager) provision(v *Volume) error {
 			return err
 		}
 	}
-	data := m.DataDir(v.ID)
+	return mkdirOpen(m.DataDir(v.ID))
+}
+
+// mkdirOpen makes a volume's root directory, open to every user (the sandbox's users create
+// their own files in it).
+func mkdirOpen(data string) error {
 	if err := os.Mkdir(data, 0o755); err != nil && !os.IsExist(err) {
 		return err
 	}
@@ -47,6 +55,9 @@ func (m *Manager) provision(v *Volume) error {
 
 // attach mounts the volume's image at <id>/mnt unless it is mounted already.
 func (m *Manager) attach(id string) error {
+	if m.cfg.Shared != "" {
+		return nil
+	}
 	dir := m.volDir(id)
 	img := filepath.Join(dir, imageName)
 	if _, err := os.Stat(img); os.IsNotExist(err) {
@@ -79,6 +90,9 @@ func (m *Manager) detach(id string) error {
 
 // remove unmounts and deletes a volume's directory.
 func (m *Manager) remove(id string) error {
+	if m.cfg.Shared != "" {
+		return os.RemoveAll(m.DataDir(id))
+	}
 	if err := m.detach(id); err != nil {
 		return err
 	}

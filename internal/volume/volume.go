@@ -69,7 +69,11 @@ type Config struct {
 	Users UsersFunc
 	// NoDiskLimit keeps volumes as plain directories (hosts that cannot loop-mount; tests).
 	NoDiskLimit bool
-	Logger      *slog.Logger
+	// Shared, when set, is the directory of a filesystem every node of a cluster mounts (the
+	// cluster's S3 bucket through s3fs: shared.go): each volume is a directory <Shared>/<id>
+	// there, no image, and Store is the cluster's. Open mounts nothing: the caller mounted it.
+	Shared string
+	Logger *slog.Logger
 }
 
 // Manager creates, finds and destroys volumes and serves their content.
@@ -123,6 +127,9 @@ func (m *Manager) volDir(id string) string { return filepath.Join(m.cfg.Dir, id)
 
 // DataDir is the host directory that is the volume's root.
 func (m *Manager) DataDir(id string) string {
+	if m.cfg.Shared != "" {
+		return filepath.Join(m.cfg.Shared, id)
+	}
 	return filepath.Join(m.volDir(id), "mnt", "data")
 }
 

@@ -413,3 +413,53 @@ func TestDestroyWaitsForResolvedMounts(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Two nodes' Managers on one shared directory and one store (a cluster: the directory is the
+// s3fs mount of the bucket, the store etcd): a volume made through one is a directory of the
+// shared filesystem, open to the sandbox's users; its content written through one is read
+// through the other, and a destroy through the other removes it.
+func TestSharedVolumes(t *testing.T) {
+	ctx := context.Background()
+	shared := t.TempDir()
+	st := &memStore{vols: map[string]volume.Volume{}}
+	node := func() *volume.Manager {
+		m, err := volume.Open(ctx, volume.Config{Dir: t.TempDir(), Store: st, Shared: shared})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	m1, m2 := node(), node()
+	v, err := m1.Create(ctx, "", "data")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m1.DataDir(v.ID) != filepath.Join(shared, v.ID) || m2.DataDir(v.ID) != m1.DataDir(v.ID) {
+		t.Fatalf("data dirs %s and %s, want %s", m1.DataDir(v.ID), m2.DataDir(v.ID), filepath.Join(shared, v.ID))
+	}
+	if fi, err := os.Stat(m1.DataDir(v.ID)); err != nil || fi.Mode().Perm() != 0o777 {
+		t.Fatalf("the volume's directory: %v %v, want mode 0777", fi, err)
+	}
+	if _, err := m1.WriteFile(v, "/f", strings.NewReader("hello"), volume.Attrs{}, nil); err != nil {
+		t.Fatal(err)
+	}
+	got, err := m2.Get(ctx, "", "data")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := m2.Open(got, "/f")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(f)
+	f.Close()
+	if string(b) != "hello" {
+		t.Fatalf("read through the other node: %q", b)
+	}
+	if err := m2.Destroy(ctx, "", v.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(shared, v.ID)); !os.IsNotExist(err) {
+		t.Fatalf("the volume's directory after destroy: %v", err)
+	}
+}

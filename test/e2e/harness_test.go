@@ -37,6 +37,7 @@ type daemon struct {
 	bin, envd, runsc, dataDir, addr, key string
 	nodeID, cidr                         string
 	flags                                []string // extra `ember serve` flags
+	env                                  []string // extra environment of the next start (NAME=value)
 	cmd                                  *exec.Cmd
 	done                                 chan struct{} // closed when cmd has exited
 	started                              bool          // came up once (templates built)
@@ -283,7 +284,7 @@ func (d *daemon) start() error {
 		"--node-id", d.nodeID, "--cidr", d.cidr,
 		"--registry-allow", "127.0.0.1"} // the image tests' own registries, on loopback
 	d.cmd = exec.Command(d.bin, append(args, d.flags...)...)
-	d.cmd.Env = append(os.Environ(), "EMBER_NODE_ID="+d.nodeID, "EMBER_CIDR="+d.cidr)
+	d.cmd.Env = append(append(os.Environ(), d.env...), "EMBER_NODE_ID="+d.nodeID, "EMBER_CIDR="+d.cidr)
 	d.cmd.Stdout = lockedWriter{d}
 	d.cmd.Stderr = lockedWriter{d}
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}

@@ -14,8 +14,10 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"sync/atomic"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/admission"
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
@@ -25,6 +27,9 @@ type Cluster interface {
 	NodeID() string
 	Locate(ctx context.Context, id string, fresh bool) (cluster.Location, error)
 	Place(ctx context.Context, req cluster.PlaceRequest) (*cluster.Reservation, error)
+	// Room is how many sandboxes of a template the live nodes have room for, as this node's
+	// view of the cluster has it (no etcd read): the admission queue asks it.
+	Room(templateID string) int
 	Cancel(ctx context.Context, r *cluster.Reservation)
 	HasReservation(ctx context.Context, id string) bool
 	Live() []cluster.NodeInfo
@@ -92,6 +97,8 @@ type Config struct {
 	// Forker, when set, places the children of a fork on other nodes.
 	Forker Forker
 	Logger *slog.Logger
+	// MaxQueued bounds the creates waiting for room in a full cluster (0 = 1000).
+	MaxQueued int
 }
 
 // Edge is one node's edge of the cluster.
@@ -103,6 +110,10 @@ type Edge struct {
 	log       *slog.Logger
 	transport *http.Transport
 	fanout    fanoutLimit
+	// queue holds the creates waiting for room in a full cluster; placing counts those of
+	// them placing now (place.go).
+	queue   *admission.Queue
+	placing atomic.Int32
 }
 
 // New returns the edge of cfg.Cluster.
@@ -112,6 +123,7 @@ func New(cfg Config) *Edge {
 		log = slog.Default()
 	}
 	return &Edge{cl: cfg.Cluster, local: cfg.Local, mover: cfg.Mover, forker: cfg.Forker, log: log,
+		queue: admission.New(admission.Options{MaxWaiters: cfg.MaxQueued, Poll: 250 * time.Millisecond}),
 		transport: &http.Transport{
 			DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
 			MaxIdleConnsPerHost: 64,

@@ -8,7 +8,9 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"time"
 
+	"github.com/ember-sandbox/ember/internal/admission"
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
@@ -23,7 +25,7 @@ func (e *Edge) placeCreate(w http.ResponseWriter, r *http.Request, t Target) {
 	ctx := r.Context()
 	var exclude []string
 	for attempt := 0; ; attempt++ {
-		resv, err := e.cl.Place(ctx, cluster.PlaceRequest{TemplateID: t.TemplateID, Exclude: exclude})
+		resv, err := e.place(ctx, cluster.PlaceRequest{TemplateID: t.TemplateID, Exclude: exclude})
 		if err != nil {
 			if errors.Is(err, errdefs.ErrNotFound) && attempt == 0 {
 				// No live node has it: this node answers as E2B does.
@@ -52,6 +54,51 @@ func (e *Edge) placeCreate(w http.ResponseWriter, r *http.Request, t Target) {
 		}
 		e.answerCreate(w, r, body, err)
 		return
+	}
+}
+
+// place places req; with the cluster full (no node has room) it waits in this edge's fair
+// admission queue for as long as ctx's admission.Ticket allows, and places again whenever its
+// view of the cluster shows room: the queue's take claims one of the places that view counts
+// (less those being placed right now), so freed room wakes as many waiters as it can hold. A
+// waiter that loses the race for it lines up again. It answers the queue's refusal (429 with
+// Retry-After) when the wait is over or the queue full.
+func (e *Edge) place(ctx context.Context, req cluster.PlaceRequest) (*cluster.Reservation, error) {
+	resv, err := e.cl.Place(ctx, req)
+	t := admission.TicketOf(ctx)
+	if err == nil || !errors.Is(err, errdefs.ErrExhausted) || t.Wait <= 0 {
+		return resv, err
+	}
+	start := time.Now()
+	deadline := start.Add(t.Wait)
+	if t.Waited != nil {
+		defer func() { t.Waited(time.Since(start)) }()
+	}
+	for {
+		left := time.Until(deadline)
+		if left <= 0 {
+			return nil, &admission.Refusal{Waited: time.Since(start), Retry: time.Second}
+		}
+		err := e.queue.Admit(ctx, t.Tenant, left, func() bool {
+			if int(e.placing.Load()) >= e.cl.Room(req.TemplateID) {
+				return false
+			}
+			e.placing.Add(1)
+			return true
+		})
+		if err != nil {
+			var ref *admission.Refusal
+			if errors.As(err, &ref) {
+				ref.Waited = time.Since(start)
+			}
+			return nil, err
+		}
+		resv, err = e.cl.Place(ctx, req)
+		e.placing.Add(-1)
+		e.queue.Kick() // what this one did not take (or gave back) goes to the next
+		if err == nil || !errors.Is(err, errdefs.ErrExhausted) {
+			return resv, err
+		}
 	}
 }
 

@@ -93,8 +93,15 @@ func (d *Driver) ociSpec(s runtime.Spec) *specs.Spec {
 		},
 	}
 	for _, b := range s.Binds { // volumes: after the fixed mounts, so they stay in the same order
-		sp.Mounts = append(sp.Mounts, specs.Mount{Destination: b.Path, Type: "bind", Source: b.Source,
-			Options: []string{"rbind", "rw", "nosuid", "nodev"}})
+		opts := []string{"rbind", "rw", "nosuid", "nodev"}
+		if b.Remote {
+			// gVisor otherwise keeps a host file open for each file it has cached (directfs opens
+			// one per dentry) and shares one among a file's guest opens: while any is open, s3fs
+			// serves what it read first. No dentry cache on this mount: the host files close with
+			// the guest's.
+			opts = append(opts, "disable_file_handle_sharing", "dcache=0")
+		}
+		sp.Mounts = append(sp.Mounts, specs.Mount{Destination: b.Path, Type: "bind", Source: b.Source, Options: opts})
 	}
 	if s.DiskMB > 0 && !d.hostLayers() {
 		diskUnsupported.Do(func() {

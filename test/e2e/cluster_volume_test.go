@@ -1,0 +1,118 @@
+package e2e
+
+import (
+	"strings"
+	"syscall"
+	"testing"
+)
+
+// Volumes in a 3-node cluster (issue 22): the volume is a directory of the cluster's S3 bucket,
+// mounted with s3fs on every node, its record in etcd. Every edge answers /volumes and the
+// content API; sandboxes on two nodes see each other's writes; destroy is refused through a
+// third node while they mount it; the volume outlives its sandboxes and a node restart.
+func TestClusterVolumes(t *testing.T) {
+	_, nodes := storedCluster(t, 1, []string{"w1", "w2", "w3"}, 60)
+	a, b, c := nodes[0], nodes[1], nodes[2]
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, n := range nodes {
+				t.Logf("node %s:\n%s", n.nodeID, n.logs())
+			}
+		}
+	})
+
+	var v volumeInfo
+	if code, body := c.apiBody(t, "POST", "/volumes", map[string]any{"name": "shared-x"}, &v); code != 201 {
+		t.Fatalf("create volume through %s: %d %s", c.nodeID, code, body)
+	}
+	t.Cleanup(func() { c.api(t, "DELETE", "/volumes/"+v.VolumeID, nil, nil) })
+	for _, n := range nodes {
+		var got volumeInfo
+		if code := n.api(t, "GET", "/volumes/shared-x", nil, &got); code != 200 || got != v {
+			t.Fatalf("GET the volume through %s: %d %+v, want %+v", n.nodeID, code, got, v)
+		}
+		var list []volumeInfo
+		if code := n.api(t, "GET", "/volumes", nil, &list); code != 200 || len(list) != 1 || list[0].VolumeID != v.VolumeID {
+			t.Fatalf("list through %s: %d %+v", n.nodeID, code, list)
+		}
+	}
+
+	// One sandbox on A, one on B: C drained (it holds nothing; a drain pauses what a node runs),
+	// creates until both nodes have one.
+	mounted := map[string]any{"volumeMounts": []map[string]string{{"name": "shared-x", "path": "/mnt/vol"}}, "timeout": 300}
+	onAB := func() map[string]sbx {
+		drain(t, c, c, true)
+		defer drain(t, c, c, false)
+		got := map[string]sbx{}
+		for i := 0; i < 6 && len(got) < 2; i++ {
+			s := c.create(t, mounted)
+			n := nodeOf(t, c, s.SandboxID)
+			if _, dup := got[n]; dup || (n != a.nodeID && n != b.nodeID) {
+				c.api(t, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil)
+				continue
+			}
+			got[n] = s
+		}
+		if len(got) != 2 {
+			t.Fatalf("6 creates with %s drained did not land on both %s and %s: %v", c.nodeID, a.nodeID, b.nodeID, got)
+		}
+		return got
+	}
+	placed := onAB()
+	sa, sb := placed[a.nodeID], placed[b.nodeID]
+
+	// Writes on one node are read on the other, both ways, and through the content API of the
+	// third node.
+	a.wantRun(t, sa, "echo from-a > /mnt/vol/a.txt && cat /mnt/vol/a.txt", "from-a\n")
+	b.wantRun(t, sb, "cat /mnt/vol/a.txt", "from-a\n")
+	b.run(t, sb, "mkdir -p /mnt/vol/dir && echo from-b > /mnt/vol/dir/b.txt")
+	a.wantRun(t, sa, "cat /mnt/vol/dir/b.txt", "from-b\n")
+	b.run(t, sb, "echo changed-on-b > /mnt/vol/a.txt")
+	a.wantRun(t, sa, "cat /mnt/vol/a.txt", "changed-on-b\n")
+	if code, body := c.volumeFile(t, v, "/dir/b.txt"); code != 200 || body != "from-b\n" {
+		t.Fatalf("content API through %s: %d %q", c.nodeID, code, body)
+	}
+
+	// Destroy is refused through the node that holds neither sandbox.
+	if code, body := c.apiBody(t, "DELETE", "/volumes/"+v.VolumeID, nil, nil); code != 409 || !strings.Contains(body, "is in use") {
+		t.Fatalf("destroy through %s while mounted on %s and %s: %d %s", c.nodeID, a.nodeID, b.nodeID, code, body)
+	}
+
+	// The sandboxes go, B restarts: the volume and its files are there through B, and a new
+	// sandbox on B reads them.
+	for _, s := range []sbx{sa, sb} {
+		if code := c.api(t, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil); code != 204 {
+			t.Fatalf("kill %s: %d", s.SandboxID, code)
+		}
+	}
+	b.restart(t, syscall.SIGTERM)
+	var got volumeInfo
+	if code := b.api(t, "GET", "/volumes/"+v.VolumeID, nil, &got); code != 200 || got != v {
+		t.Fatalf("volume through %s after its restart: %d %+v", b.nodeID, code, got)
+	}
+	if code, body := b.volumeFile(t, v, "/a.txt"); code != 200 || body != "changed-on-b\n" {
+		t.Fatalf("content API through %s after its restart: %d %q", b.nodeID, code, body)
+	}
+	drain(t, c, a, true) // A and C hold nothing now
+	drain(t, c, c, true)
+	sb2 := c.create(t, mounted)
+	drain(t, c, a, false)
+	drain(t, c, c, false)
+	if n := nodeOf(t, c, sb2.SandboxID); n != b.nodeID {
+		t.Fatalf("create with %s and %s drained landed on %q", a.nodeID, c.nodeID, n)
+	}
+	b.wantRun(t, sb2, "cat /mnt/vol/a.txt /mnt/vol/dir/b.txt", "changed-on-b\nfrom-b\n")
+	if code := a.api(t, "DELETE", "/sandboxes/"+sb2.SandboxID, nil, nil); code != 204 {
+		t.Fatalf("kill %s: %d", sb2.SandboxID, code)
+	}
+
+	// Unmounted everywhere: destroyed through A, gone through every edge.
+	if code, body := a.apiBody(t, "DELETE", "/volumes/"+v.VolumeID, nil, nil); code != 204 {
+		t.Fatalf("destroy through %s: %d %s", a.nodeID, code, body)
+	}
+	for _, n := range nodes {
+		if code := n.api(t, "GET", "/volumes/"+v.VolumeID, nil, nil); code != 404 {
+			t.Fatalf("GET the destroyed volume through %s: %d, want 404", n.nodeID, code)
+		}
+	}
+}
