@@ -24,6 +24,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/layerfs"
 	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
@@ -211,6 +212,7 @@ func TestEgressProxy(t *testing.T) {
 		d.stop()
 		quiet("umount", filepath.Join(d.dataDir, "runsc", "null-netns"))
 		quiet("nft", "delete", "table", "inet", "ember_"+node)
+		_ = layerfs.Unmount(d.dataDir, 10*time.Second) // the btrfs image over the data dir, if any
 		os.RemoveAll(dir)
 	})
 	if err := d.start(); err != nil {
