@@ -23,6 +23,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/quota"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/secret"
 	"github.com/ember-sandbox/ember/internal/volume"
 )
 
@@ -65,6 +66,8 @@ type Config struct {
 	Volumes *volume.Manager
 	// Quotas keeps the teams within their quotas (quotas.go); nil: quotas over this node.
 	Quotas *quota.Quotas
+	// Secrets, when set, serves E2B's secrets (secrets.go) and resolves them at egress.
+	Secrets *secret.Manager
 }
 
 func (c Config) withDefaults() Config {

@@ -57,6 +57,7 @@ func (s *server) controlRoutes() *router {
 	rt.handle(http.MethodDelete, "/api-keys/{id}", s.deleteAPIKey)
 	s.teamRoutes(rt)   // teamroutes.go
 	s.volumeRoutes(rt) // volumes.go
+	s.secretRoutes(rt) // secrets.go
 	s.nodeRoutes(rt)
 	s.moveRoutes(rt) // cluster.go
 	return rt
@@ -91,7 +92,7 @@ func (s *server) createFrom(w http.ResponseWriter, r *http.Request, reservation 
 	if err != nil {
 		return nil, err
 	}
-	network, err := req.Network.toConfig()
+	network, err := req.Network.toConfig(ownerOf(r))
 	if err != nil {
 		return nil, err
 	}
@@ -472,15 +473,7 @@ func (s *server) listSnapshots(w http.ResponseWriter, r *http.Request, _ params)
 		}
 		items = append(items, pageItem[*sandbox.Template]{at: t.CreatedAt, id: t.ID, v: t})
 	}
-	page, next := paginate(items, true, cur, limit)
-	out := make([]snapshotJSON, 0, len(page))
-	for _, t := range page {
-		out = append(out, toSnapshot(t))
-	}
-	if next != "" {
-		w.Header().Set(HeaderNextToken, next)
-	}
-	writeJSON(w, http.StatusOK, out)
+	writePage(w, items, true, cur, limit, toSnapshot)
 	return nil
 }
 

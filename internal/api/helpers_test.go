@@ -28,6 +28,12 @@ type env struct {
 
 func newEnv(t *testing.T) *env {
 	t.Helper()
+	return newEnvConfig(t, Config{Domain: testDomain})
+}
+
+// newEnvConfig is newEnv with a Config of the test's.
+func newEnvConfig(t *testing.T, cfg Config) *env {
+	t.Helper()
 	keys := auth.NewKeys(auth.NewMemoryBackend())
 	key, _, err := keys.Create(context.Background(), "test")
 	if err != nil {
@@ -35,7 +41,7 @@ func newEnv(t *testing.T) *env {
 	}
 	g := newGuest(t)
 	fake := newService(t, g.srv.Listener.Addr().String())
-	h := New(Config{Domain: testDomain}, fake, keys, testLogger(t))
+	h := New(cfg, fake, keys, testLogger(t))
 	api := httptest.NewServer(h)
 	t.Cleanup(api.Close)
 	return &env{t: t, fake: fake, keys: keys, key: key, api: api, guest: g}

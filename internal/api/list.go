@@ -300,3 +300,17 @@ func (s *server) listV1(r *http.Request) ([]listedSandboxJSON, error) {
 	}
 	return out, nil
 }
+
+// writePage serves one page of items (sorted and cut by paginate), each answered as conv
+// gives it, with the next page's token in X-Next-Token.
+func writePage[T, J any](w http.ResponseWriter, items []pageItem[T], desc bool, cur *cursor, limit int, conv func(T) J) {
+	page, next := paginate(items, desc, cur, limit)
+	out := make([]J, 0, len(page))
+	for _, v := range page {
+		out = append(out, conv(v))
+	}
+	if next != "" {
+		w.Header().Set(HeaderNextToken, next)
+	}
+	writeJSON(w, http.StatusOK, out)
+}

@@ -13,49 +13,38 @@ import (
 // /sandboxes/{id}/network (SandboxNetworkUpdateConfig, the SDK's updateNetwork), and the
 // guest-port controls of the sandbox plane (traffic access token, Host masking).
 
-// networkJSON is SandboxNetworkConfig as the SDK sends it. rules, egressProxy and httpsPorts
-// are refused when set: ember has no egress proxy to apply them, and accepting them silently
-// would promise what is not enforced.
+// networkJSON is SandboxNetworkConfig as the SDK sends it. allowOut host names, rules and
+// egressProxy are enforced by the node's egress proxy (internal/egress); httpsPorts is refused.
 type networkJSON struct {
-	AllowOut           []string        `json:"allowOut"`
-	DenyOut            []string        `json:"denyOut"`
-	AllowPublicTraffic *bool           `json:"allowPublicTraffic"`
-	MaskRequestHost    *string         `json:"maskRequestHost"`
-	Rules              map[string]any  `json:"rules"`
-	EgressProxy        *map[string]any `json:"egressProxy"`
-	HTTPSPorts         []int           `json:"httpsPorts"`
+	AllowOut           []string                         `json:"allowOut"`
+	DenyOut            []string                         `json:"denyOut"`
+	AllowPublicTraffic *bool                            `json:"allowPublicTraffic"`
+	MaskRequestHost    *string                          `json:"maskRequestHost"`
+	Rules              map[string][]sandbox.NetworkRule `json:"rules"`
+	EgressProxy        *sandbox.EgressProxy             `json:"egressProxy"`
+	HTTPSPorts         []int                            `json:"httpsPorts"`
 }
 
-// networkUpdateJSON is SandboxNetworkUpdateConfig.
+// networkUpdateJSON is SandboxNetworkUpdateConfig (an omitted field is cleared, as E2B does).
 type networkUpdateJSON struct {
-	AllowInternetAccess *bool           `json:"allow_internet_access"`
-	AllowOut            []string        `json:"allowOut"`
-	DenyOut             []string        `json:"denyOut"`
-	Rules               map[string]any  `json:"rules"`
-	EgressProxy         *map[string]any `json:"egressProxy"`
+	AllowInternetAccess *bool                            `json:"allow_internet_access"`
+	AllowOut            []string                         `json:"allowOut"`
+	DenyOut             []string                         `json:"denyOut"`
+	Rules               map[string][]sandbox.NetworkRule `json:"rules"`
+	EgressProxy         *sandbox.EgressProxy             `json:"egressProxy"`
 }
 
-func unsupportedNetworkFields(rules map[string]any, proxy *map[string]any, httpsPorts []int) error {
-	switch {
-	case len(rules) > 0:
-		return badRequest("network rules (per-domain request transforms) are not supported by this server")
-	case proxy != nil:
-		return badRequest("network egressProxy is not supported by this server")
-	case len(httpsPorts) > 0:
-		return badRequest("network httpsPorts is not supported by this server")
-	}
-	return nil
-}
-
-// toConfig validates the create request's network object (nil = E2B's defaults).
-func (n *networkJSON) toConfig() (*sandbox.NetworkConfig, error) {
+// toConfig validates the create request's network object (nil = E2B's defaults); owner is
+// whose secrets the rules name.
+func (n *networkJSON) toConfig(owner string) (*sandbox.NetworkConfig, error) {
 	if n == nil {
 		return nil, nil
 	}
-	if err := unsupportedNetworkFields(n.Rules, n.EgressProxy, n.HTTPSPorts); err != nil {
-		return nil, err
+	c := &sandbox.NetworkConfig{AllowOut: n.AllowOut, DenyOut: n.DenyOut, AllowPublicTraffic: n.AllowPublicTraffic,
+		Rules: n.Rules, EgressProxy: n.EgressProxy, HTTPSPorts: n.HTTPSPorts}
+	if len(n.Rules) > 0 {
+		c.SecretsOwner = owner
 	}
-	c := &sandbox.NetworkConfig{AllowOut: n.AllowOut, DenyOut: n.DenyOut, AllowPublicTraffic: n.AllowPublicTraffic}
 	if n.MaskRequestHost != nil {
 		c.MaskRequestHost = *n.MaskRequestHost
 	}
@@ -82,10 +71,10 @@ func (s *server) updateNetwork(w http.ResponseWriter, r *http.Request, p params)
 	if err := s.decodeJSON(w, r, &req, false); err != nil {
 		return err
 	}
-	if err := unsupportedNetworkFields(req.Rules, req.EgressProxy, nil); err != nil {
+	if err := sandbox.ValidateEgress(req.AllowOut, req.DenyOut); err != nil {
 		return err
 	}
-	if err := sandbox.ValidateEgress(req.AllowOut, req.DenyOut); err != nil {
+	if err := sandbox.ValidateRules(req.Rules, req.EgressProxy, nil); err != nil {
 		return err
 	}
 	up, ok := s.node.(networkUpdater)
@@ -94,6 +83,7 @@ func (s *server) updateNetwork(w http.ResponseWriter, r *http.Request, p params)
 	}
 	if err := up.UpdateNetwork(r.Context(), id, sandbox.NetworkUpdate{
 		AllowInternet: req.AllowInternetAccess, AllowOut: req.AllowOut, DenyOut: req.DenyOut,
+		Rules: req.Rules, EgressProxy: req.EgressProxy, SecretsOwner: ownerOf(r),
 	}); err != nil {
 		return err
 	}
@@ -128,6 +118,19 @@ func networkInfo(sb *sandbox.Sandbox) map[string]any {
 	}
 	if n.MaskRequestHost != "" {
 		out["maskRequestHost"] = n.MaskRequestHost
+	}
+	if len(n.Rules) > 0 {
+		out["rules"] = n.Rules // headers as given: placeholders, never a secret's value
+	}
+	if n.EgressProxy != nil { // never the password
+		px := map[string]any{"address": n.EgressProxy.Address}
+		if n.EgressProxy.Username != "" {
+			px["username"] = n.EgressProxy.Username
+		}
+		out["egressProxy"] = px
+	}
+	if len(n.HTTPSPorts) > 0 {
+		out["httpsPorts"] = n.HTTPSPorts
 	}
 	return out
 }

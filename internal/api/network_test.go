@@ -19,14 +19,28 @@ func TestCreateNetworkValidation(t *testing.T) {
 	}{
 		{"deny domain", `{"denyOut":["example.com"]}`, 400, "invalid denied CIDR example.com"},
 		{"allow domain without ALL_TRAFFIC", `{"allowOut":["example.com"]}`, 400, sandbox.ErrMsgDomainsRequireBlockAll},
-		{"allow domain with ALL_TRAFFIC: unsupported", `{"allowOut":["example.com"],"denyOut":["0.0.0.0/0"]}`, 400, "domain names in allow out are not supported"},
+		{"allow domain with ALL_TRAFFIC", `{"allowOut":["example.com","*.example.org"],"denyOut":["0.0.0.0/0"]}`, 201, ""},
+		{"allow internal name", `{"allowOut":["metadata.google.internal"],"denyOut":["0.0.0.0/0"]}`, 400, "internal names cannot be reached"},
+		{"allow localhost", `{"allowOut":["localhost"],"denyOut":["0.0.0.0/0"]}`, 400, "internal names cannot be reached"},
 		{"allow unspecified address", `{"allowOut":["0.0.0.0"]}`, 400, "invalid allowed address 0.0.0.0"},
 		{"deny ipv6", `{"denyOut":["2001:db8::/32"]}`, 400, "only IPv4"},
 		{"allow ipv6", `{"allowOut":["2001:db8::1"]}`, 400, "only IPv4"},
 		{"mask host not ascii", `{"maskRequestHost":"hé.example:${PORT}"}`, 400, "is not ASCII"},
 		{"mask host with space", `{"maskRequestHost":"a b"}`, 400, "mask request host is not valid"},
-		{"rules unsupported", `{"rules":{"api.example.com":[{"transform":{"headers":{"a":"b"}}}]}}`, 400, "not supported"},
-		{"egress proxy unsupported", `{"egressProxy":{"address":"h:1080"}}`, 400, "not supported"},
+		{"rules", `{"rules":{"api.example.com":[{"transform":{"headers":{"Authorization":"Bearer ${e2b.secrets.key}"}}}]}}`, 201, ""},
+		{"rule header injection", `{"rules":{"api.example.com":[{"transform":{"headers":{"a":"b\r\nX-Evil: 1"}}}]}}`, 400, "invalid value of header a"},
+		{"rule header name injection", `{"rules":{"api.example.com":[{"transform":{"headers":{"a\r\nb":"c"}}}]}}`, 400, "invalid header name"},
+		{"rule sets Host", `{"rules":{"api.example.com":[{"transform":{"headers":{"Host":"evil"}}}]}}`, 400, "cannot be set by a rule"},
+		{"rule for loopback", `{"rules":{"127.0.0.1":[{}]}}`, 400, "internal, loopback and link-local"},
+		{"rule for metadata", `{"rules":{"169.254.169.254":[{}]}}`, 400, "internal, loopback and link-local"},
+		{"rule for localhost", `{"rules":{"localhost":[{}]}}`, 400, "internal names"},
+		{"rule with a bad secret name", `{"rules":{"a.example":[{"transform":{"headers":{"a":"${e2b.secrets.a b}"}}}]}}`, 400, "invalid secret"},
+		{"huge rule set", `{"rules":{` + hugeRules() + `}}`, 400, "at most 64 domains"},
+		{"egress proxy", `{"egressProxy":{"address":"203.0.113.7:1080","username":"u","password":"p"}}`, 201, ""},
+		{"egress proxy on loopback", `{"egressProxy":{"address":"127.0.0.1:1080"}}`, 400, "internal, loopback and link-local"},
+		{"egress proxy without port", `{"egressProxy":{"address":"proxy.example"}}`, 400, "host:port"},
+		{"https ports unsupported", `{"httpsPorts":[8443]}`, 400, "httpsPorts"},
+		{"rule domains are lowered", `{"rules":{"API.Example.com":[{}]}}`, 201, ""},
 		{"wrong type", `{"allowOut":"1.1.1.1"}`, 400, "allowOut"},
 		{"valid lists", `{"allowOut":["1.1.1.1","8.8.8.0/24"],"denyOut":["0.0.0.0/0"]}`, 201, ""},
 		{"valid mask", `{"maskRequestHost":"${PORT}-app.example.com"}`, 201, ""},
@@ -193,8 +207,9 @@ func TestUpdateNetwork(t *testing.T) {
 		{"empty body clears", run.ID, ``, 204, "", "false [] []"},
 		{"bad deny", run.ID, `{"denyOut":["nope"]}`, 400, "invalid denied CIDR nope", ""},
 		{"domain without ALL_TRAFFIC", run.ID, `{"allowOut":["example.com"]}`, 400, sandbox.ErrMsgDomainsRequireBlockAll, ""},
-		{"domain unsupported", run.ID, `{"allowOut":["example.com"],"denyOut":["0.0.0.0/0"]}`, 400, "not supported", ""},
-		{"rules unsupported", run.ID, `{"rules":{"a.example":[{}]}}`, 400, "not supported", ""},
+		{"domain", run.ID, `{"allowOut":["example.com"],"denyOut":["0.0.0.0/0"]}`, 204, "", "false [] [0.0.0.0/0]"},
+		{"rules", run.ID, `{"rules":{"a.example":[{}]}}`, 204, "", "false [] []"},
+		{"bad rule", run.ID, `{"rules":{"10.0.0.1":[{}]}}`, 400, "internal", ""},
 		{"unknown sandbox", "nosuch", `{}`, 404, "", ""},
 		{"paused sandbox", paused.ID, `{}`, 409, "paused", ""},
 	} {
@@ -268,5 +283,46 @@ func TestAutoResumeNeedsTheToken(t *testing.T) {
 	e.do("GET", "/health", "", hdr(secured.SandboxID, "49983", "X-Access-Token", secured.EnvdAccessToken)...)
 	if st := e.fake.state(secured.SandboxID); st != sandbox.StateRunning {
 		t.Fatalf("envd's token did not wake the sandbox: %s", st)
+	}
+}
+
+func hugeRules() string {
+	var b strings.Builder
+	for i := range 65 {
+		if i > 0 {
+			b.WriteString(",")
+		}
+		fmt.Fprintf(&b, `"h%d.example":[{}]`, i)
+	}
+	return b.String()
+}
+
+// TestNetworkRulesReported: getInfo reports rules, egressProxy and httpsPorts as given, never
+// the proxy's password.
+func TestNetworkRulesReported(t *testing.T) {
+	e := newEnv(t)
+	r := e.ctl("POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["api.example.com"],"denyOut":["0.0.0.0/0"],`+
+		`"rules":{"api.example.com":[{"transform":{"headers":{"Authorization":"Bearer ${e2b.secrets.key}"}}}]},`+
+		`"egressProxy":{"address":"socks5://203.0.113.7:1080","username":"u","password":"hunter2-pw"}}}`)
+	if r.status != 201 {
+		t.Fatalf("create: %d %s", r.status, r.body)
+	}
+	var sb struct {
+		SandboxID string `json:"sandboxID"`
+	}
+	r.json(t, &sb)
+	r = e.ctl("GET", "/sandboxes/"+sb.SandboxID, "")
+	if r.status != 200 {
+		t.Fatalf("get: %d %s", r.status, r.body)
+	}
+	body := string(r.body)
+	for _, want := range []string{`"allowOut":["api.example.com"]`, `"Authorization":"Bearer ${e2b.secrets.key}"`,
+		`"egressProxy":{"address":"socks5://203.0.113.7:1080","username":"u"}`} {
+		if !strings.Contains(body, want) {
+			t.Errorf("getInfo lacks %s: %s", want, body)
+		}
+	}
+	if strings.Contains(body, "hunter2-pw") || strings.Contains(body, "secretsOwner") {
+		t.Fatalf("getInfo shows the password or internals: %s", body)
 	}
 }

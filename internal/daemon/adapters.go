@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/ember-sandbox/ember/internal/egress"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/image"
 	"github.com/ember-sandbox/ember/internal/network"
@@ -22,19 +23,24 @@ import (
 // netAdapter presents network.Manager as sandbox.Network.
 type netAdapter struct {
 	m     *network.Manager
+	px    *egress.Proxy // the node's egress proxy: policies of the proxied slots
 	mu    sync.Mutex
 	slots map[int]*network.Slot
 }
 
-func (a *netAdapter) keep(s *network.Slot) sandbox.Slot {
+func (a *netAdapter) keep(s *network.Slot, e sandbox.Egress) sandbox.Slot {
 	a.mu.Lock()
 	a.slots[s.Index] = s
 	a.mu.Unlock()
+	if a.px != nil {
+		a.px.Set(s.GuestIP, egressPolicy(e))
+	}
 	return sandbox.Slot{Index: s.Index, NetNSPath: s.NetNSPath, GuestIP: s.GuestIP}
 }
 
 func slotOptions(e sandbox.Egress) network.SlotOptions {
-	return network.SlotOptions{AllowInternet: e.AllowInternet, AllowOut: e.AllowOut, DenyOut: e.DenyOut}
+	return network.SlotOptions{AllowInternet: e.AllowInternet, AllowOut: e.AllowOut, DenyOut: e.DenyOut,
+		Proxy: e.Proxied(), ProxyOnly: e.Upstream != nil}
 }
 
 func (a *netAdapter) Acquire(ctx context.Context, egress sandbox.Egress) (sandbox.Slot, error) {
@@ -42,7 +48,7 @@ func (a *netAdapter) Acquire(ctx context.Context, egress sandbox.Egress) (sandbo
 	if err != nil {
 		return sandbox.Slot{}, err
 	}
-	return a.keep(s), nil
+	return a.keep(s, egress), nil
 }
 
 func (a *netAdapter) Adopt(index int, egress sandbox.Egress) (sandbox.Slot, error) {
@@ -50,18 +56,32 @@ func (a *netAdapter) Adopt(index int, egress sandbox.Egress) (sandbox.Slot, erro
 	if err != nil {
 		return sandbox.Slot{}, err
 	}
-	return a.keep(s), nil
+	return a.keep(s, egress), nil
 }
 
 // Update replaces the egress rules of a held slot (sandbox.Manager.UpdateNetwork).
-func (a *netAdapter) Update(ctx context.Context, index int, egress sandbox.Egress) error {
+func (a *netAdapter) Update(ctx context.Context, index int, e sandbox.Egress) error {
 	a.mu.Lock()
 	s := a.slots[index]
 	a.mu.Unlock()
 	if s == nil {
 		return fmt.Errorf("network slot %d is not held: %w", index, errdefs.ErrNotFound)
 	}
-	return a.m.Update(ctx, s, slotOptions(egress))
+	var old *egress.Policy
+	if a.px != nil && e.Proxied() { // the policy first: the redirect may start with the update
+		old = a.px.Policy(s.GuestIP)
+		a.px.Set(s.GuestIP, egressPolicy(e))
+	}
+	if err := a.m.Update(ctx, s, slotOptions(e)); err != nil {
+		if a.px != nil && e.Proxied() {
+			a.px.Set(s.GuestIP, old) // the old rules stay in force
+		}
+		return err
+	}
+	if a.px != nil {
+		a.px.Set(s.GuestIP, egressPolicy(e))
+	}
+	return nil
 }
 
 func (a *netAdapter) Release(ctx context.Context, index int) error {
@@ -71,6 +91,9 @@ func (a *netAdapter) Release(ctx context.Context, index int) error {
 	a.mu.Unlock()
 	if s == nil {
 		return nil
+	}
+	if a.px != nil {
+		a.px.Set(s.GuestIP, nil)
 	}
 	return a.m.Release(ctx, s)
 }

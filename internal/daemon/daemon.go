@@ -14,6 +14,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -29,6 +30,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/codeinterp"
+	"github.com/ember-sandbox/ember/internal/egress"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/layerfs"
 	"github.com/ember-sandbox/ember/internal/metrics"
@@ -37,6 +39,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/runtime/gvisor"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/secret"
 	"github.com/ember-sandbox/ember/internal/snapshot"
 	"github.com/ember-sandbox/ember/internal/snapshot/local"
 	snaps3 "github.com/ember-sandbox/ember/internal/snapshot/s3"
@@ -155,6 +158,7 @@ type Node struct {
 	// Cluster is this node's membership (nil for a single node).
 	Cluster *cluster.Cluster
 	net     *network.Manager
+	egress  *egress.Proxy
 
 	moves *cluster.Moves // stored paused sandboxes (cluster mode with S3)
 }
@@ -221,7 +225,21 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if cfg.SlotPoolSize < 0 {
 		cfg.SlotPoolSize = 4
 	}
-	ncfg := network.Config{PoolSize: cfg.SlotPoolSize, Logger: cfg.Logger,
+	secrets, err := secret.Open(st, filepath.Join(cfg.DataDir, "secrets.key"), cfg.Logger)
+	if err != nil {
+		return nil, err
+	}
+	var nm *network.Manager
+	px, pxPort, egressCA, err := startEgressProxy(cfg, names.Table, secrets, func(a netip.Addr) bool { return nm.IsAlwaysDenied(a) })
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if !ok {
+			px.Close()
+		}
+	}()
+	ncfg := network.Config{PoolSize: cfg.SlotPoolSize, Logger: cfg.Logger, ProxyPort: pxPort,
 		NamePrefix: names.NetPrefix, Table: names.Table, InternetGroup: names.InternetGroup, HostMark: names.HostMark}
 	if cfg.CIDR != "" {
 		p, err := parsePrefix(cfg.CIDR)
@@ -230,7 +248,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		}
 		ncfg.CIDR = p
 	}
-	nm, err := network.New(ncfg)
+	nm, err = network.New(ncfg)
 	if err != nil {
 		return nil, err
 	}
@@ -273,7 +291,8 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		Observer:     met,
 		DataDir:      cfg.DataDir,
 		Driver:       drv,
-		Network:      &netAdapter{m: nm, slots: map[int]*network.Slot{}},
+		Network:      &netAdapter{m: nm, px: px, slots: map[int]*network.Slot{}},
+		EgressCA:     egressCA,
 		Store:        st,
 		Builder:      &builderAdapter{dataDir: cfg.DataDir, allow: cfg.RegistryAllow, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
 		Images:       images,
@@ -374,6 +393,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		// (what changed before, the cluster's sync loop reconciles).
 		mgr.Listen(cluster.NewEvents(cl, moves, tpls))
 	}
+	acfg.Secrets = secrets
 	if acfg.Volumes, err = openVolumes(ctx, cfg, st, cl); err != nil {
 		if cl != nil {
 			cl.Close()
@@ -386,7 +406,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	met.SetTeams(acfg.Quotas)
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true
-	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: lfs, Cluster: cl, net: nm, moves: moves}, nil
+	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: lfs, Cluster: cl, net: nm, egress: px, moves: moves}, nil
 }
 
 // withBase puts base first in names when a built-in template (built from base) is named
@@ -419,6 +439,7 @@ func (n *Node) Close() {
 		n.Cluster.Close()
 	}
 	n.Manager.Close()
+	n.egress.Close()
 	n.net.Close(context.Background())
 	n.Store.Close()
 }

@@ -46,6 +46,12 @@ type SlotOptions struct {
 	AllowOut []netip.Prefix
 	// DenyOut destinations are dropped unless AllowOut covers them.
 	DenyOut []netip.Prefix
+	// Proxy redirects the slot's outbound TCP (but DNS) to the node's egress proxy
+	// (Config.ProxyPort), which applies the address rules above and its own by name.
+	Proxy bool
+	// ProxyOnly drops whatever the proxy does not carry (UDP, ICMP; DNS to the resolvers
+	// stays): set when all traffic must leave through the proxy's SOCKS5 upstream.
+	ProxyOnly bool
 }
 
 // allTraffic is E2B's ALL_TRAFFIC.
@@ -121,12 +127,14 @@ func normalize(ps []netip.Prefix) []netip.Prefix {
 
 // normalized returns o with both lists normalized, so equal rules compare equal.
 func (o SlotOptions) normalized() SlotOptions {
-	return SlotOptions{AllowInternet: o.AllowInternet, AllowOut: normalize(o.AllowOut), DenyOut: normalize(o.DenyOut)}
+	return SlotOptions{AllowInternet: o.AllowInternet, AllowOut: normalize(o.AllowOut), DenyOut: normalize(o.DenyOut),
+		Proxy: o.Proxy, ProxyOnly: o.ProxyOnly}
 }
 
 func (o SlotOptions) equal(p SlotOptions) bool {
 	a, b := o.normalized(), p.normalized()
-	return a.AllowInternet == b.AllowInternet && slices.Equal(a.AllowOut, b.AllowOut) && slices.Equal(a.DenyOut, b.DenyOut)
+	return a.AllowInternet == b.AllowInternet && slices.Equal(a.AllowOut, b.AllowOut) && slices.Equal(a.DenyOut, b.DenyOut) &&
+		a.Proxy == b.Proxy && a.ProxyOnly == b.ProxyOnly
 }
 
 func covers(ps []netip.Prefix, a netip.Addr) bool {
@@ -210,6 +218,9 @@ func (m *Manager) slotRules(index int, opts SlotOptions) string {
 		rule("ip daddr { %s } meta l4proto { tcp, udp } th dport 53 accept", joinPrefixes(dns))
 	}
 	rule("meta nfproto ipv6 drop")
+	if opts.ProxyOnly && m.cfg.ProxyPort != 0 {
+		rule("drop")
+	}
 	rule("ip daddr @denied4 drop")
 	rule("ip daddr %s drop", m.cfg.CIDR)
 	if len(opts.AllowOut) > 0 {
@@ -225,6 +236,12 @@ func (m *Manager) slotRules(index int, opts SlotOptions) string {
 		rule("accept")
 	}
 	fmt.Fprintf(&b, "add element inet %s slots { %q : jump %s }\n", t, veth, c)
+	if m.cfg.ProxyPort != 0 {
+		fmt.Fprintf(&b, "add element inet %s proxied { %q }\n", t, veth) // add is idempotent
+		if !opts.Proxy {
+			fmt.Fprintf(&b, "delete element inet %s proxied { %q }\n", t, veth)
+		}
+	}
 	return b.String()
 }
 
@@ -233,8 +250,12 @@ func (m *Manager) slotRules(index int, opts SlotOptions) string {
 func (m *Manager) removeSlotRules(index int) string {
 	t, c := m.cfg.Table, chainName(index)
 	veth := m.slotFor(index).HostVeth
-	return fmt.Sprintf("add chain inet %[1]s %[2]s\nadd element inet %[1]s slots { %[3]q : jump %[2]s }\n"+
+	out := fmt.Sprintf("add chain inet %[1]s %[2]s\nadd element inet %[1]s slots { %[3]q : jump %[2]s }\n"+
 		"delete element inet %[1]s slots { %[3]q }\nflush chain inet %[1]s %[2]s\ndelete chain inet %[1]s %[2]s\n", t, c, veth)
+	if m.cfg.ProxyPort != 0 {
+		out += fmt.Sprintf("add element inet %[1]s proxied { %[2]q }\ndelete element inet %[1]s proxied { %[2]q }\n", t, veth)
+	}
+	return out
 }
 
 // nftApply runs script as one nft transaction.

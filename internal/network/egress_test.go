@@ -55,6 +55,12 @@ func egressConfig() Config {
 // table when the test ends.
 func newEgressManager(t *testing.T, pool int) *Manager {
 	t.Helper()
+	return newEgressManagerWith(t, func(c *Config) { c.PoolSize = pool })
+}
+
+// newEgressManagerWith is newEgressManager with a config of the test's.
+func newEgressManagerWith(t *testing.T, set func(*Config)) *Manager {
+	t.Helper()
 	testutil.RequireRoot(t)
 	_, err := exec.LookPath("nft")
 	testutil.Need(t, err == nil, "nft not installed (apt-get install nftables)")
@@ -71,7 +77,7 @@ func newEgressManager(t *testing.T, pool int) *Manager {
 	wipeEgress()
 	t.Cleanup(wipeEgress)
 	cfg := egressConfig()
-	cfg.PoolSize = pool
+	set(&cfg)
 	m, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)

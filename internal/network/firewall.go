@@ -39,7 +39,12 @@ table inet {{.Table}} {
 		flags interval
 		elements = { {{.Denied6}} }
 	}
-
+{{if .ProxyPort}}
+	# Slots whose outbound TCP goes through the node's egress proxy (SlotOptions.Proxy).
+	set proxied {
+		type ifname
+	}
+{{end}}
 	# A slot may only send with its own source address (strict reverse path), so it cannot
 	# inject packets into the host's connections to other slots.
 	chain prerouting {
@@ -52,8 +57,19 @@ table inet {{.Table}} {
 	chain input {
 		type filter hook input priority filter - 10; policy accept;
 		iifname "{{.Prefix}}*" ct state established,related accept
+{{- if .ProxyPort}}
+		iifname @proxied tcp dport {{.ProxyPort}} ct status dnat accept
+{{- end}}
 		iifname "{{.Prefix}}*" drop
 	}
+{{if .ProxyPort}}
+	# The TCP of the proxied slots (but DNS) goes to the node's egress proxy
+	# (internal/egress), which finds where it was going from conntrack.
+	chain proxy_redirect {
+		type nat hook prerouting priority dstnat; policy accept;
+		iifname @proxied meta l4proto tcp tcp dport != 53 redirect to :{{.ProxyPort}}
+	}
+{{end}}
 
 	# Slots never reach each other; what else a slot reaches is decided by its own chain
 	# (egress.go), reached through the slots map; a slot without one reaches nothing. Nothing
@@ -76,6 +92,9 @@ table inet {{.Table}} {
 	# SO_MARK takes CAP_NET_ADMIN), so no other host process reaches envd or a guest port.
 	chain output {
 		type filter hook output priority filter - 10; policy accept;
+{{- if .ProxyPort}}
+		oifname @proxied tcp sport {{.ProxyPort}} ct status dnat accept
+{{- end}}
 		oifname "{{.Prefix}}*" meta mark != {{.Mark}} drop
 	}
 {{end}}
@@ -92,12 +111,13 @@ table inet {{.Table}} {
 func (m *Manager) Ruleset() string {
 	var b bytes.Buffer
 	_ = rulesetTmpl.Execute(&b, map[string]any{
-		"Table":   m.cfg.Table,
-		"Prefix":  m.cfg.NamePrefix,
-		"CIDR":    m.cfg.CIDR.String(),
-		"Denied4": strings.Join(deniedV4, ", "),
-		"Denied6": strings.Join(deniedV6, ", "),
-		"Mark":    m.cfg.HostMark,
+		"Table":     m.cfg.Table,
+		"Prefix":    m.cfg.NamePrefix,
+		"CIDR":      m.cfg.CIDR.String(),
+		"Denied4":   strings.Join(deniedV4, ", "),
+		"Denied6":   strings.Join(deniedV6, ", "),
+		"Mark":      m.cfg.HostMark,
+		"ProxyPort": m.cfg.ProxyPort,
 	})
 	return b.String()
 }

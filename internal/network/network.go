@@ -67,6 +67,9 @@ type Config struct {
 	// HostMark, when non-zero, lets only host sockets carrying this mark (SO_MARK) reach the
 	// slots: the daemon dials with MarkedDialer(HostMark); every other host process is cut off.
 	HostMark uint32
+	// ProxyPort, when non-zero, is the host port of the node's egress proxy: the TCP of slots
+	// with SlotOptions.Proxy is redirected there.
+	ProxyPort uint16
 	// Logger receives background events (pool failures); nil means slog.Default().
 	Logger *slog.Logger
 }

@@ -197,6 +197,9 @@ func (m *Manager) launched(ctx context.Context, spec launchSpec, p Placement, t0
 		if err := m.initEnvd(ctx, client, base, spec.init, spec.initToken, spec.tpl); err != nil {
 			return err
 		}
+		if err := m.trustEgressCA(ctx, client, base, spec.init); err != nil { // egressca.go
+			return err
+		}
 	}
 	if err := m.faults.hit("launch.envd"); err != nil {
 		return err

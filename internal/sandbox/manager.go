@@ -108,6 +108,9 @@ type Config struct {
 	Images   ImageStore // optional
 	Logger   *slog.Logger
 	EnvdPath string // envd inside the rootfs
+	// EgressCA is the PEM certificate of the node's egress CA, installed in sandboxes with
+	// network rules (egressca.go).
+	EgressCA []byte
 	// VolumeDir, when set, is the host directory of volume id on this node, used at every
 	// launch instead of the HostDir a sandbox recorded (a cluster's volumes are at a path of
 	// each node's own: a fork child or a paused sandbox moved from another node mounts them

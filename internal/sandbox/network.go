@@ -45,6 +45,15 @@ type NetworkConfig struct {
 	TrafficAccessToken string `json:"trafficAccessToken,omitempty"`
 	// MaskRequestHost replaces the Host header of guest-port requests ("${PORT}" = the port).
 	MaskRequestHost string `json:"maskRequestHost,omitempty"`
+	// Rules are per-domain transforms applied by the egress proxy (egressrules.go).
+	Rules map[string][]NetworkRule `json:"rules,omitempty"`
+	// EgressProxy is a SOCKS5 upstream all outbound TCP goes through.
+	EgressProxy *EgressProxy `json:"egressProxy,omitempty"`
+	// HTTPSPorts: guest ports serving HTTPS (E2B's httpsPorts); refused until the sandbox
+	// plane speaks HTTPS to them.
+	HTTPSPorts []int `json:"httpsPorts,omitempty"`
+	// SecretsOwner is whose secrets the rules' placeholders name (set by the API edge).
+	SecretsOwner string `json:"secretsOwner,omitempty"`
 }
 
 // Egress is what a network slot enforces: E2B's rule order is always-denied ranges (the
@@ -54,11 +63,17 @@ type Egress struct {
 	AllowInternet bool
 	AllowOut      []netip.Prefix
 	DenyOut       []netip.Prefix
+	// What the egress proxy enforces (Proxied): host names of allowOut, rules (domain ->
+	// header -> value), SOCKS5 upstream, and whose secrets the rules name.
+	AllowHosts []string
+	Rules      map[string]map[string]string
+	Upstream   *EgressProxy
+	Owner      string
 }
 
 // IsDefault reports E2B's default egress: internet on, no lists.
 func (e Egress) IsDefault() bool {
-	return e.AllowInternet && len(e.AllowOut) == 0 && len(e.DenyOut) == 0
+	return e.AllowInternet && len(e.AllowOut) == 0 && len(e.DenyOut) == 0 && !e.Proxied()
 }
 
 // Egress returns the rules sb's slot enforces. Entries are validated when stored; one that no
@@ -68,13 +83,18 @@ func (sb *Sandbox) Egress() Egress {
 	if sb.Network == nil {
 		return e
 	}
+	hosts, addrs := egressHosts(sb.Network.AllowOut)
 	var err error
-	if e.AllowOut, err = parseCIDRs(sb.Network.AllowOut); err == nil {
+	if e.AllowOut, err = parseCIDRs(addrs); err == nil {
 		e.DenyOut, err = parseCIDRs(sb.Network.DenyOut)
 	}
 	if err != nil {
 		return Egress{}
 	}
+	e.AllowHosts = hosts
+	e.Rules = ruleHeaders(sb.Network.Rules)
+	e.Upstream = sb.Network.EgressProxy.clone()
+	e.Owner = sb.Network.SecretsOwner
 	return e
 }
 
@@ -84,7 +104,8 @@ func (r CreateRequest) IsDefaultEgress() bool {
 	if r.AllowInternet != nil && !*r.AllowInternet {
 		return false
 	}
-	return r.Network == nil || len(r.Network.AllowOut) == 0 && len(r.Network.DenyOut) == 0
+	return r.Network == nil || len(r.Network.AllowOut) == 0 && len(r.Network.DenyOut) == 0 &&
+		len(r.Network.Rules) == 0 && r.Network.EgressProxy == nil
 }
 
 // ForNew returns the network config of a new sandbox created with n: a copy, with a fresh
@@ -96,6 +117,12 @@ func (n *NetworkConfig) ForNew() *NetworkConfig {
 	c := *n
 	c.AllowOut = slices.Clone(n.AllowOut)
 	c.DenyOut = slices.Clone(n.DenyOut)
+	c.Rules = lowerRules(n.Rules)
+	c.HTTPSPorts = slices.Clone(n.HTTPSPorts)
+	if n.EgressProxy != nil {
+		px := *n.EgressProxy
+		c.EgressProxy = &px
+	}
 	c.TrafficAccessToken = ""
 	if n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic {
 		c.TrafficAccessToken = randomHex(16)
@@ -207,12 +234,13 @@ func ValidateEgress(allowOut, denyOut []string) error {
 			return invalidf("invalid allowed address %s", a)
 		}
 	}
-	if len(domains) > 0 {
-		if !slices.Contains(denyOut, AllTraffic) {
-			return invalidf("%s", ErrMsgDomainsRequireBlockAll)
+	if len(domains) > 0 && !slices.Contains(denyOut, AllTraffic) {
+		return invalidf("%s", ErrMsgDomainsRequireBlockAll)
+	}
+	for _, d := range domains {
+		if err := validHostName("allowed address", d); err != nil {
+			return err
 		}
-		return invalidf("invalid allowed address %s: domain names in allow out are not supported by this server "+
-			"(ember filters egress by IP address and CIDR only); list the IP addresses or CIDRs instead", domains[0])
 	}
 	return nil
 }
@@ -243,7 +271,10 @@ func ValidateNetwork(n *NetworkConfig) error {
 			return invalidf("mask request host is not valid: %s", h)
 		}
 	}
-	return ValidateEgress(n.AllowOut, n.DenyOut)
+	if err := ValidateEgress(n.AllowOut, n.DenyOut); err != nil {
+		return err
+	}
+	return ValidateRules(n.Rules, n.EgressProxy, n.HTTPSPorts)
 }
 
 // NetworkUpdate is PUT /sandboxes/{id}/network: it replaces the egress lists (an omitted list is
@@ -252,6 +283,11 @@ type NetworkUpdate struct {
 	AllowInternet *bool
 	AllowOut      []string
 	DenyOut       []string
+	Rules         map[string][]NetworkRule
+	EgressProxy   *EgressProxy
+	// SecretsOwner is whose secrets the new rules' placeholders name (the caller's team, set by
+	// the API edge); "" keeps the sandbox's.
+	SecretsOwner string
 }
 
 // egressUpdater is implemented by networks that can change a held slot's rules in place.
@@ -263,6 +299,9 @@ type egressUpdater interface {
 // Unknown sandboxes are ErrNotFound, paused ones ErrConflict (E2B: 404 and 409).
 func (m *Manager) UpdateNetwork(ctx context.Context, id string, u NetworkUpdate) error {
 	if err := ValidateEgress(u.AllowOut, u.DenyOut); err != nil {
+		return err
+	}
+	if err := ValidateRules(u.Rules, u.EgressProxy, nil); err != nil {
 		return err
 	}
 	notFound := &e2bError{msg: fmt.Sprintf("Sandbox %q doesn't exist or you don't have access to it", id), kind: errdefs.ErrNotFound}
@@ -291,14 +330,24 @@ func (m *Manager) UpdateNetwork(ctx context.Context, id string, u NetworkUpdate)
 		nc = *e.sb.Network
 	}
 	nc.AllowOut, nc.DenyOut = slices.Clone(u.AllowOut), slices.Clone(u.DenyOut)
+	nc.Rules, nc.EgressProxy = lowerRules(u.Rules), u.EgressProxy
+	if u.SecretsOwner != "" {
+		nc.SecretsOwner = u.SecretsOwner
+	}
 	next.Network = &nc
 	if err := up.Update(ctx, e.sb.Runtime.SlotIndex, next.Egress()); err != nil {
 		return fmt.Errorf("update network of sandbox %q: %w", id, err)
+	}
+	if len(nc.Rules) > 0 && e.sb.Runtime.GuestIP != "" {
+		if err := m.trustEgressCA(ctx, m.guest, envdBase(e.sb.Runtime.GuestIP), &next); err != nil { // egressca.go
+			m.logger(id).Warn("egress CA not installed; TLS to the rules' hosts will not verify", "err", err)
+		}
 	}
 	e.sb.AllowInternet, e.sb.Network = next.AllowInternet, next.Network
 	if err := m.cfg.Store.PutSandbox(ctx, e.sb); err != nil {
 		return err
 	}
-	m.logger(id).Info("egress rules updated", "allow_internet", next.AllowInternet, "allow_out", len(nc.AllowOut), "deny_out", len(nc.DenyOut))
+	m.logger(id).Info("egress rules updated", "allow_internet", next.AllowInternet, "allow_out", len(nc.AllowOut), "deny_out", len(nc.DenyOut),
+		"rules", len(nc.Rules), "egress_proxy", nc.EgressProxy.String())
 	return nil
 }

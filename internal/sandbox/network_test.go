@@ -31,7 +31,9 @@ func TestValidateEgress(t *testing.T) {
 		{"domain needs ALL_TRAFFIC", []string{"example.com"}, []string{"8.8.8.8"}, ErrMsgDomainsRequireBlockAll},
 		{"too many", make([]string, MaxEgressEntries+1), nil, "allow out and deny out may hold at most 1024 entries each"},
 		{"port rule", []string{"1.1.1.1:443"}, []string{"0.0.0.0/0"}, "invalid entry 1.1.1.1:443: port-specific rules are not supported…"},
-		{"domain unsupported", []string{"1.1.1.1", "*.example.com"}, []string{"0.0.0.0/0"}, "invalid allowed address *.example.com: domain names in allow out are not supported…"},
+		{"domains", []string{"1.1.1.1", "*.example.com", "api.example.org"}, []string{"0.0.0.0/0"}, ""},
+		{"internal name", []string{"db.internal"}, []string{"0.0.0.0/0"}, "invalid allowed address db.internal: internal names cannot be reached from a sandbox"},
+		{"bad name", []string{"a_b!"}, []string{"0.0.0.0/0"}, "invalid allowed address a_b!: not a host name"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := ValidateEgress(tc.allow, tc.deny)

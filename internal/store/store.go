@@ -21,6 +21,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/secret"
 	"github.com/ember-sandbox/ember/internal/volume"
 )
 
@@ -32,6 +33,8 @@ var (
 	bucketCheckpoints = []byte("checkpoints")
 	bucketVolumes     = []byte("volumes")
 	bucketTeams       = []byte("teams")
+	// bucketSecrets: secret records, their values sealed (internal/secret).
+	bucketSecrets = []byte("secrets")
 )
 
 // Store is the metadata store. Safe for concurrent use.
@@ -47,7 +50,7 @@ func Open(path string) (*Store, error) {
 		return nil, fmt.Errorf("open store %s: %w", path, err)
 	}
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketSandboxes, bucketTemplates, bucketKeys, bucketCheckpoints, bucketVolumes, bucketTeams} {
+		for _, b := range [][]byte{bucketSandboxes, bucketTemplates, bucketKeys, bucketCheckpoints, bucketVolumes, bucketTeams, bucketSecrets} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
@@ -351,4 +354,26 @@ func (s *Store) ListVolumes(_ context.Context) ([]*volume.Volume, error) {
 	out, err := all[volume.Volume](s.db, bucketVolumes)
 	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
 	return out, err
+}
+
+// PutSecret inserts or replaces a secret record (secret.Store; its value is sealed).
+func (s *Store) PutSecret(_ context.Context, v *secret.Secret) error {
+	return put(s.gc, bucketSecrets, v.ID, v)
+}
+
+// GetSecret returns a secret record (ErrNotFound if absent).
+func (s *Store) GetSecret(_ context.Context, id string) (*secret.Secret, error) {
+	v := new(secret.Secret)
+	if err := get(s.db, bucketSecrets, id, v); err != nil {
+		return nil, err
+	}
+	return v, nil
+}
+
+// DeleteSecret removes a secret record.
+func (s *Store) DeleteSecret(_ context.Context, id string) error { return del(s.gc, bucketSecrets, id) }
+
+// ListSecrets returns every secret record.
+func (s *Store) ListSecrets(_ context.Context) ([]*secret.Secret, error) {
+	return all[secret.Secret](s.db, bucketSecrets)
 }

@@ -1,0 +1,82 @@
+package daemon
+
+import (
+	"crypto/x509"
+	"encoding/pem"
+	"fmt"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+
+	"github.com/ember-sandbox/ember/internal/egress"
+	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/secret"
+)
+
+// EgressRootCAsEnv names a PEM file of CAs the egress proxy trusts for upstream servers besides
+// the system's (a private API behind a company CA; the e2e tests' upstream).
+const EgressRootCAsEnv = "EMBER_EGRESS_ROOT_CAS"
+
+// startEgressProxy starts the node's egress proxy on a port of its own (any address: only
+// redirected slot traffic reaches it through the firewall, and it serves only the guests it
+// holds a policy for), with the node's CA under <data-dir>/egress.
+func startEgressProxy(cfg Config, node string, secrets *secret.Manager, alwaysDenied func(netip.Addr) bool) (_ *egress.Proxy, _ uint16, caPEM []byte, _ error) {
+	ca, caPEM, err := egress.LoadOrCreateCA(filepath.Join(cfg.DataDir, "egress"), node)
+	if err != nil {
+		return nil, 0, nil, err
+	}
+	var roots []*x509.Certificate
+	if f := os.Getenv(EgressRootCAsEnv); f != "" {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return nil, 0, nil, fmt.Errorf("%s: %w: %w", EgressRootCAsEnv, err, errdefs.ErrInvalid)
+		}
+		for blk, rest := pem.Decode(b); blk != nil; blk, rest = pem.Decode(rest) {
+			c, err := x509.ParseCertificate(blk.Bytes)
+			if err != nil {
+				return nil, 0, nil, fmt.Errorf("%s: %w: %w", EgressRootCAsEnv, err, errdefs.ErrInvalid)
+			}
+			roots = append(roots, c)
+		}
+	}
+	px, err := egress.New(egress.Config{CA: ca, ExtraRoots: roots, Secrets: secrets, AlwaysDenied: alwaysDenied, Logger: cfg.Logger})
+	if err != nil {
+		return nil, 0, nil, err
+	}
+	ln, err := net.Listen("tcp4", "0.0.0.0:0")
+	if err != nil {
+		return nil, 0, nil, fmt.Errorf("egress proxy: %w", err)
+	}
+	go func() {
+		if err := px.Serve(ln); err != nil {
+			cfg.Logger.Error("egress proxy stopped", "err", err)
+		}
+	}()
+	return px, uint16(ln.Addr().(*net.TCPAddr).Port), caPEM, nil
+}
+
+// egressPolicy is what the proxy enforces for e (nil: the slot is not proxied).
+func egressPolicy(e sandbox.Egress) *egress.Policy {
+	if !e.Proxied() {
+		return nil
+	}
+	p := &egress.Policy{AllowInternet: e.AllowInternet, AllowOut: e.AllowOut, DenyOut: e.DenyOut,
+		AllowHosts: e.AllowHosts, Owner: e.Owner}
+	if len(e.Rules) > 0 {
+		p.Rules = map[string]http.Header{}
+		for d, hs := range e.Rules {
+			h := http.Header{}
+			for k, v := range hs {
+				h.Set(k, v)
+			}
+			p.Rules[d] = h
+		}
+	}
+	if e.Upstream != nil {
+		p.Upstream = &egress.Upstream{Address: e.Upstream.Address, Username: e.Upstream.Username, Password: e.Upstream.Password}
+	}
+	return p
+}

@@ -1,0 +1,287 @@
+// Package secret is ember's secrets (E2B's Secret API): named values that code in a sandbox
+// never sees. A value is written once through the API (create, update), never returned by any
+// read, and used only by the node's egress proxy, which puts it into the headers of a
+// sandbox's outbound requests where a network rule's transform names it as
+// `${e2b.secrets.<name>}` (Resolve, Expand).
+//
+// At rest a record (<data-dir>/store.db, bucket "secrets") holds the value sealed with the
+// node's secrets key (AES-256-GCM, the sealing helpers of internal/cluster, the record's id as
+// additional data), which lives in <data-dir>/secrets.key (0600, made on first start) and
+// nowhere else: a copy of the store alone reveals no value. Secrets are per node: they are not
+// written to etcd.
+//
+// Records are owned: every call takes the owner string internal/api derives from the request
+// (the team, once ember has teams), and a secret of another owner is not found.
+package secret
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"regexp"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/cluster"
+	"github.com/ember-sandbox/ember/internal/errdefs"
+)
+
+// Limits of one secret and of an owner's secrets.
+const (
+	MaxValueBytes = 16 << 10
+	MaxMetadata   = 64
+	MaxPerOwner   = 1000
+)
+
+// Secret is one secret's record. Sealed is the value sealed with the node's key; nothing else
+// in the record is secret.
+type Secret struct {
+	ID        string            `json:"id"`
+	Name      string            `json:"name"`
+	Owner     string            `json:"owner,omitempty"`
+	Version   int               `json:"version"`
+	Metadata  map[string]string `json:"metadata,omitempty"`
+	CreatedAt time.Time         `json:"createdAt"`
+	UpdatedAt time.Time         `json:"updatedAt"`
+	Sealed    []byte            `json:"sealed"`
+}
+
+// Store keeps secret records (internal/store implements it).
+type Store interface {
+	PutSecret(ctx context.Context, s *Secret) error
+	GetSecret(ctx context.Context, id string) (*Secret, error)
+	DeleteSecret(ctx context.Context, id string) error
+	ListSecrets(ctx context.Context) ([]*Secret, error)
+}
+
+// Manager creates, finds, updates and destroys secrets and resolves them for the egress proxy.
+type Manager struct {
+	st  Store
+	key *cluster.SealKey
+	log *slog.Logger
+	// mu serialises writes (names are unique per owner).
+	mu sync.Mutex
+}
+
+// Open returns the secrets of st, sealed with the key in keyFile (made, 0600, if absent).
+func Open(st Store, keyFile string, log *slog.Logger) (*Manager, error) {
+	if log == nil {
+		log = slog.Default()
+	}
+	if _, err := os.Stat(keyFile); errors.Is(err, os.ErrNotExist) {
+		b := make([]byte, 32)
+		if _, err := rand.Read(b); err != nil {
+			return nil, err
+		}
+		f, err := os.OpenFile(keyFile, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+		if err != nil {
+			return nil, fmt.Errorf("secrets key: %w", err)
+		}
+		_, werr := f.WriteString(hex.EncodeToString(b) + "\n")
+		if err := errors.Join(werr, f.Sync(), f.Close()); err != nil {
+			return nil, fmt.Errorf("secrets key: %w", err)
+		}
+	}
+	key, err := cluster.LoadSealKey(keyFile)
+	if err != nil {
+		return nil, err
+	}
+	return &Manager{st: st, key: key, log: log}, nil
+}
+
+var nameRe = regexp.MustCompile(`^[A-Za-z0-9_-]{1,128}$`)
+
+// ValidName reports whether name can be a secret's name (and so appear in a placeholder).
+func ValidName(name string) bool { return nameRe.MatchString(name) }
+
+func validate(name, value string, meta map[string]string) error {
+	if !ValidName(name) {
+		return fmt.Errorf("secret name %q: 1 to 128 letters, digits, '-' or '_': %w", name, errdefs.ErrInvalid)
+	}
+	return validateValue(value, meta)
+}
+
+func validateValue(value string, meta map[string]string) error {
+	switch {
+	case value == "":
+		return fmt.Errorf("secret value is required: %w", errdefs.ErrInvalid)
+	case len(value) > MaxValueBytes:
+		return fmt.Errorf("secret value is %d bytes, at most %d: %w", len(value), MaxValueBytes, errdefs.ErrInvalid)
+	case strings.ContainsAny(value, "\r\n\x00"):
+		// Values go into HTTP headers: a line break would inject headers of its own.
+		return fmt.Errorf("secret value must not contain CR, LF or NUL: %w", errdefs.ErrInvalid)
+	case len(meta) > MaxMetadata:
+		return fmt.Errorf("secret metadata has %d entries, at most %d: %w", len(meta), MaxMetadata, errdefs.ErrInvalid)
+	}
+	return nil
+}
+
+func newID() string {
+	b := make([]byte, 10)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return "sec_" + hex.EncodeToString(b)
+}
+
+// sealAD is the additional data a record's value is sealed with: a sealed value copied into
+// another record does not open.
+func sealAD(id string) string { return "ember/secret/" + id }
+
+// Create stores a new secret (version 1). A name the owner already uses is ErrConflict.
+func (m *Manager) Create(ctx context.Context, owner, name, value string, meta map[string]string) (*Secret, error) {
+	if err := validate(name, value, meta); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	mine, err := m.owned(ctx, owner)
+	if err != nil {
+		return nil, err
+	}
+	if len(mine) >= MaxPerOwner {
+		return nil, fmt.Errorf("at most %d secrets: %w", MaxPerOwner, errdefs.ErrExhausted)
+	}
+	for _, s := range mine {
+		if s.Name == name {
+			return nil, fmt.Errorf("secret with name %q already exists: %w", name, errdefs.ErrConflict)
+		}
+	}
+	now := time.Now().UTC()
+	s := &Secret{ID: newID(), Name: name, Owner: owner, Version: 1, Metadata: meta, CreatedAt: now, UpdatedAt: now}
+	s.Sealed = m.key.Seal(sealAD(s.ID), []byte(value))
+	if err := m.st.PutSecret(ctx, s); err != nil {
+		return nil, err
+	}
+	m.log.Info("secret created", "secret_id", s.ID, "name", name)
+	return s, nil
+}
+
+// Update stores value as the secret's next version; meta, when not nil, replaces the metadata.
+func (m *Manager) Update(ctx context.Context, owner, idOrName, value string, meta map[string]string) (*Secret, error) {
+	if err := validateValue(value, meta); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	s, err := m.find(ctx, owner, idOrName)
+	if err != nil {
+		return nil, err
+	}
+	s.Version++
+	s.UpdatedAt = time.Now().UTC()
+	if meta != nil {
+		s.Metadata = meta
+	}
+	s.Sealed = m.key.Seal(sealAD(s.ID), []byte(value))
+	if err := m.st.PutSecret(ctx, s); err != nil {
+		return nil, err
+	}
+	m.log.Info("secret updated", "secret_id", s.ID, "version", s.Version)
+	return s, nil
+}
+
+// Get returns a secret's record by id or name (ErrNotFound if the owner has none).
+func (m *Manager) Get(ctx context.Context, owner, idOrName string) (*Secret, error) {
+	return m.find(ctx, owner, idOrName)
+}
+
+// List returns the owner's secrets, oldest first.
+func (m *Manager) List(ctx context.Context, owner string) ([]*Secret, error) {
+	return m.owned(ctx, owner)
+}
+
+// Destroy removes a secret by id or name.
+func (m *Manager) Destroy(ctx context.Context, owner, idOrName string) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	s, err := m.find(ctx, owner, idOrName)
+	if err != nil {
+		return err
+	}
+	if err := m.st.DeleteSecret(ctx, s.ID); err != nil {
+		return err
+	}
+	m.log.Info("secret destroyed", "secret_id", s.ID)
+	return nil
+}
+
+// Resolve returns the value of the owner's secret named name.
+func (m *Manager) Resolve(ctx context.Context, owner, name string) (string, error) {
+	s, err := m.find(ctx, owner, name)
+	if err != nil {
+		return "", err
+	}
+	v, err := m.key.Open(sealAD(s.ID), s.Sealed)
+	if err != nil {
+		return "", err
+	}
+	return string(v), nil
+}
+
+// placeholderRe is `${e2b.secrets.<name>}` (Secret.fill).
+var placeholderRe = regexp.MustCompile(`\$\{e2b\.secrets\.([A-Za-z0-9_-]+)\}`)
+
+// Names returns the secret names s refers to.
+func Names(s string) []string {
+	var out []string
+	for _, m := range placeholderRe.FindAllStringSubmatch(s, -1) {
+		out = append(out, m[1])
+	}
+	return out
+}
+
+// Expand replaces every `${e2b.secrets.<name>}` of s with the owner's secret's value. A name
+// the owner has no secret for is an error (the request is not sent half-filled).
+func (m *Manager) Expand(ctx context.Context, owner, s string) (string, error) {
+	var firstErr error
+	out := placeholderRe.ReplaceAllStringFunc(s, func(p string) string {
+		name := placeholderRe.FindStringSubmatch(p)[1]
+		v, err := m.Resolve(ctx, owner, name)
+		if err != nil && firstErr == nil {
+			firstErr = fmt.Errorf("secret %q: %w", name, err)
+		}
+		return v
+	})
+	if firstErr != nil {
+		return "", firstErr
+	}
+	return out, nil
+}
+
+func (m *Manager) owned(ctx context.Context, owner string) ([]*Secret, error) {
+	all, err := m.st.ListSecrets(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var out []*Secret
+	for _, s := range all {
+		if s.Owner == owner {
+			out = append(out, s)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
+	return out, nil
+}
+
+func (m *Manager) find(ctx context.Context, owner, idOrName string) (*Secret, error) {
+	if s, err := m.st.GetSecret(ctx, idOrName); err == nil && s.Owner == owner {
+		return s, nil
+	}
+	mine, err := m.owned(ctx, owner)
+	if err != nil {
+		return nil, err
+	}
+	for _, s := range mine {
+		if s.Name == idOrName {
+			return s, nil
+		}
+	}
+	return nil, fmt.Errorf("secret %s not found: %w", idOrName, errdefs.ErrNotFound)
+}
