@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"sort"
+	"strings"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -18,6 +19,7 @@ import (
 func (cl *Cluster) HasReservation(ctx context.Context, id string) bool {
 	ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
 	defer done()
+	id, _, _ = strings.Cut(id, ".") // a unit of a block (placement.go)
 	r, err := cl.c.Get(ctx, cl.key("resv", cl.cfg.NodeID, id), clientv3.WithCountOnly())
 	return err == nil && r.Count > 0
 }
@@ -58,6 +60,7 @@ func (cl *Cluster) claim(ctx context.Context, s LocalSandbox, rid string) error 
 	if !resp.Succeeded {
 		return fmt.Errorf("sandbox %q was lost with its node or this node's epoch ended: %w", s.ID, errdefs.ErrConflict)
 	}
+	cl.noteClaimed(rid) // placement.go
 	// The caches see the route before the create answers: the next request, through any
 	// edge that reads etcd, finds it.
 	_ = cl.WaitRevision(ctx, resp.Header.Revision)

@@ -50,18 +50,7 @@ func (cl *Cluster) sync(ctx context.Context) {
 		_ = json.Unmarshal(ar.Kvs[0].Value, &ae.a)
 		ae.modRev = ar.Kvs[0].ModRevision
 	}
-	var total Alloc
-	for _, kv := range rr.Kvs {
-		var r resvRecord
-		if json.Unmarshal(kv.Value, &r) != nil {
-			continue
-		}
-		if time.Since(r.At) > ReservationTTL {
-			_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(string(kv.Key)), "=", kv.ModRevision)).Then(clientv3.OpDelete(string(kv.Key))).Commit()
-			continue
-		}
-		total = total.add(r.TemplateSize, 1)
-	}
+	total := cl.reservedHere(ctx, rr.Kvs) // placement.go
 	revBefore := cl.Revision()
 	local, err := cl.cfg.Local.Sandboxes(ctx)
 	if err != nil {
@@ -114,7 +103,7 @@ func (cl *Cluster) sync(ctx context.Context) {
 	if len(stale) > 0 {
 		cl.markLost(ctx, self, stale, "the node restarted", time.Now())
 	}
-	if !hasAlloc || ae.a != total {
+	if !hasAlloc || cl.allocDue(ae.a, total) { // placement.go
 		b, _ := json.Marshal(total)
 		cmp := []clientv3.Cmp{clientv3.Compare(clientv3.LeaseValue(cl.key("nodes", self)), "=", epoch)}
 		if hasAlloc {
