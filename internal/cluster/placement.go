@@ -431,8 +431,8 @@ func room(c Capacity, a Alloc) float64 {
 }
 
 // Cancel gives a reservation's room back (the create failed or was refused): to this edge's
-// block while it holds it, else to the node (a node cancelling a reservation made for it
-// counts its unit consumed, and its next reconcile lowers its allocation).
+// block while it holds it, else to the node (the block's record and the node's allocation
+// lowered by one unit).
 func (cl *Cluster) Cancel(ctx context.Context, r *Reservation) {
 	bid, _, _ := strings.Cut(r.ID, ".")
 	cl.pool.mu.Lock()
@@ -442,12 +442,6 @@ func (cl *Cluster) Cancel(ctx context.Context, r *Reservation) {
 		return
 	}
 	cl.pool.mu.Unlock()
-	if r.Node == cl.cfg.NodeID {
-		if cl.noteClaimed(r.ID) {
-			cl.kickSync()
-			return
-		}
-	}
 	cl.shrink(ctx, r.Node, bid, 1)
 }
 
@@ -616,11 +610,10 @@ func (cl *Cluster) placementLoop(ctx context.Context) {
 	}
 }
 
-// noteClaimed counts reservation rid's unit consumed on this node (by a claim, or cancelled
-// here); false for "".
-func (cl *Cluster) noteClaimed(rid string) bool {
+// noteClaimed counts reservation rid's unit consumed on this node by a claim.
+func (cl *Cluster) noteClaimed(rid string) {
 	if rid == "" {
-		return false
+		return
 	}
 	bid, _, _ := strings.Cut(rid, ".")
 	cl.pool.mu.Lock()
@@ -635,7 +628,6 @@ func (cl *Cluster) noteClaimed(rid string) bool {
 	}
 	c.n++
 	c.at = time.Now()
-	return true
 }
 
 // reservedHere sums the room the blocks on this node still hold (their units not claimed

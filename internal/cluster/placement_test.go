@@ -31,13 +31,14 @@ func TestPlacementNeverOvercommits(t *testing.T) {
 	for i := 0; i < nodes; i++ {
 		id := fmt.Sprintf("n%d", i)
 		locals[id] = newLocal("base")
-		members[id] = join(t, e.Endpoints(), id, slots, locals[id])
+		// A TTL that a loaded host renews in time: a node that fences kills what it holds.
+		members[id] = join(t, e.Endpoints(), id, slots, locals[id], func(c *cluster.Config) { c.TTL = 10 * time.Second })
 	}
 	var edgeNodes []*cluster.Cluster
 	var hooked atomic.Int64 // OnPlacementRetry calls (the daemon's /metrics counter)
 	for i := 0; i < edges; i++ {
 		edgeNodes = append(edgeNodes, join(t, e.Endpoints(), fmt.Sprintf("e%d", i), 0, newLocal(),
-			func(c *cluster.Config) { c.OnPlacementRetry = func() { hooked.Add(1) } }))
+			func(c *cluster.Config) { c.OnPlacementRetry = func() { hooked.Add(1) }; c.TTL = 10 * time.Second }))
 	}
 	for _, en := range edgeNodes {
 		testutil.Eventually(t, 5*time.Second, "edge sees all nodes", func() bool { return len(en.Live()) == nodes+edges })
