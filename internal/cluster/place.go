@@ -50,17 +50,19 @@ func (cl *Cluster) claim(ctx context.Context, s LocalSandbox, rid string) error 
 	if rid != "" {
 		ops = append(ops, clientv3.OpDelete(cl.key("resv", self, rid)))
 	}
+	cl.noteClaimed(rid, 1) // placement.go
 	resp, err := cl.c.Txn(ctx).If(
 		clientv3.Compare(clientv3.Version(cl.key("lost", s.ID)), "=", 0),
 		clientv3.Compare(clientv3.LeaseValue(cl.key("nodes", self)), "=", epoch),
 	).Then(ops...).Commit()
 	if err != nil {
+		cl.noteClaimed(rid, -1)
 		return fmt.Errorf("etcd: claim: %w", errdefs.ErrUnavailable)
 	}
 	if !resp.Succeeded {
+		cl.noteClaimed(rid, -1)
 		return fmt.Errorf("sandbox %q was lost with its node or this node's epoch ended: %w", s.ID, errdefs.ErrConflict)
 	}
-	cl.noteClaimed(rid) // placement.go
 	// The caches see the route before the create answers: the next request, through any
 	// edge that reads etcd, finds it.
 	_ = cl.WaitRevision(ctx, resp.Header.Revision)

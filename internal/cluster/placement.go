@@ -610,8 +610,10 @@ func (cl *Cluster) placementLoop(ctx context.Context) {
 	}
 }
 
-// noteClaimed counts reservation rid's unit consumed on this node by a claim.
-func (cl *Cluster) noteClaimed(rid string) {
+// noteClaimed counts reservation rid's unit consumed on this node by a claim (delta 1, before
+// the claim's transaction: the sandbox is already in the node's list, so a reconcile in between
+// does not count it twice, which would rewrite the allocation), or not after all (-1).
+func (cl *Cluster) noteClaimed(rid string, delta int) {
 	if rid == "" {
 		return
 	}
@@ -626,7 +628,7 @@ func (cl *Cluster) noteClaimed(rid string) {
 		c = &claimedUnits{}
 		cl.pool.claimed[bid] = c
 	}
-	c.n++
+	c.n += delta
 	c.at = time.Now()
 }
 
