@@ -517,8 +517,10 @@ func (s *sim) locate(ctx context.Context, edge *simNode, sb *simSandbox, fresh b
 }
 
 // churnOp is one random operation through a random edge: create, kill, or pause/resume.
-func (s *sim) churnOp(ctx context.Context) {
-	k := rand.IntN(10)
+func (s *sim) churnOp(ctx context.Context) { s.churnDo(ctx, rand.IntN(10)) }
+
+// churnDo is operation k of churnOp: 0-2 create, 3-5 kill, 6-9 pause or resume.
+func (s *sim) churnDo(ctx context.Context, k int) {
 	if k < 3 {
 		if s.create(ctx) != nil {
 			time.Sleep(20 * time.Millisecond)

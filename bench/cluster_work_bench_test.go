@@ -296,21 +296,8 @@ func workAt(b *testing.B, e *clustertest.Etcd, admin *clientv3.Client, count, op
 	return row
 }
 
-// killOne kills a random sandbox through a random edge, as churnOp does.
-func (s *sim) killOne(ctx context.Context) {
-	sb := s.reg.pick()
-	if sb == nil {
-		return
-	}
-	killed := false
-	defer func() { s.reg.done(sb, killed) }()
-	edge := s.edge()
-	defer edge.leave()
-	if n := s.locate(ctx, edge, sb, false); n != nil && n.kill(ctx, sb.id) == nil {
-		killed = true
-		s.kills.Add(1)
-	}
-}
+// killOne kills a random sandbox through a random edge.
+func (s *sim) killOne(ctx context.Context) { s.churnDo(ctx, 3) }
 
 // fit is the least-squares line y = a + b·x through the points.
 func fit(xs, ys []float64) (a, b float64) {
