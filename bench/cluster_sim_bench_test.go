@@ -1208,7 +1208,7 @@ func (s *sim) join(b *testing.B, ctx context.Context, e *clustertest.Etcd, count
 			}
 			cli.KV = &tapKV{KV: cli.KV, s: s, node: n}
 			n.cli = cli
-			jctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+			jctx, cancel := context.WithTimeout(ctx, 90*time.Second) // a loaded host joins slowly
 			defer cancel()
 			n.cl, err = cluster.New(jctx, cluster.Config{Client: cli, Prefix: s.prefix, NodeID: n.id, URL: "http://" + n.id + ".sim",
 				TTL: ttl, Capacity: cluster.Capacity{CPU: slots / 4, MemoryMB: int64(slots) * 512, Slots: slots, DiskFreeMB: 100000},
