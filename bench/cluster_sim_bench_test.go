@@ -44,17 +44,23 @@ import (
 // EMBER_SIM_CHURN (operations, sandboxes/6), EMBER_SIM_CONCURRENCY (48 edge goroutines),
 // EMBER_SIM_TTL (10s), EMBER_SIM_SLOTS (4/3 of the mean), EMBER_SIM_PHASE_MAX (120s: the
 // fill's bound, the churn's is half of it; the loss waits 3 TTLs plus a minute at most).
-// EMBER_SIM_SKIP_SCALE=1 runs the check alone. A fill cut short by its bound says so, and the
-// run goes on with what it reached.
+// The big run ("scale") runs with EMBER_SIM_SCALE=1 only; by default the check is followed by
+// the work measurement (cluster_work_bench_test.go: etcd's counters per operation at 3, 6 and
+// 100 nodes, placement at a steady create rate with its CPU use, the 1,000-node projection),
+// which EMBER_SIM_SKIP_WORK=1 leaves out (EMBER_SIM_SKIP_CHECK=1, the check). A fill cut short by its bound says so, and the run
+// goes on with what it reached.
 func BenchmarkClusterSim(b *testing.B) {
 	bin, ok := clustertest.Binary()
 	testutil.Need(b, ok, "etcd "+bin+" not installed: run scripts/setup.sh (the cluster simulation needs a real etcd)")
 	check := simConfig{name: "check", nodes: 10, sandboxes: 1000, stop: 1, slots: 110, churn: 600,
 		concurrency: 16, ttl: 3 * time.Second, phaseMax: 60 * time.Second, check: true}
-	if !b.Run("check", func(b *testing.B) { runSim(b, check) }) {
+	if os.Getenv("EMBER_SIM_SKIP_CHECK") != "1" && !b.Run("check", func(b *testing.B) { runSim(b, check) }) {
 		return
 	}
-	if os.Getenv("EMBER_SIM_SKIP_SCALE") == "1" {
+	if os.Getenv("EMBER_SIM_SKIP_WORK") != "1" {
+		b.Run("work", runSimWork)
+	}
+	if os.Getenv("EMBER_SIM_SCALE") != "1" {
 		return
 	}
 	b.Run("scale", func(b *testing.B) { runSim(b, simConfigFromEnv()) })
@@ -511,8 +517,10 @@ func (s *sim) locate(ctx context.Context, edge *simNode, sb *simSandbox, fresh b
 }
 
 // churnOp is one random operation through a random edge: create, kill, or pause/resume.
-func (s *sim) churnOp(ctx context.Context) {
-	k := rand.IntN(10)
+func (s *sim) churnOp(ctx context.Context) { s.churnDo(ctx, rand.IntN(10)) }
+
+// churnDo is operation k of churnOp: 0-2 create, 3-5 kill, 6-9 pause or resume.
+func (s *sim) churnDo(ctx context.Context, k int) {
 	if k < 3 {
 		if s.create(ctx) != nil {
 			time.Sleep(20 * time.Millisecond)
@@ -730,55 +738,7 @@ func runSim(b *testing.B, cfg simConfig) {
 	cpu0, etcd0 := cpuSeconds()
 
 	// Join the nodes, 10 at a time.
-	var joinErr atomic.Value
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, 10)
-	s.nodes = make([]*simNode, cfg.nodes)
-	for i := range cfg.nodes {
-		n := &simNode{id: fmt.Sprintf("n%03d", i), idx: i, rt: &fakeRuntime{sbxs: map[string]cluster.LocalSandbox{},
-			tpls: map[string]cluster.TemplateSize{simTemplate: {CPU: 1, MemoryMB: 512}}}}
-		s.nodes[i] = n
-		s.byID[n.id] = n
-	}
-	for _, n := range s.nodes {
-		for _, o := range s.nodes {
-			if o != n {
-				n.others = append(n.others, o.id)
-			}
-		}
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer func() { <-sem; wg.Done() }()
-			cli, err := clientv3.New(clustertest.ClientConfig(e.Endpoints()))
-			if err != nil {
-				joinErr.Store(err)
-				return
-			}
-			cli.KV = &tapKV{KV: cli.KV, s: s, node: n}
-			n.cli = cli
-			jctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-			defer cancel()
-			n.cl, err = cluster.New(jctx, cluster.Config{Client: cli, Prefix: s.prefix, NodeID: n.id, URL: "http://" + n.id + ".sim",
-				TTL: cfg.ttl, Capacity: cluster.Capacity{CPU: cfg.slots / 4, MemoryMB: int64(cfg.slots) * 512, Slots: cfg.slots, DiskFreeMB: 100000},
-				Runsc: "sim", CPUClass: "x86-64-v3", Local: n.rt, Logger: slog.New(logs)})
-			if err != nil {
-				cli.Close()
-				joinErr.Store(err)
-			}
-		}()
-	}
-	wg.Wait()
-	b.Cleanup(func() {
-		for _, n := range s.nodes {
-			if n.cl != nil {
-				n.close()
-			}
-		}
-	})
-	if err, _ := joinErr.Load().(error); err != nil {
-		b.Fatalf("join: %v", err)
-	}
+	s.join(b, ctx, e, cfg.nodes, cfg.slots, cfg.ttl)
 	joined := time.Since(wall)
 	for _, n := range s.nodes {
 		if len(n.cl.Live()) < cfg.nodes {
@@ -830,6 +790,7 @@ func runSim(b *testing.B, cfg simConfig) {
 	}
 
 	// Fill: creates only, through random edges.
+	var wg sync.WaitGroup
 	fillStart := time.Now()
 	deadline := fillStart.Add(cfg.phaseMax)
 	var tickets atomic.Int64
@@ -1166,7 +1127,7 @@ func runSim(b *testing.B, cfg simConfig) {
 	row("etcd transactions (all nodes)", pp(s.txnLat.get()))
 	row(fmt.Sprintf("etcd alone: %d writers of one put each", cfg.concurrency), fmt.Sprintf("%.0f puts/s, %s", baseRate, pp(baseLat)))
 	row(fmt.Sprintf("the same, watched by the %d idle nodes", cfg.nodes), fmt.Sprintf("%.0f puts/s, %s", watchedRate, pp(watchedLat)))
-	row("etcd disk, each member: WAL fsync / backend commit mean", etcdDiskMeans(e.Endpoints()))
+	row("etcd disk, each member: WAL fsync / backend commit mean", etcdDiskMeans(etcdHTTP(e), e.Endpoints()))
 	row("operations", fmt.Sprintf("%d creates, %d kills, %d pauses, %d resumes", s.creates.Load(), s.kills.Load(), s.pauses.Load(), s.resumes.Load()))
 	row("placement retries (lost races, all edges)", strconv.FormatInt(sumRetries(s.nodes), 10))
 	row("refusals", fmt.Sprintf("%d creates to a stopped node retried elsewhere, %d exhausted, %d resumes on a full node, %d claims refused, %d other errors",
@@ -1218,6 +1179,59 @@ func runSim(b *testing.B, cfg simConfig) {
 	}
 }
 
+// join starts count simulated nodes of slots slots each on e, 10 at a time, closed when b ends.
+func (s *sim) join(b *testing.B, ctx context.Context, e *clustertest.Etcd, count, slots int, ttl time.Duration) {
+	var joinErr atomic.Value
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 10)
+	s.nodes = make([]*simNode, count)
+	for i := range count {
+		n := &simNode{id: fmt.Sprintf("n%03d", i), idx: i, rt: &fakeRuntime{sbxs: map[string]cluster.LocalSandbox{},
+			tpls: map[string]cluster.TemplateSize{simTemplate: {CPU: 1, MemoryMB: 512}}}}
+		s.nodes[i] = n
+		s.byID[n.id] = n
+	}
+	for _, n := range s.nodes {
+		for _, o := range s.nodes {
+			if o != n {
+				n.others = append(n.others, o.id)
+			}
+		}
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			cli, err := clientv3.New(clustertest.ClientConfig(e.Endpoints()))
+			if err != nil {
+				joinErr.Store(err)
+				return
+			}
+			cli.KV = &tapKV{KV: cli.KV, s: s, node: n}
+			n.cli = cli
+			jctx, cancel := context.WithTimeout(ctx, 90*time.Second) // a loaded host joins slowly
+			defer cancel()
+			n.cl, err = cluster.New(jctx, cluster.Config{Client: cli, Prefix: s.prefix, NodeID: n.id, URL: "http://" + n.id + ".sim",
+				TTL: ttl, Capacity: cluster.Capacity{CPU: slots / 4, MemoryMB: int64(slots) * 512, Slots: slots, DiskFreeMB: 100000},
+				Runsc: "sim", CPUClass: "x86-64-v3", Local: n.rt, Logger: slog.New(s.logs)})
+			if err != nil {
+				cli.Close()
+				joinErr.Store(err)
+			}
+		}()
+	}
+	wg.Wait()
+	b.Cleanup(func() {
+		for _, n := range s.nodes {
+			if n.cl != nil {
+				n.close()
+			}
+		}
+	})
+	if err, _ := joinErr.Load().(error); err != nil {
+		b.Fatalf("join: %v", err)
+	}
+}
+
 func mustList(r *fakeRuntime) []cluster.LocalSandbox {
 	l, _ := r.Sandboxes(context.Background())
 	return l
@@ -1258,10 +1272,10 @@ func etcdBaseline(ctx context.Context, c *clientv3.Client, prefix string, writer
 
 // etcdDiskMeans reads the members' /metrics (served on their client URLs) for the mean WAL
 // fsync and backend commit durations, the disk's share of each write.
-func etcdDiskMeans(endpoints []string) string {
+func etcdDiskMeans(hc *http.Client, endpoints []string) string {
 	var out []string
 	for _, ep := range endpoints {
-		resp, err := http.Get(ep + "/metrics")
+		resp, err := hc.Get(ep + "/metrics")
 		if err != nil {
 			continue
 		}

@@ -113,6 +113,7 @@ type Cluster struct {
 	cancel    context.CancelFunc
 	wg        sync.WaitGroup
 
+	pool         blockPool // placement.go
 	placeRetries atomic.Int64
 	fences       atomic.Int64
 
@@ -179,12 +180,13 @@ func New(ctx context.Context, cfg Config) (*Cluster, error) {
 	bg, cancel := context.WithCancel(context.Background())
 	cl.cancel = cancel
 	cl.health.lastOK = time.Now()
-	cl.wg.Add(4)
+	cl.wg.Add(5)
 	// The watch first: the first reconcile claims routes and waits for the caches to see
 	// them (a node that held unrouted sandboxes once waited here until ctx ended).
 	go func() { defer cl.wg.Done(); cl.watch(bg, rev) }()
 	go func() { defer cl.wg.Done(); cl.renew(bg) }()
 	go func() { defer cl.wg.Done(); cl.probeLoop(bg) }()
+	go func() { defer cl.wg.Done(); cl.placementLoop(bg) }()
 	// The first reconcile before serving: sandboxes the cluster marked lost or moved while this
 	// node was away are killed, not resurrected.
 	cl.sync(ctx)

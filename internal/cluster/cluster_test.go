@@ -3,7 +3,6 @@ package cluster_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"github.com/ember-sandbox/ember/internal/testutil"
 	"sync"
 	"sync/atomic"
@@ -233,70 +232,6 @@ func TestOneEtcdMemberKilled(t *testing.T) {
 	if nodeState(a, "b") != cluster.StateActive {
 		t.Fatalf("b is %s", nodeState(a, "b"))
 	}
-}
-
-// Many edges placing at once never overcommit a node: exactly the cluster's slots are
-// reserved, each node within its own, and the lost races are counted.
-func TestPlacementNeverOvercommits(t *testing.T) {
-	e := clustertest.Start(t, 3)
-	const nodes, slots, edges, perEdge = 3, 10, 6, 12
-	var members []*cluster.Cluster
-	for i := 0; i < nodes; i++ {
-		members = append(members, join(t, e.Endpoints(), fmt.Sprintf("n%d", i), slots, newLocal("base")))
-	}
-	var edgeNodes []*cluster.Cluster
-	var hooked atomic.Int64 // OnPlacementRetry calls (the daemon's /metrics counter)
-	for i := 0; i < edges; i++ {
-		edgeNodes = append(edgeNodes, join(t, e.Endpoints(), fmt.Sprintf("e%d", i), 0, newLocal(),
-			func(c *cluster.Config) { c.OnPlacementRetry = func() { hooked.Add(1) } }))
-	}
-	for _, en := range edgeNodes {
-		testutil.Eventually(t, 5*time.Second, "edge sees all nodes", func() bool { return len(en.Live()) == nodes+edges })
-	}
-	ctx := context.Background()
-	var mu sync.Mutex
-	per := map[string]int{}
-	var exhausted atomic.Int64
-	var wg sync.WaitGroup
-	for _, en := range edgeNodes {
-		for g := 0; g < perEdge; g++ {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				r, err := en.Place(ctx, cluster.PlaceRequest{TemplateID: "base"})
-				if errors.Is(err, errdefs.ErrExhausted) {
-					exhausted.Add(1)
-					return
-				}
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				mu.Lock()
-				per[r.Node]++
-				mu.Unlock()
-			}()
-		}
-	}
-	wg.Wait()
-	total, retries := 0, int64(0)
-	for n, c := range per {
-		if c > slots {
-			t.Errorf("node %s got %d reservations for %d slots", n, c, slots)
-		}
-		total += c
-	}
-	for _, en := range edgeNodes {
-		retries += en.PlacementRetries()
-	}
-	if hooked.Load() != retries {
-		t.Errorf("OnPlacementRetry ran %d times for %d placement retries", hooked.Load(), retries)
-	}
-	if total != nodes*slots || int(exhausted.Load()) != edges*perEdge-nodes*slots {
-		t.Fatalf("reserved %d (want %d), refused %d", total, nodes*slots, exhausted.Load())
-	}
-	t.Logf("%d placements from %d edges: %v, %d retries", edges*perEdge, edges, per, retries)
-	_ = members
 }
 
 // A reservation that is cancelled gives its room back; a placement skips excluded and

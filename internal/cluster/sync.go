@@ -55,18 +55,7 @@ func (cl *Cluster) sync(ctx context.Context) {
 			ae.modRev = kv.ModRevision
 		}
 	}
-	var total Alloc
-	for _, kv := range rr.Kvs {
-		var r resvRecord
-		if json.Unmarshal(kv.Value, &r) != nil {
-			continue
-		}
-		if time.Since(r.At) > ReservationTTL {
-			_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(string(kv.Key)), "=", kv.ModRevision)).Then(clientv3.OpDelete(string(kv.Key))).Commit()
-			continue
-		}
-		total = total.add(r.TemplateSize, 1)
-	}
+	total := cl.reservedHere(ctx, rr.Kvs) // placement.go
 	cl.mu.RLock()
 	genBefore := cl.routeGen
 	cl.mu.RUnlock()
@@ -127,7 +116,7 @@ func (cl *Cluster) sync(ctx context.Context) {
 	if len(stale) > 0 {
 		cl.markLost(ctx, self, stale, "the node restarted", time.Now())
 	}
-	if !hasAlloc || ae.a != total {
+	if !hasAlloc || cl.allocDue(ae.a, total) { // placement.go
 		b, _ := json.Marshal(total)
 		cmp := []clientv3.Cmp{clientv3.Compare(clientv3.LeaseValue(cl.key("nodes", self)), "=", epoch)}
 		if hasAlloc {
