@@ -22,6 +22,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/template/build"
 	"github.com/ember-sandbox/ember/internal/volume"
 )
 
@@ -62,6 +63,9 @@ type Config struct {
 	Forker Forker
 	// Volumes, when set, serves E2B's volumes and their content API (volumes.go).
 	Volumes *volume.Manager
+	// Builds, when set, serves template builds (internal/template/build; templatebuild.go,
+	// build.go).
+	Builds build.TemplateBuilder
 }
 
 func (c Config) withDefaults() Config {
@@ -89,7 +93,7 @@ type server struct {
 	cfg Config
 	svc sandbox.Service
 	// node is the Service New was given (the Manager), for its optional interfaces
-	// (sandbox.TemplateBuilder, networkUpdater): svc may be the cluster's view of it.
+	// (networkUpdater): svc may be the cluster's view of it.
 	node   sandbox.Service
 	keys   *auth.Keys
 	log    *slog.Logger

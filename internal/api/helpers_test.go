@@ -35,7 +35,7 @@ func newEnv(t *testing.T) *env {
 	}
 	g := newGuest(t)
 	fake := newService(t, g.srv.Listener.Addr().String())
-	h := New(Config{Domain: testDomain}, fake, keys, testLogger(t))
+	h := New(Config{Domain: testDomain, Builds: fake.builds()}, fake, keys, testLogger(t))
 	api := httptest.NewServer(h)
 	t.Cleanup(api.Close)
 	return &env{t: t, fake: fake, keys: keys, key: key, api: api, guest: g}

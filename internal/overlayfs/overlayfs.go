@@ -195,3 +195,42 @@ func UnescapeMount(s string) string {
 	}
 	return b.String()
 }
+
+// MountsUnder lists the mount points below dir, in mount order.
+func MountsUnder(dir string) []string {
+	data, _ := os.ReadFile("/proc/self/mounts")
+	var points []string
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 1 && strings.HasPrefix(UnescapeMount(f[1]), dir+"/") {
+			points = append(points, UnescapeMount(f[1]))
+		}
+	}
+	return points
+}
+
+// RemoveTree unmounts whatever is mounted under dir (a crashed instance's rootfs) or on it (the
+// read-only mount of an export a crash cut) and removes it.
+func RemoveTree(dir string) {
+	points := MountsUnder(dir)
+	for i := len(points) - 1; i >= 0; i-- {
+		unix.Unmount(points[i], unix.MNT_DETACH)
+	}
+	for MountedOn(dir) {
+		if unix.Unmount(dir, unix.MNT_DETACH) != nil {
+			break
+		}
+	}
+	os.RemoveAll(dir)
+}
+
+// MountedOn reports whether something is mounted on dir itself.
+func MountedOn(dir string) bool {
+	data, _ := os.ReadFile("/proc/self/mounts")
+	for _, line := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(line); len(f) > 1 && UnescapeMount(f[1]) == dir {
+			return true
+		}
+	}
+	return false
+}

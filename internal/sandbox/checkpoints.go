@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
 
 // Step checkpoints (issue 18 item 6). A step checkpoint is the sandbox's memory, processes and
@@ -146,7 +147,7 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 		defer ended()
 		forks := filepath.Join(m.cfg.DataDir, forkLayersDir)
 		if err := os.MkdirAll(forks, 0o700); err != nil {
-			removeTree(stage)
+			overlayfs.RemoveTree(stage)
 			return nil, err
 		}
 		layerDir = filepath.Join(forks, cid)
@@ -154,7 +155,7 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 	start := time.Now()
 	top, stopped, err := m.captureRunningLocked(ctx, e, stage, layerDir)
 	if err != nil {
-		removeTree(stage)
+		overlayfs.RemoveTree(stage)
 		m.observe(StageCheckpoint, start, err)
 		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
@@ -166,8 +167,8 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 		ck.Layer, ck.RootFS, ck.Lowers = layerDir, c.RootFS, c.Lowers
 	}
 	undo := func() {
-		removeTree(image)
-		removeTree(stage)
+		overlayfs.RemoveTree(image)
+		overlayfs.RemoveTree(stage)
 		if ck.Layer != "" {
 			if lc := m.layerCapturer(); lc != nil {
 				lc.RemoveCapturedLayer(context.WithoutCancel(ctx), ck.Layer)
@@ -270,7 +271,7 @@ func (m *Manager) DeleteCheckpoint(ctx context.Context, id, cid string) error {
 	if err := m.cfg.Store.DeleteCheckpoint(ctx, id, cid); err != nil {
 		return err
 	}
-	removeTree(ck.Image)
+	overlayfs.RemoveTree(ck.Image)
 	if ck.Layer != "" {
 		m.collectForkLayersLater("a checkpoint was deleted")
 	}
@@ -392,7 +393,7 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 	if hot != nil {
 		e.hot = nil
 		if image := hot.image; image != "" {
-			m.goBG(func() { removeTree(image) })
+			m.goBG(func() { overlayfs.RemoveTree(image) })
 		}
 	}
 	m.guestT.open(p.GuestIP, p.InstanceID, true)
@@ -401,7 +402,7 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 		m.wg.Add(1)
 		go func() {
 			defer m.wg.Done()
-			removeTree(old.Image) // the pause is replaced by the checkpoint
+			overlayfs.RemoveTree(old.Image) // the pause is replaced by the checkpoint
 		}()
 	}
 	if old.InstanceID != "" {
@@ -602,14 +603,14 @@ func (m *Manager) reconcileCheckpoints(ctx context.Context) error {
 		if err := m.cfg.Store.DeleteCheckpoint(ctx, c.SandboxID, c.ID); err != nil {
 			return err
 		}
-		removeTree(c.Image)
+		overlayfs.RemoveTree(c.Image)
 	}
 	dirs, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "sandboxes", "*", "checkpoints", "*"))
 	dots, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "sandboxes", "*", "checkpoints", ".*"))
 	for _, d := range append(dirs, dots...) {
 		if !recorded[d] {
 			m.log.Info("reconcile: removed unfinished checkpoint", "dir", d)
-			removeTree(d)
+			overlayfs.RemoveTree(d)
 		}
 	}
 	return nil

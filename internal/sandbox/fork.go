@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
 
 // MaxForkCount bounds the children of one fork.
@@ -163,7 +164,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 		m.wg.Add(1)
 		go func() {
 			defer m.wg.Done()
-			removeTree(image)
+			overlayfs.RemoveTree(image)
 		}()
 	}()
 	tpl, err := m.templateOf(ctx, parent)

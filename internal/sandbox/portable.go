@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -458,7 +459,7 @@ func (m *Manager) ExportFork(ctx context.Context, id string) (*PortableFork, err
 		e.mu.Unlock()
 		return nil, err
 	}
-	defer removeTree(image)
+	defer overlayfs.RemoveTree(image)
 	tpl, err := m.templateOf(ctx, parent)
 	if err != nil {
 		e.mu.Unlock()
@@ -521,7 +522,7 @@ func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, tim
 	err = m.cfg.Images.Fetch(ctx, pf.ImageID, image, func(ctx context.Context, src, dst string) error {
 		return m.cfg.Driver.ImportImage(ctx, src, dst, runtime.ImportOptions{MaxBytes: max})
 	})
-	defer removeTree(image)
+	defer overlayfs.RemoveTree(image)
 	if err != nil {
 		return nil, fmt.Errorf("fork of %q: load image: %w", parent.ID, err)
 	}
