@@ -12,6 +12,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"log/slog"
+	"maps"
 	"path/filepath"
 	"regexp"
 	"time"
@@ -125,6 +126,16 @@ func (m *Manager) checkStack(top string, lowers []string) error {
 }
 func (m *Manager) observe(st sandbox.Stage, t time.Time, err error) { m.host.Observe(st, t, err) }
 
+// publish ends both build paths: the built template in the store, then the pools refreshed on
+// it and EventTemplateReady (Host.TemplateBuilt).
+func (m *Manager) publish(ctx context.Context, tpl *Template) error {
+	if err := m.cfg.Store.PutTemplate(ctx, tpl); err != nil {
+		return err
+	}
+	m.host.TemplateBuilt(tpl)
+	return nil
+}
+
 // GetTemplate returns a template or snapshot by id or name.
 func (m *Manager) GetTemplate(ctx context.Context, id string) (*Template, error) {
 	return m.host.GetTemplate(ctx, id)
@@ -143,19 +154,8 @@ var nameRe = regexp.MustCompile(`^[a-z0-9][a-z0-9_.-]{0,62}$`)
 
 func randomHex(n int) string {
 	b := make([]byte, n)
-	if _, err := rand.Read(b); err != nil {
-		panic(err)
-	}
+	rand.Read(b) // never fails (Go 1.24)
 	return hex.EncodeToString(b)
 }
 
-func copyMap(in map[string]string) map[string]string {
-	if in == nil {
-		return nil
-	}
-	out := make(map[string]string, len(in))
-	for k, v := range in {
-		out[k] = v
-	}
-	return out
-}
+func copyMap(in map[string]string) map[string]string { return maps.Clone(in) }

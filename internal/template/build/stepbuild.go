@@ -573,11 +573,10 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 		return nil, &stepError{step: "finalize", err: fmt.Errorf("start the template: %w", err)}
 	}
 	tpl.Image, tpl.Ready = imageDir, true
-	if err := m.cfg.Store.PutTemplate(ctx, tpl); err != nil {
+	if err := m.publish(ctx, tpl); err != nil {
 		return nil, err
 	}
 	ok = true
-	m.host.TemplateBuilt(tpl)
 	logf("finalize", "[finalize] template %s built in %s", name, time.Since(start).Round(time.Millisecond))
 	return tpl, nil
 }

@@ -91,10 +91,9 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 	}
 	tpl.Image = image
 	tpl.Ready = true
-	if err := m.cfg.Store.PutTemplate(ctx, tpl); err != nil {
+	if err := m.publish(ctx, tpl); err != nil {
 		return nil, err
 	}
-	m.host.TemplateBuilt(tpl)
 	progress(fmt.Sprintf("template %q ready in %s", tpl.ID, time.Since(start).Round(time.Millisecond)))
 	return tpl, nil
 }
