@@ -433,14 +433,9 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 // ForkCheckpoint restores count new sandboxes from a checkpoint of sandbox id (running or
 // paused), each with its own id, token, slot and writable layer over the checkpoint's stack.
 func (m *Manager) ForkCheckpoint(ctx context.Context, id, cid string, count int, timeout time.Duration) ([]ForkResult, error) {
-	if count < 1 || count > MaxForkCount {
-		return nil, fmt.Errorf("count must be between 1 and %d: %w", MaxForkCount, errdefs.ErrInvalid)
-	}
-	if timeout < 0 || timeout > MaxTimeout {
-		return nil, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
-	}
-	if timeout == 0 {
-		timeout = DefaultTimeout
+	timeout, err := forkArgs(count, timeout)
+	if err != nil {
+		return nil, err
 	}
 	ctx, done, err := m.op(ctx)
 	if err != nil {
@@ -469,13 +464,7 @@ func (m *Manager) ForkCheckpoint(ctx context.Context, id, cid string, count int,
 	onto := *tpl
 	onto.RootFS, onto.Lowers = ck.RootFS, ck.Lowers
 	start := time.Now()
-	results := m.forkChildren(ctx, parent, &onto, ck.Image, count, timeout)
-	ok := 0
-	for _, r := range results {
-		if r.Err == nil {
-			ok++
-		}
-	}
+	results, ok := m.forkChildren(ctx, parent, &onto, ck.Image, count, timeout, nil)
 	m.logger(id).Info("sandbox forked from a checkpoint", "checkpoint", cid, "children", ok, "failed", count-ok,
 		"total_ms", time.Since(start).Milliseconds())
 	if ok == 0 {
