@@ -450,7 +450,6 @@ func mountAt(dir string) (source, fstype string, ok bool) {
 	return source, fstype, ok
 }
 
-
 // isMountPoint reports whether p is the root of a mount (its mount id differs from its
 // parent's).
 func isMountPoint(p string) bool {
