@@ -88,7 +88,7 @@ func BenchmarkCodeInterpreter(b *testing.B) {
 		n := getNode(b, 2)
 		url, key = n.url, n.key
 		t0 := time.Now()
-		if _, err := n.Manager.EnsureBuiltin(context.Background(), codeinterp.TemplateName, nil); err != nil {
+		if _, err := n.Builds.EnsureBuiltin(context.Background(), codeinterp.TemplateName, nil); err != nil {
 			b.Fatalf("build %s: %v", codeinterp.TemplateName, err)
 		}
 		fmt.Printf("\n%s ready in %s (a build when the node had none)\n", codeinterp.TemplateName, time.Since(t0).Round(time.Second))

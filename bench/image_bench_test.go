@@ -202,7 +202,7 @@ func BenchmarkImage(b *testing.B) {
 
 	// A full template build through the Manager (rootfs + boot + checkpoint).
 	start := time.Now()
-	if _, err := n.Manager.BuildTemplate(ctx, sandbox.BuildRequest{Name: "bench-app", From: "docker://" + host + "/bench/app:v1"}, nil); err != nil {
+	if _, err := n.Builds.BuildTemplate(ctx, sandbox.BuildRequest{Name: "bench-app", From: "docker://" + host + "/bench/app:v1"}, nil); err != nil {
 		b.Fatal(err)
 	}
 	report(b, "ember template build (rootfs+boot+checkpoint)", dist{time.Since(start)})

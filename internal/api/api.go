@@ -24,6 +24,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/quota"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/secret"
+	"github.com/ember-sandbox/ember/internal/template/build"
 	"github.com/ember-sandbox/ember/internal/volume"
 )
 
@@ -68,6 +69,9 @@ type Config struct {
 	Quotas *quota.Quotas
 	// Secrets, when set, serves E2B's secrets (secrets.go) and resolves them at egress.
 	Secrets *secret.Manager
+	// Builds, when set, serves template builds (internal/template/build; templatebuild.go,
+	// build.go).
+	Builds build.TemplateBuilder
 }
 
 func (c Config) withDefaults() Config {
@@ -98,7 +102,7 @@ type server struct {
 	// shared is this node's service, or the cluster's view of it (templates shared).
 	shared sandbox.Service
 	// node is the Service New was given (the Manager), for its optional interfaces
-	// (sandbox.TemplateBuilder, networkUpdater): svc may be the cluster's view of it.
+	// (networkUpdater): svc may be the cluster's view of it.
 	node   sandbox.Service
 	keys   *auth.Keys
 	log    *slog.Logger

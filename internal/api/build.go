@@ -26,7 +26,11 @@ type buildRequest struct {
 // importArchive stores the request body (a `docker save` or OCI layout tarball) in the node's
 // import directory: 201 {"name","size"}; a build then names it as "archive:NAME".
 func (s *server) importArchive(w http.ResponseWriter, r *http.Request, _ params) error {
-	name, size, err := s.svc.ImportArchive(r.Context(), r.Body)
+	b, err := s.builder()
+	if err != nil {
+		return err
+	}
+	name, size, err := b.ImportArchive(r.Context(), r.Body)
 	if err != nil {
 		return err
 	}
@@ -35,7 +39,11 @@ func (s *server) importArchive(w http.ResponseWriter, r *http.Request, _ params)
 }
 
 func (s *server) deleteImport(w http.ResponseWriter, r *http.Request, p params) error {
-	if err := s.svc.DeleteImport(r.Context(), p["name"]); err != nil {
+	b, err := s.builder()
+	if err != nil {
+		return err
+	}
+	if err := b.DeleteImport(r.Context(), p["name"]); err != nil {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
@@ -53,6 +61,10 @@ type buildLine struct {
 // responses; once streaming starts the status is 200 and failures arrive as the error line.
 // Cancelling the request cancels the build.
 func (s *server) buildTemplate(w http.ResponseWriter, r *http.Request, p params) error {
+	b, err := s.builder()
+	if err != nil {
+		return err
+	}
 	name := p["name"]
 	if !templateNameRe.MatchString(name) {
 		return badRequest("invalid template name %s: use lowercase letters, digits, '.', '_' and '-'", quoteID(name))
@@ -77,9 +89,14 @@ func (s *server) buildTemplate(w http.ResponseWriter, r *http.Request, p params)
 	}
 	// A bad source (an `archive:` outside the import directory among them) is a 400 before
 	// anything streams.
-	if err := s.svc.CheckBuild(breq); err != nil {
+	if err := b.CheckBuild(breq); err != nil {
 		return err
 	}
+	release, err := s.scopeBuild(r.Context(), &breq) // teams.go
+	if err != nil {
+		return err
+	}
+	defer release()
 
 	w.Header().Set("Content-Type", "application/x-ndjson")
 	w.Header().Set("X-Content-Type-Options", "nosniff")
@@ -100,7 +117,7 @@ func (s *server) buildTemplate(w http.ResponseWriter, r *http.Request, p params)
 	}
 	_ = rc.Flush()
 
-	t, err := s.svc.BuildTemplate(r.Context(), breq, func(line string) { emit(buildLine{Line: line}) })
+	t, err := b.BuildTemplate(r.Context(), breq, func(line string) { emit(buildLine{Line: line}) })
 	switch {
 	case err != nil:
 		st := statusOf(err)

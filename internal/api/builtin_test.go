@@ -10,7 +10,7 @@ import (
 	"testing"
 
 	"github.com/ember-sandbox/ember/internal/auth"
-	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
 // TestCreateBuildsABuiltinTemplate: a create that names a built-in template the node lacks
@@ -21,9 +21,9 @@ func TestCreateBuildsABuiltinTemplate(t *testing.T) {
 	files := gzTar(t, "server.py", "print('hi')")
 	sum := sha256.Sum256(files)
 	hash := hex.EncodeToString(sum[:])
-	def := sandbox.BuiltinTemplate{
+	def := build.BuiltinTemplate{
 		Files: map[string][]byte{hash: files},
-		Build: sandbox.StepBuildRequest{FromTemplate: "base", StartCmd: "start-interpreter", Steps: []sandbox.Step{
+		Build: build.StepBuildRequest{FromTemplate: "base", StartCmd: "start-interpreter", Steps: []build.Step{
 			{Type: "RUN", Args: []string{"install-packages", "root"}},
 			{Type: "COPY", Args: []string{"server.py", "/opt/x/server.py", "root", "0644"}, FilesHash: hash},
 		}},
@@ -34,10 +34,10 @@ func TestCreateBuildsABuiltinTemplate(t *testing.T) {
 		t.Fatal(err)
 	}
 	g := newGuest(t)
-	fake := newServiceWith(t, g.srv.Listener.Addr().String(), func(c *sandbox.Config) {
-		c.Builtins = map[string]sandbox.BuiltinTemplate{"interp-v1": def}
+	fake := newServiceBuilds(t, g.srv.Listener.Addr().String(), nil, func(c *build.Config) {
+		c.Builtins = map[string]build.BuiltinTemplate{"interp-v1": def}
 	})
-	api := httptest.NewServer(New(Config{Domain: testDomain}, fake, keys, testLogger(t)))
+	api := httptest.NewServer(New(Config{Domain: testDomain, Builds: fake.builds()}, fake, keys, testLogger(t)))
 	t.Cleanup(api.Close)
 	e := &env{t: t, fake: fake, keys: keys, key: key, api: api, guest: g}
 

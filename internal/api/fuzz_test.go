@@ -27,7 +27,7 @@ func FuzzControlPlaneDecode(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	h := New(Config{Domain: "ember.test"}, svc, keys, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	h := New(Config{Domain: "ember.test", Builds: svc.builds()}, svc, keys, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	// The seeds name two sandboxes, sbx001 (running) and sbx002 (paused); every input's path is
 	// pointed at the Manager's current pair.
 	var run, paused string

@@ -41,6 +41,9 @@ func newEnvConfig(t *testing.T, cfg Config) *env {
 	}
 	g := newGuest(t)
 	fake := newService(t, g.srv.Listener.Addr().String())
+	if cfg.Builds == nil {
+		cfg.Builds = fake.builds()
+	}
 	h := New(cfg, fake, keys, testLogger(t))
 	api := httptest.NewServer(h)
 	t.Cleanup(api.Close)

@@ -16,6 +16,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/sandbox/sandboxtest"
 	"github.com/ember-sandbox/ember/internal/store"
+	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
 // service is the real sandbox Manager over the sandbox package's test doubles (a fake driver
@@ -26,6 +27,8 @@ import (
 // paths (a panic, an internal error).
 type service struct {
 	*sandbox.Manager
+	// Builds runs template builds on the Manager (Config.Builds: s.builds()).
+	Builds  *build.Manager
 	t       testing.TB
 	rig     *sandboxtest.Rig
 	dataDir string
@@ -48,6 +51,12 @@ func newService(t testing.TB, guestAddr string) *service {
 
 // newServiceWith is newService with the Manager's configuration changed by mod.
 func newServiceWith(t testing.TB, guestAddr string, mod func(*sandbox.Config)) *service {
+	t.Helper()
+	return newServiceBuilds(t, guestAddr, mod, nil)
+}
+
+// newServiceBuilds is newServiceWith with the build Manager's configuration changed by bmod.
+func newServiceBuilds(t testing.TB, guestAddr string, mod func(*sandbox.Config), bmod func(*build.Config)) *service {
 	t.Helper()
 	dir := t.TempDir()
 	st, err := store.Open(filepath.Join(dir, "ember.db"))
@@ -96,10 +105,19 @@ func newServiceWith(t testing.TB, guestAddr string, mod func(*sandbox.Config)) *
 		rig.Driver.Close()
 		st.Close()
 	})
-	if _, err := m.BuildTemplate(context.Background(), sandbox.BuildRequest{Name: "base"}, nil); err != nil {
+	bcfg := build.Config{DataDir: cfg.DataDir, Driver: cfg.Driver, Store: cfg.Store, Builder: cfg.Builder, Logger: cfg.Logger}
+	if bmod != nil {
+		bmod(&bcfg)
+	}
+	b, err := build.New(bcfg, m.BuildHost())
+	if err != nil {
 		t.Fatal(err)
 	}
-	s.Manager = m
+	m.SetBuiltins(b)
+	if _, err := b.BuildTemplate(context.Background(), sandbox.BuildRequest{Name: "base"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	s.Manager, s.Builds = m, b
 	return s
 }
 
@@ -187,11 +205,19 @@ func (s *service) Fork(ctx context.Context, id string, count int, timeout time.D
 	return s.Manager.Fork(ctx, id, count, timeout)
 }
 
-func (s *service) BuildTemplate(ctx context.Context, req sandbox.BuildRequest, progress func(string)) (*sandbox.Template, error) {
-	if s.build != nil {
-		return s.build(ctx, req, progress)
+// builds is the service's template builds as the API serves them (Config.Builds).
+func (s *service) builds() build.TemplateBuilder { return serviceBuilds{s.Builds, s} }
+
+type serviceBuilds struct {
+	*build.Manager
+	s *service
+}
+
+func (b serviceBuilds) BuildTemplate(ctx context.Context, req sandbox.BuildRequest, progress func(string)) (*sandbox.Template, error) {
+	if b.s.build != nil {
+		return b.s.build(ctx, req, progress)
 	}
-	return s.Manager.BuildTemplate(ctx, req, progress)
+	return b.Manager.BuildTemplate(ctx, req, progress)
 }
 
 func testLogger(t testing.TB) *slog.Logger {

@@ -20,7 +20,8 @@ func TestMetricsNeedTheAPIKey(t *testing.T) {
 	}
 	g := newGuest(t)
 	metrics := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ember_up 1\n") })
-	h := New(Config{Domain: testDomain, Metrics: metrics}, newService(t, g.srv.Listener.Addr().String()), keys, testLogger(t))
+	svc := newService(t, g.srv.Listener.Addr().String())
+	h := New(Config{Domain: testDomain, Metrics: metrics, Builds: svc.builds()}, svc, keys, testLogger(t))
 	srv := httptest.NewServer(h)
 	defer srv.Close()
 	for _, c := range []struct {

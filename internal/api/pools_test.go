@@ -21,7 +21,7 @@ func TestWarmPoolRoute(t *testing.T) {
 	}
 	g := newGuest(t)
 	svc := newServiceWith(t, g.srv.Listener.Addr().String(), func(c *sandbox.Config) { c.PoolSize = 1; c.PoolMemoryMB = 512 })
-	api := httptest.NewServer(New(Config{Domain: testDomain}, svc, keys, testLogger(t)))
+	api := httptest.NewServer(New(Config{Domain: testDomain, Builds: svc.builds()}, svc, keys, testLogger(t)))
 	t.Cleanup(api.Close)
 	e := &env{t: t, fake: svc, keys: keys, key: key, api: api, guest: g}
 

@@ -20,10 +20,14 @@ func (s *server) newQuotas() *quota.Quotas {
 	if res := s.resources(); res != nil {
 		_, _, disk = res.TemplateResources(&sandbox.Template{})
 	}
-	return quota.New(quotaSource{s}, s.keys, disk)
+	var builds quota.Builds
+	if s.cfg.Builds != nil {
+		builds = s.cfg.Builds
+	}
+	return quota.New(quotaSource{s}, builds, s.keys, disk)
 }
 
-// quotaSource counts a node's sandboxes and templates, and its builds.
+// quotaSource counts a node's sandboxes and templates.
 type quotaSource struct{ s *server }
 
 func (q quotaSource) List(ctx context.Context, f sandbox.ListFilter) ([]*sandbox.Sandbox, error) {
@@ -32,14 +36,6 @@ func (q quotaSource) List(ctx context.Context, f sandbox.ListFilter) ([]*sandbox
 
 func (q quotaSource) ListTemplates(ctx context.Context) ([]*sandbox.Template, error) {
 	return q.s.node.ListTemplates(ctx)
-}
-
-func (q quotaSource) ListBuilds(ctx context.Context, templateID string) ([]*sandbox.TemplateBuild, error) {
-	b, ok := q.s.node.(sandbox.TemplateBuilder)
-	if !ok {
-		return nil, nil
-	}
-	return b.ListBuilds(ctx, templateID)
 }
 
 // admit admits more for the caller's team (nothing to do without a caller).

@@ -170,8 +170,8 @@ func (s *server) guard(method, pattern string, h handlerFunc) handlerFunc {
 
 // lookupBuild is the object lookup of a build: a miss for another team's.
 func (s *server) lookupBuild(ctx context.Context, templateID, buildID string) error {
-	b, ok := s.node.(sandbox.TemplateBuilder)
-	if !ok {
+	b := s.cfg.Builds
+	if b == nil {
 		return nil
 	}
 	bld, err := b.GetBuild(ctx, templateID, buildID)
@@ -230,20 +230,16 @@ func (c scoped) ListSnapshots(ctx context.Context, sandboxID string) ([]*sandbox
 	return keep(ts, func(t *sandbox.Template) bool { return sees(ctx, t.Team) }), err
 }
 
-// BuildTemplate builds a template of the caller's team (not over another team's).
-func (c scoped) BuildTemplate(ctx context.Context, req sandbox.BuildRequest, progress func(string)) (*sandbox.Template, error) {
+// scopeBuild makes an image build the caller's team's (not over another team's template name)
+// and admits it against the team's build quota; release ends the admission.
+func (s *server) scopeBuild(ctx context.Context, req *sandbox.BuildRequest) (release func(), err error) {
 	if _, ok := auth.CallerOf(ctx); ok {
-		if err := c.s.claimTemplateName(ctx, req.Name); err != nil {
+		if err := s.claimTemplateName(ctx, req.Name); err != nil {
 			return nil, err
 		}
 		req.Team = auth.TeamOf(ctx)
 	}
-	release, err := c.s.admit(ctx, c.s.buildUsage())
-	if err != nil {
-		return nil, err
-	}
-	defer release()
-	return c.Service.BuildTemplate(ctx, req, progress)
+	return s.admit(ctx, s.buildUsage())
 }
 
 // WarmPool warms a template the caller's team may use.

@@ -12,13 +12,14 @@ import (
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
 // E2B's template build API (E2B-PROTOCOL §2.4), which the SDKs' Template.build drives:
 // POST /v3/templates requests a build, GET /templates/{id}/files/{hash} hands out upload URLs
 // for COPY steps' tarballs, POST /v2/templates/{id}/builds/{buildID} starts the build with its
 // steps, and GET .../status is polled for the state and log lines. Builds run in the sandbox
-// domain (sandbox.TemplateBuilder); the edge only translates.
+// domain (build.TemplateBuilder); the edge only translates.
 
 // uploadPrefix is where upload URLs point. An upload carries no API key (the SDK sends only the
 // headers the files response lists): the URL's token is the grant, single-use, for one hash.
@@ -70,9 +71,9 @@ func (u *uploads) take(tok string) (string, bool) {
 	return g.hash, true
 }
 
-func (s *server) builder() (sandbox.TemplateBuilder, error) {
-	b, ok := s.node.(sandbox.TemplateBuilder)
-	if !ok {
+func (s *server) builder() (build.TemplateBuilder, error) {
+	b := s.cfg.Builds
+	if b == nil {
 		return nil, &httpError{status: http.StatusNotImplemented, msg: "template builds are not supported by this server"}
 	}
 	return edge.ShareBuilder(b, s.shared), nil // shared templates in a cluster
@@ -128,7 +129,7 @@ func (s *server) requestTemplateBuild(w http.ResponseWriter, r *http.Request, _ 
 		return err
 	}
 	defer release()
-	bld, err := b.RequestBuild(r.Context(), sandbox.BuildSpec{Name: name, Team: auth.TeamOf(r.Context()), Tags: req.Tags, CPUCount: req.CPUCount, MemoryMB: req.MemoryMB})
+	bld, err := b.RequestBuild(r.Context(), build.BuildSpec{Name: name, Team: auth.TeamOf(r.Context()), Tags: req.Tags, CPUCount: req.CPUCount, MemoryMB: req.MemoryMB})
 	if err != nil {
 		return err
 	}
@@ -206,13 +207,13 @@ type registryJSON struct {
 }
 
 type templateBuildStartV2 struct {
-	FromImage         string         `json:"fromImage"`
-	FromTemplate      string         `json:"fromTemplate"`
-	FromImageRegistry *registryJSON  `json:"fromImageRegistry"`
-	Steps             []sandbox.Step `json:"steps"`
-	StartCmd          string         `json:"startCmd"`
-	ReadyCmd          string         `json:"readyCmd"`
-	Force             bool           `json:"force"`
+	FromImage         string        `json:"fromImage"`
+	FromTemplate      string        `json:"fromTemplate"`
+	FromImageRegistry *registryJSON `json:"fromImageRegistry"`
+	Steps             []build.Step  `json:"steps"`
+	StartCmd          string        `json:"startCmd"`
+	ReadyCmd          string        `json:"readyCmd"`
+	Force             bool          `json:"force"`
 }
 
 // startTemplateBuild is POST /v2/templates/{id}/builds/{buildID}: 202 once the build runs.
@@ -228,7 +229,7 @@ func (s *server) startTemplateBuild(w http.ResponseWriter, r *http.Request, p pa
 	if err := s.checkTemplate(r.Context(), req.FromTemplate, false); req.FromTemplate != "" && err != nil {
 		return err // another team's template is not there to build from (teams.go)
 	}
-	sreq := sandbox.StepBuildRequest{FromImage: req.FromImage, FromTemplate: req.FromTemplate, Steps: req.Steps,
+	sreq := build.StepBuildRequest{FromImage: req.FromImage, FromTemplate: req.FromTemplate, Steps: req.Steps,
 		StartCmd: req.StartCmd, ReadyCmd: req.ReadyCmd, Force: req.Force}
 	if rg := req.FromImageRegistry; rg != nil {
 		if rg.Type != "registry" {

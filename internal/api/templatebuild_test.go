@@ -20,7 +20,7 @@ import (
 
 	"github.com/ember-sandbox/ember/api/gen/process"
 	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
-	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
 // fakeProcesses is envd's process service in the guest of API tests: it records every command
@@ -422,8 +422,8 @@ func TestTemplateBuildFailureLeavesNothing(t *testing.T) {
 // not hold the build), and what it prints is kept to its last bytes (8 MiB of output does not
 // end up in the daemon's memory and the build's status).
 func TestTemplateReadyCommandIsBounded(t *testing.T) {
-	defer func(a, b time.Duration) { sandbox.ReadyTimeout, sandbox.ReadyAttemptTimeout = a, b }(sandbox.ReadyTimeout, sandbox.ReadyAttemptTimeout)
-	sandbox.ReadyTimeout, sandbox.ReadyAttemptTimeout = 1500*time.Millisecond, 300*time.Millisecond
+	defer func(a, b time.Duration) { build.ReadyTimeout, build.ReadyAttemptTimeout = a, b }(build.ReadyTimeout, build.ReadyAttemptTimeout)
+	build.ReadyTimeout, build.ReadyAttemptTimeout = 1500*time.Millisecond, 300*time.Millisecond
 	e := newEnv(t)
 	for _, ready := range []string{"hang-forever", "flood-output"} {
 		tpl, bid := e.requestBuild("ready-" + ready[:4])
@@ -460,8 +460,8 @@ func (e *env) putFiles(tpl, hash string, body []byte) (int, string) {
 // An uploaded COPY archive is decompressed on the host with a cap on its bytes and entries: a
 // gzip bomb or an archive of a million entries answers 400, and nothing is stored.
 func TestTemplateFilesUploadIsCapped(t *testing.T) {
-	defer func(b int64, n int) { sandbox.MaxCopyBytes, sandbox.MaxCopyEntries = b, n }(sandbox.MaxCopyBytes, sandbox.MaxCopyEntries)
-	sandbox.MaxCopyBytes, sandbox.MaxCopyEntries = 16<<20, 1000
+	defer func(b int64, n int) { build.MaxCopyBytes, build.MaxCopyEntries = b, n }(build.MaxCopyBytes, build.MaxCopyEntries)
+	build.MaxCopyBytes, build.MaxCopyEntries = 16<<20, 1000
 	e := newEnv(t)
 	tpl, _ := e.requestBuild("capped")
 	bomb := gzTar(t, "zeros", strings.Repeat("\x00", 64<<20)) // 64 MiB in about 64 KiB

@@ -43,7 +43,7 @@ func newVolumeEnv(t *testing.T) (*env, *volume.Manager) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := New(Config{Domain: testDomain, Volumes: vm}, fake, keys, testLogger(t))
+	h := New(Config{Domain: testDomain, Volumes: vm, Builds: fake.builds()}, fake, keys, testLogger(t))
 	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
 	return &env{t: t, fake: fake, keys: keys, key: key, api: srv, guest: g}, vm

@@ -16,7 +16,7 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
 // TemplateName is the template's name and alias, as E2B's.
@@ -46,7 +46,7 @@ var Packages = []string{
 
 // Template returns the template's definition: a step build from base, with mirror (the Debian
 // mirror the daemon builds base from) and suite as the APT source.
-func Template(mirror, suite string) sandbox.BuiltinTemplate {
+func Template(mirror, suite string) build.BuiltinTemplate {
 	if mirror == "" {
 		mirror = "http://deb.debian.org/debian"
 	}
@@ -62,11 +62,11 @@ func Template(mirror, suite string) sandbox.BuiltinTemplate {
 		"apt-get clean", "rm -rf /var/lib/apt/lists/*",
 	}, " && ")
 	files, hash := serverFiles()
-	return sandbox.BuiltinTemplate{
+	return build.BuiltinTemplate{
 		Files: map[string][]byte{hash: files},
-		Build: sandbox.StepBuildRequest{
+		Build: build.StepBuildRequest{
 			FromTemplate: "base",
-			Steps: []sandbox.Step{
+			Steps: []build.Step{
 				{Type: "RUN", Args: []string{apt, "root"}},
 				{Type: "COPY", Args: []string{"server.py", ServerPath, "root", "0644"}, FilesHash: hash},
 			},

@@ -173,7 +173,7 @@ func (a *builderAdapter) CollectLayers(ctx context.Context, keep []string) ([]st
 	return cfg.Layers.GC(keep)
 }
 
-// TemplateFor implements sandbox.TemplateResolver: an image reference aliased to a local
+// TemplateFor implements build.TemplateResolver: an image reference aliased to a local
 // template (E2B's e2bdev/base is ember's base, plus EMBER_IMAGE_ALIASES).
 func (a *builderAdapter) TemplateFor(ref string) (string, bool) {
 	aliases, err := parseMap("EMBER_IMAGE_ALIASES")

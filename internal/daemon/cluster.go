@@ -19,6 +19,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/layerfs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
 // openCluster joins the cluster at cfg.EtcdEndpoints.
@@ -109,7 +110,7 @@ func runscVersion(bin string) string {
 // templates: the cluster's build of each, loaded from the store, or (the first node to start)
 // its own build, registered for the others. From then on every template that becomes ready
 // here is shared with the cluster (cluster.Events).
-func startTemplates(ctx context.Context, cfg Config, mgr *sandbox.Manager, tpls *cluster.Templates) error {
+func startTemplates(ctx context.Context, cfg Config, mgr *sandbox.Manager, builds *build.Manager, tpls *cluster.Templates) error {
 	for _, name := range cfg.Templates {
 		t0 := time.Now()
 		if err := tpls.Ensure(ctx, name); err != nil {
@@ -124,7 +125,7 @@ func startTemplates(ctx context.Context, cfg Config, mgr *sandbox.Manager, tpls 
 			continue
 		}
 		fmt.Fprintf(cfg.Out, "Building template %q (the cluster has none)...\n", name)
-		if _, err := mgr.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) }); err != nil {
+		if _, err := builds.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) }); err != nil {
 			return fmt.Errorf("build template %q: %w", name, err)
 		}
 		// Registered unless a node starting at the same time registered its build first: then

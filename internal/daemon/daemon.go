@@ -45,6 +45,7 @@ import (
 	snaps3 "github.com/ember-sandbox/ember/internal/snapshot/s3"
 	"github.com/ember-sandbox/ember/internal/store"
 	"github.com/ember-sandbox/ember/internal/template"
+	"github.com/ember-sandbox/ember/internal/template/build"
 	"github.com/ember-sandbox/ember/internal/tlsca"
 	"github.com/ember-sandbox/ember/internal/volume"
 )
@@ -148,6 +149,8 @@ type Config struct {
 // Node is a running ember node.
 type Node struct {
 	Manager *sandbox.Manager
+	// Builds runs the node's template builds (internal/template/build).
+	Builds  *build.Manager
 	Driver  runtime.Driver
 	Keys    *auth.Keys
 	Store   *store.Store
@@ -286,6 +289,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		dir := volume.SharedDir(s3fsConfig(cfg), sharedVolumesMount(cfg))
 		volumeDir = func(id string) string { return filepath.Join(dir, id) }
 	}
+	rootfs := &builderAdapter{dataDir: cfg.DataDir, allow: cfg.RegistryAllow, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}}
 	mgr, err := sandbox.New(ctx, sandbox.Config{
 		VolumeDir:    volumeDir,
 		Observer:     met,
@@ -294,7 +298,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		Network:      &netAdapter{m: nm, px: px, slots: map[int]*network.Slot{}},
 		EgressCA:     egressCA,
 		Store:        st,
-		Builder:      &builderAdapter{dataDir: cfg.DataDir, allow: cfg.RegistryAllow, b: &template.Builder{CacheDir: filepath.Join(cfg.CacheDir, "debootstrap"), EnvdPath: cfg.Envd, Mirror: cfg.Mirror, Suite: "bookworm"}},
+		Builder:      rootfs,
 		Images:       images,
 		Logger:       cfg.Logger,
 		Dial:         network.MarkedDialer(names.HostMark).DialContext,
@@ -307,28 +311,34 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		PauseMode: cfg.PauseMode, PausedMemoryMB: cfg.PausedMemoryMB, HotPauseMax: cfg.HotPauseMax,
 		MaxSandboxes: cfg.MaxSandboxes,
 		MaxQueued:    cfg.MaxQueued,
-		MaxBuilds:    cfg.MaxBuilds,
 		DiskMB:       cfg.DiskMB,
 		// How the pools size themselves and refill.
 		PoolRefills: cfg.PoolRefills, PoolDecay: cfg.PoolDecay, PoolRefillWeight: cfg.PoolRefillWeight,
 		// Cluster mode with a shared image store: a pause is resumable on any node.
 		StorePauses: len(cfg.EtcdEndpoints) > 0 && cfg.S3.Endpoint != "",
-		// Templates built on first use: E2B's Code Interpreter (from base, on this mirror).
-		Builtins: map[string]sandbox.BuiltinTemplate{codeinterp.TemplateName: codeinterp.Template(cfg.Mirror, "bookworm")},
 	})
 	if err != nil {
 		return nil, err
 	}
+	builds, err := build.New(build.Config{DataDir: cfg.DataDir, Driver: drv, Store: st, Builder: rootfs, Logger: cfg.Logger, MaxBuilds: cfg.MaxBuilds,
+		// Templates built on first use: E2B's Code Interpreter (from base, on this mirror).
+		Builtins: map[string]build.BuiltinTemplate{codeinterp.TemplateName: codeinterp.Template(cfg.Mirror, "bookworm")},
+	}, mgr.BuildHost())
+	if err != nil {
+		mgr.Close()
+		return nil, err
+	}
+	mgr.SetBuiltins(builds)
 	shareTemplates := len(cfg.EtcdEndpoints) > 0 && cfg.S3.Endpoint != ""
 	envdSum := envdDigest(cfg.Envd)
-	for _, name := range withBase(cfg.Templates, mgr.IsBuiltin) {
+	for _, name := range withBase(cfg.Templates, builds.IsBuiltin) {
 		if shareTemplates {
 			break // after joining: the cluster's build, if it has one (startTemplates)
 		}
-		if mgr.IsBuiltin(name) {
+		if builds.IsBuiltin(name) {
 			// A step build: cached by step, so an unchanged template is not built again.
 			fmt.Fprintf(cfg.Out, "Template %q (built in; built when its definition changed)...\n", name)
-			if _, err := mgr.EnsureBuiltin(ctx, name, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) }); err != nil {
+			if _, err := builds.EnsureBuiltin(ctx, name, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) }); err != nil {
 				mgr.Close()
 				return nil, fmt.Errorf("build template %q: %w", name, err)
 			}
@@ -348,7 +358,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			}
 		}
 		fmt.Fprintf(cfg.Out, "Building template %q (%s)...\n", name, what)
-		tpl, err := mgr.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) })
+		tpl, err := builds.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) })
 		if err != nil {
 			mgr.Close()
 			return nil, fmt.Errorf("build template %q: %w", name, err)
@@ -358,7 +368,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		}
 	}
 	met.SetSource(mgr)
-	acfg := api.Config{Domain: cfg.Domain, Metrics: met.Handler()}
+	acfg := api.Config{Domain: cfg.Domain, Metrics: met.Handler(), Builds: builds}
 	var cl *cluster.Cluster
 	var moves *cluster.Moves
 	if len(cfg.EtcdEndpoints) > 0 {
@@ -379,7 +389,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		var tpls *cluster.Templates
 		if shareTemplates {
 			tpls = cluster.NewTemplates(cl, mgr)
-			if err := startTemplates(ctx, cfg, mgr, tpls); err != nil {
+			if err := startTemplates(ctx, cfg, mgr, builds, tpls); err != nil {
 				cl.Close()
 				mgr.Close()
 				return nil, err
@@ -402,11 +412,11 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	_, _, diskMB := mgr.TemplateResources(&sandbox.Template{})
-	acfg.Quotas = quota.New(mgr, keys, diskMB) // the teams' quotas, counted on this node
+	acfg.Quotas = quota.New(mgr, builds, keys, diskMB) // the teams' quotas, counted on this node
 	met.SetTeams(acfg.Quotas)
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true
-	return &Node{Manager: mgr, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: lfs, Cluster: cl, net: nm, egress: px, moves: moves}, nil
+	return &Node{Manager: mgr, Builds: builds, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: lfs, Cluster: cl, net: nm, egress: px, moves: moves}, nil
 }
 
 // withBase puts base first in names when a built-in template (built from base) is named
@@ -438,6 +448,7 @@ func (n *Node) Close() {
 	if n.Cluster != nil {
 		n.Cluster.Close()
 	}
+	n.Builds.Close()
 	n.Manager.Close()
 	n.egress.Close()
 	n.net.Close(context.Background())

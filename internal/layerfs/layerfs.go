@@ -33,6 +33,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
 
 // Modes of Config.Mode (`ember serve --layer-fs`).
@@ -437,39 +438,16 @@ func mountedImage(dir string) (mounted, bool) {
 
 // mountAt returns the source and type of the topmost mount at dir (/proc/self/mountinfo).
 func mountAt(dir string) (source, fstype string, ok bool) {
-	data, err := os.ReadFile("/proc/self/mountinfo")
+	mounts, err := overlayfs.Mounts()
 	if err != nil {
 		return "", "", false
 	}
-	for _, line := range strings.Split(string(data), "\n") {
-		// id parent major:minor root mountpoint options [optional...] - fstype source superopts
-		pre, post, found := strings.Cut(line, " - ")
-		f, g := strings.Fields(pre), strings.Fields(post)
-		if !found || len(f) < 5 || len(g) < 2 || unescape(f[4]) != dir {
-			continue
+	for _, mt := range mounts {
+		if mt.Point == dir {
+			source, fstype, ok = mt.Source, mt.FSType, true // the last one is on top
 		}
-		source, fstype, ok = unescape(g[1]), g[0], true // the last one is on top
 	}
 	return source, fstype, ok
-}
-
-// unescape undoes mountinfo's octal escapes (\040 for a space, ...).
-func unescape(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // isMountPoint reports whether p is the root of a mount (its mount id differs from its

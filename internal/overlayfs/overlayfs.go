@@ -142,18 +142,16 @@ func Unmount(target string) error {
 // mount namespace (from /proc/self/mountinfo), so that nothing a live mount stacks on is
 // removed.
 func MountedLayers() ([]string, error) {
-	data, err := os.ReadFile("/proc/self/mountinfo")
+	mounts, err := Mounts()
 	if err != nil {
 		return nil, err
 	}
 	var dirs []string
-	for _, line := range strings.Split(string(data), "\n") {
-		_, after, ok := strings.Cut(line, " - ")
-		f := strings.Fields(after)
-		if !ok || len(f) < 3 || f[0] != "overlay" {
+	for _, mt := range mounts {
+		if mt.FSType != "overlay" {
 			continue
 		}
-		for _, opt := range strings.Split(f[2], ",") {
+		for _, opt := range strings.Split(mt.SuperOptions, ",") {
 			switch {
 			case strings.HasPrefix(opt, "lowerdir+="):
 				dirs = append(dirs, UnescapeMount(strings.TrimPrefix(opt, "lowerdir+=")))
@@ -165,6 +163,39 @@ func MountedLayers() ([]string, error) {
 		}
 	}
 	return dirs, nil
+}
+
+// MountInfo is one line of this mount namespace's mount table (/proc/self/mountinfo), paths
+// unescaped; SuperOptions are as the kernel writes them (an overlay's lowerdir list escaped).
+type MountInfo struct {
+	Root, Point    string
+	FSType, Source string
+	Options        string // per-mount options (ro, nosuid, ...)
+	SuperOptions   string
+}
+
+// Mounts reads this mount namespace's mount table, in mount order: the one place ember parses
+// it.
+func Mounts() ([]MountInfo, error) {
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return nil, err
+	}
+	var out []MountInfo
+	for _, line := range strings.Split(string(data), "\n") {
+		// id parent major:minor root mountpoint options [optional...] - fstype source superopts
+		pre, post, ok := strings.Cut(line, " - ")
+		f, g := strings.Fields(pre), strings.Fields(post)
+		if !ok || len(f) < 6 || len(g) < 2 {
+			continue
+		}
+		mt := MountInfo{Root: UnescapeMount(f[3]), Point: UnescapeMount(f[4]), Options: f[5], FSType: g[0], Source: UnescapeMount(g[1])}
+		if len(g) > 2 {
+			mt.SuperOptions = g[2]
+		}
+		out = append(out, mt)
+	}
+	return out, nil
 }
 
 // UnescapeMount undoes the octal escapes of a path in /proc/mounts or mountinfo (\040 for a
@@ -194,4 +225,42 @@ func UnescapeMount(s string) string {
 		b.WriteByte(s[i])
 	}
 	return b.String()
+}
+
+// MountsUnder lists the mount points below dir, in mount order.
+func MountsUnder(dir string) []string {
+	mounts, _ := Mounts()
+	var points []string
+	for _, mt := range mounts {
+		if strings.HasPrefix(mt.Point, dir+"/") {
+			points = append(points, mt.Point)
+		}
+	}
+	return points
+}
+
+// RemoveTree unmounts whatever is mounted under dir (a crashed instance's rootfs) or on it (the
+// read-only mount of an export a crash cut) and removes it.
+func RemoveTree(dir string) {
+	points := MountsUnder(dir)
+	for i := len(points) - 1; i >= 0; i-- {
+		unix.Unmount(points[i], unix.MNT_DETACH)
+	}
+	for MountedOn(dir) {
+		if unix.Unmount(dir, unix.MNT_DETACH) != nil {
+			break
+		}
+	}
+	os.RemoveAll(dir)
+}
+
+// MountedOn reports whether something is mounted on dir itself.
+func MountedOn(dir string) bool {
+	mounts, _ := Mounts()
+	for _, mt := range mounts {
+		if mt.Point == dir {
+			return true
+		}
+	}
+	return false
 }

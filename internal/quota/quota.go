@@ -15,6 +15,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
 // Source is what usage is counted from (*sandbox.Manager).
@@ -23,9 +24,9 @@ type Source interface {
 	ListTemplates(ctx context.Context) ([]*sandbox.Template, error)
 }
 
-// Builds lists the builds (sandbox.TemplateBuilder's ListBuilds with "": every template's).
+// Builds lists the builds (build.TemplateBuilder's ListBuilds with "": every template's).
 type Builds interface {
-	ListBuilds(ctx context.Context, templateID string) ([]*sandbox.TemplateBuild, error)
+	ListBuilds(ctx context.Context, templateID string) ([]*build.TemplateBuild, error)
 }
 
 // Teams reads the teams' quotas (*auth.Keys).
@@ -45,8 +46,9 @@ type TeamUsage struct {
 
 // Quotas counts usage and admits changes.
 type Quotas struct {
-	src   Source
-	teams Teams
+	src    Source
+	builds Builds // nil: no builds counted
+	teams  Teams
 	// defaultDiskMB is a template's disk when it names none (the node's default).
 	defaultDiskMB int
 
@@ -58,8 +60,8 @@ type Quotas struct {
 
 // New returns the quotas of teams over src. defaultDiskMB is a template's disk when it names
 // none.
-func New(src Source, teams Teams, defaultDiskMB int) *Quotas {
-	return &Quotas{src: src, teams: teams, defaultDiskMB: defaultDiskMB, pending: map[string]Usage{}}
+func New(src Source, builds Builds, teams Teams, defaultDiskMB int) *Quotas {
+	return &Quotas{src: src, builds: builds, teams: teams, defaultDiskMB: defaultDiskMB, pending: map[string]Usage{}}
 }
 
 // Usage counts what team holds now ("" : every team's, by team).
@@ -93,13 +95,13 @@ func (q *Quotas) usage(ctx context.Context) (map[string]Usage, error) {
 		u.TemplateDiskMB += q.diskOf(t)
 		out[auth.Owner(t.Team)] = u
 	}
-	if b, ok := q.src.(Builds); ok {
-		bs, err := b.ListBuilds(ctx, "")
+	if q.builds != nil {
+		bs, err := q.builds.ListBuilds(ctx, "")
 		if err != nil {
 			return nil, err
 		}
 		for _, bl := range bs {
-			if bl.Status == sandbox.BuildWaiting || bl.Status == sandbox.BuildBuilding {
+			if bl.Status == build.BuildWaiting || bl.Status == build.BuildBuilding {
 				u := out[auth.Owner(bl.Team)]
 				u.Builds++
 				out[auth.Owner(bl.Team)] = u

@@ -24,7 +24,7 @@ func newQuotas(t *testing.T, q auth.Quota) (*Quotas, *src) {
 		t.Fatal(err)
 	}
 	s := &src{}
-	return New(s, keys, 1024), s
+	return New(s, nil, keys, 1024), s
 }
 
 // Changes admitted and not finished count: two creates at once cannot both take the last slot.

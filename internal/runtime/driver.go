@@ -169,9 +169,6 @@ type Driver interface {
 	State(ctx context.Context, id string) (Status, error)
 	// Stats reports resource usage.
 	Stats(ctx context.Context, id string) (Stats, error)
-	// Kill stops every process of the instance (frozen or not). Killing a stopped instance is
-	// not an error.
-	Kill(ctx context.Context, id string) error
 	// Freeze stops every task of a running instance in place: nothing of it runs (no CPU used)
 	// and everything is kept — processes, memory, files, network namespace, host processes — so
 	// that Thaw continues it where it stopped. State then reports it running with Frozen, also to
@@ -215,8 +212,17 @@ type Driver interface {
 	// outside imageDir, never follows a symlink while writing, creates no device nodes (overlay
 	// whiteouts excepted), and refuses input over opts.MaxBytes. On error imageDir is absent.
 	ImportImage(ctx context.Context, srcDir, imageDir string, opts ImportOptions) error
+}
+
+// Prober is what the conformance suite (drivertest), the driver's own tests and diagnostics
+// use beyond Driver: out-of-band commands and a kill. The Manager never calls them (its
+// commands go through envd; an instance ends by Delete).
+type Prober interface {
+	// Kill stops every process of the instance (frozen or not). Killing a stopped instance is
+	// not an error.
+	Kill(ctx context.Context, id string) error
 	// Exec runs a command inside a running (not frozen) instance out of band (not through envd) and returns
-	// its combined output and exit code. For diagnostics, tests and template builds. Processes
+	// its combined output and exit code. For diagnostics and tests. Processes
 	// it leaves in the background may not survive Restore (gVisor kills them): long-lived
 	// processes belong to the init process (envd).
 	Exec(ctx context.Context, id string, args []string) (output []byte, exitCode int, err error)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
 
 // Step checkpoints (issue 18 item 6). A step checkpoint is the sandbox's memory, processes and
@@ -168,7 +169,7 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 		defer ended()
 		forks := filepath.Join(m.cfg.DataDir, forkLayersDir)
 		if err := os.MkdirAll(forks, 0o700); err != nil {
-			removeTree(stage)
+			overlayfs.RemoveTree(stage)
 			return nil, err
 		}
 		layerDir = filepath.Join(forks, cid)
@@ -183,7 +184,7 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 		return cerr
 	})
 	if err != nil {
-		removeTree(stage)
+		overlayfs.RemoveTree(stage)
 		m.observe(StageCheckpoint, start, err)
 		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
@@ -195,8 +196,8 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 		ck.Layer, ck.RootFS, ck.Lowers = layerDir, c.RootFS, c.Lowers
 	}
 	undo := func() {
-		removeTree(image)
-		removeTree(stage)
+		overlayfs.RemoveTree(image)
+		overlayfs.RemoveTree(stage)
 		if ck.Layer != "" {
 			if lc := m.layerCapturer(); lc != nil {
 				lc.RemoveCapturedLayer(context.WithoutCancel(ctx), ck.Layer)
@@ -299,7 +300,7 @@ func (m *Manager) DeleteCheckpoint(ctx context.Context, id, cid string) error {
 	if err := m.cfg.Store.DeleteCheckpoint(ctx, id, cid); err != nil {
 		return err
 	}
-	removeTree(ck.Image)
+	overlayfs.RemoveTree(ck.Image)
 	if ck.Layer != "" {
 		m.collectForkLayersLater("a checkpoint was deleted")
 	}
@@ -423,7 +424,7 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 	if hot != nil {
 		e.hot = nil
 		if image := hot.image; image != "" {
-			m.goBG(func() { removeTree(image) })
+			m.goBG(func() { overlayfs.RemoveTree(image) })
 		}
 	}
 	m.guestT.open(p.GuestIP, p.InstanceID, true)
@@ -432,7 +433,7 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 		m.wg.Add(1)
 		go func() {
 			defer m.wg.Done()
-			removeTree(old.Image) // the pause is replaced by the checkpoint
+			overlayfs.RemoveTree(old.Image) // the pause is replaced by the checkpoint
 		}()
 	}
 	if old.InstanceID != "" {
@@ -463,14 +464,9 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 // ForkCheckpoint restores count new sandboxes from a checkpoint of sandbox id (running or
 // paused), each with its own id, token, slot and writable layer over the checkpoint's stack.
 func (m *Manager) ForkCheckpoint(ctx context.Context, id, cid string, count int, timeout time.Duration) ([]ForkResult, error) {
-	if count < 1 || count > MaxForkCount {
-		return nil, fmt.Errorf("count must be between 1 and %d: %w", MaxForkCount, errdefs.ErrInvalid)
-	}
-	if timeout < 0 || timeout > MaxTimeout {
-		return nil, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
-	}
-	if timeout == 0 {
-		timeout = DefaultTimeout
+	timeout, err := forkArgs(count, timeout)
+	if err != nil {
+		return nil, err
 	}
 	ctx, done, err := m.op(ctx)
 	if err != nil {
@@ -500,13 +496,7 @@ func (m *Manager) ForkCheckpoint(ctx context.Context, id, cid string, count int,
 	onto.RootFS, onto.Lowers = ck.RootFS, ck.Lowers
 	start := time.Now()
 	parent.AccessToken = ck.initToken(parent) // what the children's /init authenticates with
-	results := m.forkChildren(ctx, parent, &onto, ck.Image, count, timeout)
-	ok := 0
-	for _, r := range results {
-		if r.Err == nil {
-			ok++
-		}
-	}
+	results, ok := m.forkChildren(ctx, parent, &onto, ck.Image, count, timeout, nil)
 	m.logger(id).Info("sandbox forked from a checkpoint", "checkpoint", cid, "children", ok, "failed", count-ok,
 		"total_ms", time.Since(start).Milliseconds())
 	if ok == 0 {
@@ -639,14 +629,14 @@ func (m *Manager) reconcileCheckpoints(ctx context.Context) error {
 		if err := m.cfg.Store.DeleteCheckpoint(ctx, c.SandboxID, c.ID); err != nil {
 			return err
 		}
-		removeTree(c.Image)
+		overlayfs.RemoveTree(c.Image)
 	}
 	dirs, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "sandboxes", "*", "checkpoints", "*"))
 	dots, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "sandboxes", "*", "checkpoints", ".*"))
 	for _, d := range append(dirs, dots...) {
 		if !recorded[d] {
 			m.log.Info("reconcile: removed unfinished checkpoint", "dir", d)
-			removeTree(d)
+			overlayfs.RemoveTree(d)
 		}
 	}
 	return nil

@@ -24,7 +24,7 @@ func (m *Manager) resolveTemplate(ctx context.Context, id string) (*Template, er
 		if err != nil {
 			return nil, err
 		}
-		if tag != "latest" && !hasTag(t, tag) {
+		if tag != "latest" && !t.HasTag(tag) {
 			return nil, fmt.Errorf("template %q not found: %w", id, errdefs.ErrNotFound)
 		}
 		return t, nil

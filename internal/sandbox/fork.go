@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
 
 // MaxForkCount bounds the children of one fork.
@@ -129,14 +130,9 @@ func (m *Manager) ListSnapshots(ctx context.Context, sandboxID string) ([]*Templ
 // that image in parallel, each with its own id, access token, network slot and writable layer
 // (over the source's layer captured read-only, where the driver can: forklayers.go).
 func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]ForkResult, error) {
-	if count < 1 || count > MaxForkCount {
-		return nil, fmt.Errorf("count must be between 1 and %d: %w", MaxForkCount, errdefs.ErrInvalid)
-	}
-	if timeout < 0 || timeout > MaxTimeout {
-		return nil, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
-	}
-	if timeout == 0 {
-		timeout = DefaultTimeout
+	timeout, err := forkArgs(count, timeout)
+	if err != nil {
+		return nil, err
 	}
 	ctx, done, err := m.op(ctx)
 	if err != nil {
@@ -164,7 +160,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 		m.wg.Add(1)
 		go func() {
 			defer m.wg.Done()
-			removeTree(image)
+			overlayfs.RemoveTree(image)
 		}()
 	}()
 	tpl, err := m.templateOf(ctx, parent)
@@ -195,13 +191,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	if top != "" {
 		tpl = childTemplate(tpl, top)
 	}
-	results := m.forkChildren(ctx, parent, tpl, image, count, timeout)
-	ok := 0
-	for _, r := range results {
-		if r.Err == nil {
-			ok++
-		}
-	}
+	results, ok := m.forkChildren(ctx, parent, tpl, image, count, timeout, nil)
 	m.logger(id).Info("sandbox forked", "children", ok, "failed", count-ok,
 		"checkpoint_ms", ckpt.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
 	if ok == 0 {
@@ -218,22 +208,49 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	return results, nil
 }
 
-// forkChildren restores count children of parent from image, on tpl's stack, in parallel.
-func (m *Manager) forkChildren(ctx context.Context, parent *Sandbox, tpl *Template, image string, count int, timeout time.Duration) []ForkResult {
-	results := make([]ForkResult, count)
+// forkArgs checks the count and timeout of a fork, the same on every fork path (Fork,
+// ForkCheckpoint, ForkFrom): a timeout of 0 is DefaultTimeout, a negative or too long one is
+// refused.
+func forkArgs(count int, timeout time.Duration) (time.Duration, error) {
+	if count < 1 || count > MaxForkCount {
+		return 0, fmt.Errorf("count must be between 1 and %d: %w", MaxForkCount, errdefs.ErrInvalid)
+	}
+	if timeout < 0 || timeout > MaxTimeout {
+		return 0, fmt.Errorf("timeout must be between 0 and %s: %w", MaxTimeout, errdefs.ErrInvalid)
+	}
+	if timeout == 0 {
+		timeout = DefaultTimeout
+	}
+	return timeout, nil
+}
+
+// forkChildren restores count children of parent from image, on tpl's stack, in parallel
+// (every fork path's fan-out); child i consumes reservations[i], if given (EventStarted). ok
+// counts the children that started.
+func (m *Manager) forkChildren(ctx context.Context, parent *Sandbox, tpl *Template, image string, count int, timeout time.Duration, reservations []string) (results []ForkResult, ok int) {
+	results = make([]ForkResult, count)
 	sem := make(chan struct{}, forkParallelism)
 	var wg sync.WaitGroup
 	for i := range results {
+		rid := ""
+		if i < len(reservations) {
+			rid = reservations[i]
+		}
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			results[i] = m.forkChild(ctx, newForkChild(parent, tpl, timeout), tpl, image, parent.AccessToken, "")
+			results[i] = m.forkChild(ctx, newForkChild(parent, tpl, timeout), tpl, image, parent.AccessToken, rid)
 		}(i)
 	}
 	wg.Wait()
-	return results
+	for _, r := range results {
+		if r.Err == nil {
+			ok++
+		}
+	}
+	return results, ok
 }
 
 // childTemplate is tpl with the captured layer top stacked over its stack.

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -151,7 +152,7 @@ func (m *Manager) checkpointFrozen(ctx context.Context, inst, image string) erro
 		return err
 	}
 	if err := m.cfg.Driver.Checkpoint(ctx, inst, image, runtime.CheckpointOptions{LeaveRunning: true}); err != nil {
-		removeTree(image)
+		overlayfs.RemoveTree(image)
 		return err
 	}
 	return markComplete(image, false)
@@ -241,7 +242,7 @@ func (m *Manager) thawLocked(ctx context.Context, e *entry, timeout time.Duratio
 	e.hot = nil
 	if image := h.image; image != "" {
 		// Stale now that the sandbox runs on; a crash first leaves it to reconcile.
-		m.goBG(func() { removeTree(image) })
+		m.goBG(func() { overlayfs.RemoveTree(image) })
 	}
 	m.guestT.open(sb.Runtime.GuestIP, h.inst, true)
 	m.observe(StageResume, start, nil)
@@ -281,7 +282,7 @@ func (m *Manager) demoteLocked(ctx context.Context, e *entry, why string) error 
 			return err
 		}
 		if err := m.cfg.Driver.Checkpoint(ctx, h.inst, image, runtime.CheckpointOptions{}); err != nil {
-			removeTree(image)
+			overlayfs.RemoveTree(image)
 			return fmt.Errorf("checkpoint for demotion: %w", err)
 		}
 		if err := markComplete(image, false); err != nil {

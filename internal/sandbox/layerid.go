@@ -74,7 +74,9 @@ func (m *Manager) checkIdentity(name string, local bool) error {
 	if os.IsNotExist(err) {
 		return nil // not on this node: loaded from the store, where the name is only a key
 	}
-	var l stepLayer
+	var l struct {
+		Root string `json:"root"` // a step layer's record (internal/template/build)
+	}
 	if err != nil || json.Unmarshal(data, &l) != nil || filepath.ToSlash(l.Root) != sm[2] {
 		return bad
 	}

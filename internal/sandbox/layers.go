@@ -72,7 +72,7 @@ func (m *Manager) collectLayers(ctx context.Context, why string) {
 			continue
 		}
 		m.log.Info("layer gc: removed unused template layer", "dir", d, "why", why)
-		removeTree(d)
+		overlayfs.RemoveTree(d)
 	}
 }
 

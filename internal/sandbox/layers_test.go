@@ -11,6 +11,7 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
 // A template record (ember.db, or etcd in a cluster) whose stack names the data directory
@@ -29,26 +30,26 @@ func TestTemplateStackNamingTheDataDirIsRefused(t *testing.T) {
 		if sb, err := n.m.Create(ctx, sandbox.CreateRequest{TemplateID: "base"}); !errors.Is(err, errdefs.ErrInvalid) {
 			t.Fatalf("create on a stack naming %s: %+v, %v; want ErrInvalid", bad, sb, err)
 		}
-		b, err := n.m.RequestBuild(ctx, sandbox.BuildSpec{Name: "child"})
+		b, err := n.b.RequestBuild(ctx, build.BuildSpec{Name: "child"})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := n.m.StartBuild(ctx, "child", b.ID, sandbox.StepBuildRequest{FromTemplate: "base", Steps: []sandbox.Step{{Type: "ENV", Args: []string{"A", "1"}}}}); err != nil {
+		if err := n.b.StartBuild(ctx, "child", b.ID, build.StepBuildRequest{FromTemplate: "base", Steps: []build.Step{{Type: "ENV", Args: []string{"A", "1"}}}}); err != nil {
 			t.Fatal(err)
 		}
 		deadline := time.Now().Add(10 * time.Second)
 		for {
-			got, err := n.m.GetBuild(ctx, "child", b.ID)
+			got, err := n.b.GetBuild(ctx, "child", b.ID)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got.Status == sandbox.BuildError {
+			if got.Status == build.BuildError {
 				if !strings.Contains(got.Reason.Message, "not a layer ember made") {
 					t.Fatalf("build failed for another reason: %s", got.Reason.Message)
 				}
 				break
 			}
-			if got.Status == sandbox.BuildReady {
+			if got.Status == build.BuildReady {
 				t.Fatalf("a step build composed from a stack naming %s", bad)
 			}
 			if time.Now().After(deadline) {

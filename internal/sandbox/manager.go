@@ -18,8 +18,10 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/admission"
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -153,13 +155,6 @@ type Config struct {
 	MaxSandboxes int
 	// MaxQueued bounds the creates waiting for room (default admission.DefaultMaxWaiters).
 	MaxQueued int
-	// MaxBuilds caps concurrent template builds (default 2).
-	MaxBuilds int
-	// MaxImportBytes bounds an uploaded image archive (default DefaultMaxImportBytes).
-	MaxImportBytes int64
-	// MaxBuildFileBytes bounds one uploaded COPY tarball of a step build (default
-	// DefaultMaxBuildFileBytes).
-	MaxBuildFileBytes int64
 	// DrainTimeout bounds how long Close waits for operations in flight before it cancels them
 	// (default 10 s).
 	DrainTimeout time.Duration
@@ -193,8 +188,6 @@ type Config struct {
 	// HotPauseMax is how long a sandbox stays paused in memory before it is demoted to disk
 	// (default 10 minutes).
 	HotPauseMax time.Duration
-	// Builtins are the templates this node builds itself when first asked for (builtin.go).
-	Builtins map[string]BuiltinTemplate
 }
 
 // Manager owns every sandbox on this node. It implements Service.
@@ -232,9 +225,8 @@ type Manager struct {
 	gcMu      sync.Mutex
 	gcBuilds  int
 	gcPending bool
-	builds    chan struct{} // one token per concurrent template build
-	tb        *builds       // records of step builds (builds.go)
-	builtin   builtinRuns   // built-in templates being built (builtin.go)
+	// builtins builds the node's built-in templates on first use (SetBuiltins).
+	builtins atomic.Pointer[Builtins]
 	// instances are the running instances (sandboxes, pool, warm-ups, launches in flight),
 	// counted against MaxSandboxes.
 	instances map[string]bool
@@ -337,12 +329,6 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	if cfg.MaxSandboxes == 0 {
 		cfg.MaxSandboxes = 500
 	}
-	if cfg.MaxBuilds == 0 {
-		cfg.MaxBuilds = 2
-	}
-	if cfg.MaxBuildFileBytes == 0 {
-		cfg.MaxBuildFileBytes = DefaultMaxBuildFileBytes
-	}
 	if cfg.DrainTimeout == 0 {
 		cfg.DrainTimeout = 10 * time.Second
 	}
@@ -398,7 +384,6 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		live:       map[string]*entry{},
 		stop:       make(chan struct{}),
 		faults:     &faults{fail: cfg.Fail},
-		builds:     make(chan struct{}, cfg.MaxBuilds),
 		instances:  map[string]bool{},
 		admission:  admission.New(admission.Options{MaxWaiters: cfg.MaxQueued}),
 		preOf:      map[string]string{},
@@ -410,22 +395,17 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		ls := append([]Listener(nil), cfg.Listeners...)
 		m.ls.Store(&ls)
 	}
-	tb, err := openBuilds(filepath.Join(cfg.DataDir, "builds"), m.log.Warn)
-	if err != nil {
-		return nil, fmt.Errorf("build records: %w", err)
-	}
-	m.tb = tb
 	// Step layers a crash left staged (never committed under their key).
 	staged, _ := filepath.Glob(filepath.Join(cfg.DataDir, "layers", ".tmp-step-*"))
 	for _, d := range staged {
-		removeTree(d)
+		overlayfs.RemoveTree(d)
 	}
 	m.sweepTemporaries()
 	// Rootfs trees a crash left half composed, and template directories left empty by a first
 	// build that never finished.
 	halves, _ := filepath.Glob(filepath.Join(cfg.DataDir, "templates", "*", "rootfs-*.tmp"))
 	for _, d := range halves {
-		removeTree(d)
+		overlayfs.RemoveTree(d)
 	}
 	if dirs, err := os.ReadDir(filepath.Join(cfg.DataDir, "templates")); err == nil {
 		for _, d := range dirs {
@@ -547,7 +527,11 @@ func newID() string {
 // instanceID names a runtime instance: the 20-char sandbox id plus a generation, fixed length.
 func instanceID(sandboxID string) string { return sandboxID + "-" + randomHex(2) }
 
-func (m *Manager) sandboxDir(id string) string { return filepath.Join(m.cfg.DataDir, "sandboxes", id) }
+func (m *Manager) sandboxDir(id string) string {
+	return filepath.Join(datadir.Sandboxes(m.cfg.DataDir), id)
+}
+func (m *Manager) layersDir() string { return datadir.Layers(m.cfg.DataDir) }
+func (m *Manager) importDir() string { return datadir.Imports(m.cfg.DataDir) }
 
 func copyMap(in map[string]string) map[string]string {
 	if in == nil {

@@ -24,6 +24,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/snapshot"
 	"github.com/ember-sandbox/ember/internal/snapshot/local"
 	"github.com/ember-sandbox/ember/internal/store"
+	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
 // node is a Manager over the fakes, with what a test needs to restart it on the same state.
@@ -34,6 +35,7 @@ type node struct {
 	dir   string
 	cfg   sandbox.Config
 	m     *sandbox.Manager
+	b     *build.Manager // template builds on m
 }
 
 func newNode(t *testing.T, mod func(*sandbox.Config)) *node {
@@ -77,6 +79,11 @@ func (n *node) start() {
 		n.t.Fatalf("new manager: %v", err)
 	}
 	n.m = m
+	b, err := build.New(build.Config{DataDir: n.cfg.DataDir, Driver: n.cfg.Driver, Store: n.cfg.Store, Builder: n.cfg.Builder, Logger: n.cfg.Logger}, m.BuildHost())
+	if err != nil {
+		n.t.Fatalf("new build manager: %v", err)
+	}
+	n.b = b
 }
 
 // restart closes the Manager gracefully and starts a new one on the same state.
@@ -88,7 +95,7 @@ func (n *node) restart() {
 
 func (n *node) build(name string) *sandbox.Template {
 	n.t.Helper()
-	tpl, err := n.m.BuildTemplate(context.Background(), sandbox.BuildRequest{Name: name}, nil)
+	tpl, err := n.b.BuildTemplate(context.Background(), sandbox.BuildRequest{Name: name}, nil)
 	if err != nil {
 		n.t.Fatalf("build %s: %v", name, err)
 	}
@@ -893,7 +900,7 @@ func TestPoolDropsARefillOfADeletedTemplate(t *testing.T) {
 // An upload that a crash interrupted is removed at start; finished imports stay.
 func TestRestartRemovesUnfinishedUploads(t *testing.T) {
 	n := newNode(t, nil)
-	name, _, err := n.m.ImportArchive(context.Background(), strings.NewReader("archive"))
+	name, _, err := n.b.ImportArchive(context.Background(), strings.NewReader("archive"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,10 +10,10 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -458,7 +458,7 @@ func (m *Manager) ExportFork(ctx context.Context, id string) (*PortableFork, err
 		e.mu.Unlock()
 		return nil, err
 	}
-	defer removeTree(image)
+	defer overlayfs.RemoveTree(image)
 	tpl, err := m.templateOf(ctx, parent)
 	if err != nil {
 		e.mu.Unlock()
@@ -491,11 +491,9 @@ func (m *Manager) ExportFork(ctx context.Context, id string) (*PortableFork, err
 // loaded from the store, verified), each with its own id, token, network slot and layer.
 // Child i consumes reservations[i], if given (EventStarted).
 func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, timeout time.Duration, reservations []string) ([]ForkResult, error) {
-	if count < 1 || count > MaxForkCount {
-		return nil, fmt.Errorf("count must be between 1 and %d: %w", MaxForkCount, errdefs.ErrInvalid)
-	}
-	if timeout <= 0 || timeout > MaxTimeout {
-		timeout = DefaultTimeout
+	timeout, err := forkArgs(count, timeout)
+	if err != nil {
+		return nil, err
 	}
 	tp, err := m.porter()
 	if err != nil {
@@ -521,7 +519,7 @@ func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, tim
 	err = m.cfg.Images.Fetch(ctx, pf.ImageID, image, func(ctx context.Context, src, dst string) error {
 		return m.cfg.Driver.ImportImage(ctx, src, dst, runtime.ImportOptions{MaxBytes: max})
 	})
-	defer removeTree(image)
+	defer overlayfs.RemoveTree(image)
 	if err != nil {
 		return nil, fmt.Errorf("fork of %q: load image: %w", parent.ID, err)
 	}
@@ -529,29 +527,7 @@ func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, tim
 	if err != nil {
 		return nil, err
 	}
-	results := make([]ForkResult, count)
-	sem := make(chan struct{}, forkParallelism)
-	var wg sync.WaitGroup
-	for i := range results {
-		wg.Add(1)
-		go func(i int) {
-			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			rid := ""
-			if i < len(reservations) {
-				rid = reservations[i]
-			}
-			results[i] = m.forkChild(ctx, newForkChild(&parent, tpl, timeout), tpl, image, parent.AccessToken, rid)
-		}(i)
-	}
-	wg.Wait()
-	ok := 0
-	for _, r := range results {
-		if r.Err == nil {
-			ok++
-		}
-	}
+	results, ok := m.forkChildren(ctx, &parent, tpl, image, count, timeout, reservations)
 	m.logger(parent.ID).Info("fork children restored from the image store", "image", pf.ImageID, "children", ok, "failed", count-ok, "ms", time.Since(start).Milliseconds())
 	if ok == 0 {
 		return results, fmt.Errorf("fork: every child failed: %w", results[0].Err)

@@ -207,12 +207,12 @@ func (m *Manager) reconcile(ctx context.Context) error {
 					return fmt.Errorf("release %s: %w", r, err)
 				}
 				m.log.Info("reconcile: removed stale instance directory", "dir", r)
-				removeTree(r)
+				overlayfs.RemoveTree(r)
 			}
 		}
 		if !keepDirs[d.Name()] {
 			m.log.Info("reconcile: removed orphan directory", "dir", dir)
-			removeTree(dir)
+			overlayfs.RemoveTree(dir)
 			continue
 		}
 		// Pause images but the one a paused sandbox resumes from (a resume recorded before
@@ -225,7 +225,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		for _, img := range images {
 			if img != keepImage {
 				m.log.Info("reconcile: removed stale pause image", "image", img)
-				removeTree(img)
+				overlayfs.RemoveTree(img)
 			}
 		}
 		// Stage directories of exports and imports interrupted by a crash.
@@ -234,14 +234,14 @@ func (m *Manager) reconcile(ctx context.Context) error {
 			if filepath.Base(s) == tokenSwapName {
 				continue // undone below (snaptoken.go)
 			}
-			removeTree(s)
+			overlayfs.RemoveTree(s)
 		}
 	}
 	// Leftovers of earlier layouts and of work a crash interrupted.
 	for _, dir := range []string{filepath.Join(m.cfg.DataDir, "pool")} {
 		if _, err := os.Stat(dir); err == nil {
 			m.log.Info("reconcile: removed orphan directory", "dir", dir)
-			removeTree(dir)
+			overlayfs.RemoveTree(dir)
 		}
 	}
 	uploads, _ := filepath.Glob(filepath.Join(m.importDir(), ".upload-*"))
@@ -252,7 +252,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 	builds, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "templates", "*", "build-*"))
 	for _, b := range builds {
 		m.log.Info("reconcile: removed orphan directory", "dir", b)
-		removeTree(b)
+		overlayfs.RemoveTree(b)
 	}
 	// Fork images, export stages, and snapshot captures whose record was never written.
 	tpls, err := m.cfg.Store.ListTemplates(ctx)
@@ -264,7 +264,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 	for _, e := range imgs {
 		if strings.HasPrefix(e.Name(), "fork-") || strings.HasPrefix(e.Name(), ".") || !captures[e.Name()] {
 			m.log.Info("reconcile: removed unfinished image", "image", e.Name())
-			removeTree(filepath.Join(m.cfg.DataDir, "images", e.Name()))
+			overlayfs.RemoveTree(filepath.Join(m.cfg.DataDir, "images", e.Name()))
 		}
 	}
 	if err := m.resumeUploads(ctx, tpls); err != nil {
@@ -372,7 +372,7 @@ func (m *Manager) tombstone(ctx context.Context, sb *Sandbox, reason string) {
 
 // unmountOrphans unmounts every mount under the data directory that no adopted instance owns.
 func (m *Manager) unmountOrphans(keepRun map[string]bool) error {
-	points := mountsUnder(m.cfg.DataDir)
+	points := overlayfs.MountsUnder(m.cfg.DataDir)
 	for i := len(points) - 1; i >= 0; i-- {
 		p := points[i]
 		owned := false
@@ -391,43 +391,4 @@ func (m *Manager) unmountOrphans(keepRun map[string]bool) error {
 		m.log.Info("reconcile: unmounted orphan mount", "mount", p)
 	}
 	return nil
-}
-
-// mountsUnder lists the mount points below dir, in mount order.
-func mountsUnder(dir string) []string {
-	data, _ := os.ReadFile("/proc/self/mounts")
-	var points []string
-	for _, line := range strings.Split(string(data), "\n") {
-		f := strings.Fields(line)
-		if len(f) > 1 && strings.HasPrefix(overlayfs.UnescapeMount(f[1]), dir+"/") {
-			points = append(points, overlayfs.UnescapeMount(f[1]))
-		}
-	}
-	return points
-}
-
-// removeTree unmounts whatever is mounted under dir (a crashed instance's rootfs) or on it (the
-// read-only mount of an export a crash cut) and removes it.
-func removeTree(dir string) {
-	points := mountsUnder(dir)
-	for i := len(points) - 1; i >= 0; i-- {
-		unix.Unmount(points[i], unix.MNT_DETACH)
-	}
-	for mountedOn(dir) {
-		if unix.Unmount(dir, unix.MNT_DETACH) != nil {
-			break
-		}
-	}
-	os.RemoveAll(dir)
-}
-
-// mountedOn reports whether something is mounted on dir itself.
-func mountedOn(dir string) bool {
-	data, _ := os.ReadFile("/proc/self/mounts")
-	for _, line := range strings.Split(string(data), "\n") {
-		if f := strings.Fields(line); len(f) > 1 && overlayfs.UnescapeMount(f[1]) == dir {
-			return true
-		}
-	}
-	return false
 }

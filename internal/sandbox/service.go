@@ -6,7 +6,6 @@ package sandbox
 
 import (
 	"context"
-	"io"
 	"net/http"
 	"time"
 )
@@ -37,14 +36,6 @@ type Service interface {
 	Pools(ctx context.Context) []PoolState
 	// WarmPool keeps at least count restored sandboxes of a template ready (0: demand alone).
 	WarmPool(ctx context.Context, templateID string, count int) (PoolState, error)
-	// BuildTemplate builds (or rebuilds) a template, writing progress lines to progress.
-	BuildTemplate(ctx context.Context, req BuildRequest, progress func(line string)) (*Template, error)
-	// CheckBuild validates a build request (name, source) without building.
-	CheckBuild(req BuildRequest) error
-	// ImportArchive stores an image archive in the node's import directory and returns the
-	// name `archive:NAME` builds from, and its size; DeleteImport removes one.
-	ImportArchive(ctx context.Context, r io.Reader) (name string, size int64, err error)
-	DeleteImport(ctx context.Context, name string) error
 	// Transport returns a RoundTripper-ready base URL (http://ip:port) to reach a running
 	// sandbox's guest port, or an error wrapping ErrNotFound / ErrConflict (not running).
 	GuestURL(ctx context.Context, id string, port int) (string, error)

@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"path/filepath"
 )
 
@@ -24,6 +25,6 @@ func (m *Manager) sweepTemporaries() {
 	}
 	for _, p := range found {
 		m.log.Info("removed a temporary file an interrupted operation left", "path", p)
-		removeTree(p)
+		overlayfs.RemoveTree(p)
 	}
 }

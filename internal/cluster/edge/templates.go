@@ -10,6 +10,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
 // TemplateSharer is what the edge needs of the cluster's templates (in cluster mode with an
@@ -93,7 +94,7 @@ func (s *sharedService) DeleteTemplate(ctx context.Context, id string) error {
 
 // ShareBuilder makes GET /templates/{id} answer with the cluster's templates too, as the
 // template list does, when svc is ShareTemplates's; else it returns b.
-func ShareBuilder(b sandbox.TemplateBuilder, svc sandbox.Service) sandbox.TemplateBuilder {
+func ShareBuilder(b build.TemplateBuilder, svc sandbox.Service) build.TemplateBuilder {
 	if ss, ok := svc.(*sharedService); ok {
 		return sharedBuilder{TemplateBuilder: b, t: ss.t}
 	}
@@ -101,7 +102,7 @@ func ShareBuilder(b sandbox.TemplateBuilder, svc sandbox.Service) sandbox.Templa
 }
 
 type sharedBuilder struct {
-	sandbox.TemplateBuilder
+	build.TemplateBuilder
 	t TemplateSharer
 }
 

@@ -36,10 +36,17 @@ var initArgs = []string{"/bin/sh", "-c", `while :; do
   sleep 0.05
 done`}
 
+// Driver is a driver under test: a runtime.Driver with the probes the suite looks inside an
+// instance with.
+type Driver interface {
+	runtime.Driver
+	runtime.Prober
+}
+
 // Run runs the suite. newDriver makes a driver for one subtest (with state of its own, e.g. a
 // fresh runsc root); rootfs returns the template rootfs directory (nil: BusyboxRootFS). The
 // rootfs is shared by every instance of a subtest and must stay unmodified.
-func Run(t *testing.T, newDriver func(t *testing.T) runtime.Driver, rootfs func(t testing.TB) string) {
+func Run(t *testing.T, newDriver func(t *testing.T) Driver, rootfs func(t testing.TB) string) {
 	if rootfs == nil {
 		rootfs = BusyboxRootFS
 	}
@@ -77,14 +84,14 @@ func Run(t *testing.T, newDriver func(t *testing.T) runtime.Driver, rootfs func(
 }
 
 type suite struct {
-	newDriver func(t *testing.T) runtime.Driver
+	newDriver func(t *testing.T) Driver
 	rootfs    func(t testing.TB) string
 }
 
 // env is one subtest's driver and rootfs.
 type env struct {
 	t      *testing.T
-	d      runtime.Driver
+	d      Driver
 	rootfs string
 	digest string
 }

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	rt "github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -205,12 +206,9 @@ func newNetNS(t *testing.T, ip string) string {
 
 // mountsUnder lists the mount points at or below dir.
 func mountsUnder(dir string) []string {
-	data, _ := os.ReadFile("/proc/self/mounts")
-	var out []string
-	for _, line := range strings.Split(string(data), "\n") {
-		if f := strings.Fields(line); len(f) > 1 && (f[1] == dir || strings.HasPrefix(f[1], dir+"/")) {
-			out = append(out, f[1])
-		}
+	out := overlayfs.MountsUnder(dir)
+	if overlayfs.MountedOn(dir) {
+		out = append([]string{dir}, out...)
 	}
 	return out
 }

@@ -1,7 +1,6 @@
 package gvisor
 
 import (
-	"bufio"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -15,6 +14,7 @@ import (
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -24,30 +24,17 @@ import (
 func ownCgroupDirs() []string {
 	type mnt struct{ root, point string }
 	mounts := map[string]mnt{} // controller or "name=x" or "" (v2) -> mount
-	f, err := os.Open("/proc/self/mountinfo")
+	table, err := overlayfs.Mounts()
 	if err != nil {
 		return nil
 	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		sep := -1
-		for i, x := range fields {
-			if x == "-" {
-				sep = i
-				break
-			}
-		}
-		if sep < 0 || len(fields) < sep+4 || len(fields) < 5 {
-			continue
-		}
-		m := mnt{root: fields[3], point: fields[4]}
-		switch fields[sep+1] {
+	for _, mt := range table {
+		m := mnt{root: mt.Root, point: mt.Point}
+		switch mt.FSType {
 		case "cgroup2":
 			mounts[""] = m
 		case "cgroup":
-			for _, o := range strings.Split(fields[sep+3], ",") {
+			for _, o := range strings.Split(mt.SuperOptions, ",") {
 				mounts[o] = m
 			}
 		}

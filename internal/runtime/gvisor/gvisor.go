@@ -108,7 +108,10 @@ type Driver struct {
 	exits    map[string]runtime.Exit // id -> how its last watched sandbox process ended
 }
 
-var _ runtime.Driver = (*Driver)(nil)
+var (
+	_ runtime.Driver = (*Driver)(nil)
+	_ runtime.Prober = (*Driver)(nil)
+)
 
 // New checks cfg, fills in defaults and creates Root.
 func New(cfg Config) (*Driver, error) {

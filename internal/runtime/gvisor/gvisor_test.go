@@ -38,12 +38,12 @@ func newDriver(t testing.TB, mod func(*gvisor.Config)) *gvisor.Driver {
 }
 
 func TestConformance(t *testing.T) {
-	drivertest.Run(t, func(t *testing.T) runtime.Driver { return newDriver(t, nil) }, nil)
+	drivertest.Run(t, func(t *testing.T) drivertest.Driver { return newDriver(t, nil) }, nil)
 }
 
 func TestConformanceIgnoreCgroups(t *testing.T) {
 	testutil.SkipShort(t, "a second conformance run")
-	drivertest.Run(t, func(t *testing.T) runtime.Driver {
+	drivertest.Run(t, func(t *testing.T) drivertest.Driver {
 		return newDriver(t, func(c *gvisor.Config) { c.IgnoreCgroups = true })
 	}, nil)
 }
@@ -52,7 +52,7 @@ func TestConformanceIgnoreCgroups(t *testing.T) {
 // fallback benchmarks compare the control socket with).
 func TestConformanceRunscCLI(t *testing.T) {
 	testutil.SkipShort(t, "the conformance suite once more, through runsc's CLI")
-	drivertest.Run(t, func(t *testing.T) runtime.Driver {
+	drivertest.Run(t, func(t *testing.T) drivertest.Driver {
 		return newDriver(t, func(c *gvisor.Config) { c.RunscCLI = true })
 	}, nil)
 }

@@ -1,4 +1,4 @@
-package sandbox
+package build
 
 import (
 	"archive/tar"
@@ -320,7 +320,7 @@ func (g *guestRun) upload(ctx context.Context, p string, body io.Reader) error {
 	}
 	req.Header.Set("Content-Type", "application/octet-stream")
 	req.Header.Set("X-Access-Token", g.token)
-	resp, err := g.m.client.Do(req)
+	resp, err := g.client.Do(req)
 	if err != nil {
 		return err
 	}

@@ -1,4 +1,4 @@
-package sandbox
+package build
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
+	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
 // BuildTemplate builds a template: its rootfs, then a boot with envd up and the optional start
@@ -50,9 +51,9 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 		defer m.collectLayers(context.WithoutCancel(ctx), "template "+req.Name+" rebuilt")
 	}
 	start := time.Now()
-	defer func() { m.observe(StageTemplateBuild, start, err) }()
+	defer func() { m.observe(sandbox.StageTemplateBuild, start, err) }()
 	buildID := randomHex(4)
-	dir := filepath.Join(m.cfg.DataDir, "templates", req.Name)
+	dir := m.templateDir(req.Name)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
@@ -91,12 +92,9 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 	}
 	tpl.Image = image
 	tpl.Ready = true
-	if err := m.cfg.Store.PutTemplate(ctx, tpl); err != nil {
+	if err := m.publish(ctx, tpl); err != nil {
 		return nil, err
 	}
-	m.pool.templateChanged(tpl)
-	m.prestarts.templateChanged(tpl)
-	m.templateReady(tpl)
 	progress(fmt.Sprintf("template %q ready in %s", tpl.ID, time.Since(start).Round(time.Millisecond)))
 	return tpl, nil
 }
@@ -105,20 +103,17 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 // commands and checkpoints the instance into image. The instance goes through the one launch
 // path under a throw-away owner id; its directory is removed when warm returns.
 func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, image string, progress func(string)) error {
-	owner := "t" + newID()[1:]
-	defer m.removeSandboxDir(owner)
 	t0 := time.Now()
 	// envd holds a token from its first moments: every instance restored from this image (the
 	// pool's among them) answers only to the daemon until /init gives it its sandbox's token.
-	ident := &Sandbox{ID: owner, AccessToken: tpl.InitToken, EnvVars: tpl.Env}
 	// A disk limit as a sandbox's: the start command cannot fill the node's disk.
-	p, err := m.launch(ctx, launchSpec{owner: owner, tpl: tpl, init: ident,
-		cpu: orDefault(tpl.CPUCount, m.cfg.CPUCount), memMB: orDefault(tpl.MemoryMB, m.cfg.MemoryMB), diskMB: orDefault(tpl.DiskMB, m.cfg.DiskMB)})
+	p, err := m.launch(ctx, sandbox.BuildSandboxSpec{Kind: 't', Template: tpl, Token: tpl.InitToken,
+		CPUCount: tpl.CPUCount, MemoryMB: tpl.MemoryMB, DiskMB: tpl.DiskMB})
 	if err != nil {
 		return err
 	}
-	defer m.teardown(context.WithoutCancel(ctx), owner, p)
-	base := envdBase(p.GuestIP)
+	defer p.Close(context.WithoutCancel(ctx))
+	base := p.EnvdURL
 	progress(fmt.Sprintf("envd up after %s", time.Since(t0).Round(time.Millisecond)))
 	user := req.StartUser
 	if user == "" {
@@ -127,7 +122,7 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 	if req.StartCmd != "" {
 		progress("start command: " + req.StartCmd)
 		cmd := fmt.Sprintf("exec >/tmp/ember-start.log 2>&1; exec /bin/bash -l -c %s", shellQuote(req.StartCmd))
-		if _, _, err := m.envdCommandAs(ctx, base, tpl.InitToken, user, cmd, false); err != nil {
+		if _, _, err := envdCommandAs(ctx, p.Client, base, tpl.InitToken, user, cmd, false); err != nil {
 			return fmt.Errorf("start command: %w", err)
 		}
 	}
@@ -136,7 +131,7 @@ func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, ima
 		deadline := time.Now().Add(ReadyTimeout)
 		for {
 			actx, cancel := context.WithTimeout(ctx, min(ReadyAttemptTimeout, max(time.Until(deadline), 0)))
-			code, out, err := m.envdCommandAs(actx, base, tpl.InitToken, user, req.ReadyCmd, true)
+			code, out, err := envdCommandAs(actx, p.Client, base, tpl.InitToken, user, req.ReadyCmd, true)
 			cancel()
 			if err == nil && code == 0 {
 				break
@@ -195,100 +190,3 @@ func validFrom(req BuildRequest) bool {
 }
 
 func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
-
-// ListTemplates lists templates and snapshots.
-func (m *Manager) ListTemplates(ctx context.Context) ([]*Template, error) {
-	return m.cfg.Store.ListTemplates(ctx)
-}
-
-// templateImage returns the local checkpoint image of tpl, fetching a stored snapshot into the
-// node-local cache when it is not there: verified by the store, unpacked by the driver (which
-// treats it as untrusted), complete or absent. Concurrent creates from one snapshot load it
-// once: the others wait for that load.
-func (m *Manager) templateImage(ctx context.Context, tpl *Template) (string, error) {
-	if !tpl.SnapshotStored || m.cfg.Images == nil {
-		return tpl.Image, nil
-	}
-	max := int64(2*(orDefault(tpl.DiskMB, m.cfg.DiskMB)+orDefault(tpl.MemoryMB, m.cfg.MemoryMB))) << 20
-	err := m.cfg.Images.Fetch(ctx, tpl.ID, tpl.Image, func(ctx context.Context, src, dst string) error {
-		return m.cfg.Driver.ImportImage(ctx, src, dst, runtime.ImportOptions{MaxBytes: max})
-	})
-	if err != nil {
-		return "", fmt.Errorf("snapshot %q: %w", tpl.ID, err)
-	}
-	return tpl.Image, nil
-}
-
-// saveImage puts the checkpoint image in dir into the image store under id, in the driver's
-// export format.
-func (m *Manager) saveImage(ctx context.Context, id, dir string) error {
-	stage, err := os.MkdirTemp(filepath.Dir(dir), "."+filepath.Base(dir)+".export-")
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(stage)
-	if err := m.cfg.Driver.ExportImage(ctx, dir, stage); err != nil {
-		return err
-	}
-	return m.cfg.Images.Save(ctx, id, stage)
-}
-
-// DeleteTemplate deletes a template or snapshot. Sandboxes that run from it keep running. A
-// snapshot's upload in flight is cancelled first.
-func (m *Manager) DeleteTemplate(ctx context.Context, id string) error {
-	if !nameRe.MatchString(id) {
-		return fmt.Errorf("template %q: %w", id, errdefs.ErrNotFound)
-	}
-	m.cancelUpload(id)
-	m.mu.Lock()
-	busy := m.names[id]
-	m.mu.Unlock()
-	if busy {
-		// A build in flight would put the template back when it ends.
-		return fmt.Errorf("%q is being built or snapshotted right now: %w", id, errdefs.ErrConflict)
-	}
-	tpl, err := m.cfg.Store.GetTemplate(ctx, id)
-	if err != nil {
-		return err
-	}
-	if err := m.cfg.Store.DeleteTemplate(ctx, id); err != nil {
-		return err
-	}
-	m.pool.templateChanged(&Template{ID: id})
-	m.prestarts.templateChanged(&Template{ID: id})
-	m.templateEvent(EventTemplateGone, tpl)
-	defer m.collectLayers(context.WithoutCancel(ctx), "template "+id+" deleted")
-	if tpl.Kind == "snapshot" {
-		os.RemoveAll(tpl.Image)
-		if m.cfg.Images != nil {
-			m.deleteStored(ctx, id)
-		}
-	}
-	// A template's rootfs may still back running or paused sandboxes: it is left in place.
-	return nil
-}
-
-// reserveName keeps a template or snapshot name for one build or snapshot at a time. With
-// existingOK a name already in the store may be reserved (a rebuild); otherwise an existing
-// name is an ErrConflict.
-func (m *Manager) reserveName(name string, existingOK bool) (release func(), err error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.names == nil {
-		m.names = map[string]bool{}
-	}
-	if m.names[name] {
-		return nil, fmt.Errorf("%q is being built or snapshotted right now: %w", name, errdefs.ErrConflict)
-	}
-	if !existingOK {
-		if _, err := m.cfg.Store.GetTemplate(context.Background(), name); err == nil {
-			return nil, fmt.Errorf("snapshot or template %q already exists: %w", name, errdefs.ErrConflict)
-		}
-	}
-	m.names[name] = true
-	return func() {
-		m.mu.Lock()
-		delete(m.names, name)
-		m.mu.Unlock()
-	}, nil
-}

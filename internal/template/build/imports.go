@@ -1,4 +1,4 @@
-package sandbox
+package build
 
 import (
 	"context"
@@ -12,6 +12,7 @@ import (
 	"regexp"
 	"strings"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
@@ -26,7 +27,7 @@ const DefaultMaxImportBytes = 16 << 30
 
 var importNameRe = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
 
-func (m *Manager) importDir() string { return filepath.Join(m.cfg.DataDir, "imports") }
+func (m *Manager) importDir() string { return datadir.Imports(m.cfg.DataDir) }
 
 // ImportArchive stores the archive read from r in the import directory and returns the name a
 // build request refers to it by (`archive:NAME`) and its size.

@@ -1,4 +1,4 @@
-package sandbox
+package build
 
 import (
 	"bufio"
@@ -14,7 +14,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
 // Template builds through the API (E2B's template build flow): a build is requested (a record in
@@ -23,9 +25,17 @@ import (
 // lines are polled. Build records are files under <data-dir>/builds, so they survive a restart;
 // a build that a restart interrupted is reported as failed, never as still building.
 
-// TemplateBuilder is the part of Service that runs template builds from steps (E2B's
-// Template.build). *Manager implements it.
+// TemplateBuilder is what the API edge needs of template builds: from steps (E2B's
+// Template.build) and from a rootfs source. *Manager implements it.
 type TemplateBuilder interface {
+	// BuildTemplate builds (or rebuilds) a template, writing progress lines to progress.
+	BuildTemplate(ctx context.Context, req BuildRequest, progress func(line string)) (*Template, error)
+	// CheckBuild validates a build request (name, source) without building.
+	CheckBuild(req BuildRequest) error
+	// ImportArchive stores an image archive in the node's import directory and returns the
+	// name `archive:NAME` builds from, and its size; DeleteImport removes one.
+	ImportArchive(ctx context.Context, r io.Reader) (name string, size int64, err error)
+	DeleteImport(ctx context.Context, name string) error
 	RequestBuild(ctx context.Context, req BuildSpec) (*TemplateBuild, error)
 	StartBuild(ctx context.Context, templateID, buildID string, req StepBuildRequest) error
 	GetBuild(ctx context.Context, templateID, buildID string) (*TemplateBuild, error)
@@ -322,16 +332,10 @@ func newBuildID() string {
 	return h[:8] + "-" + h[8:12] + "-4" + h[13:16] + "-" + h[16:20] + "-" + h[20:]
 }
 
-// SplitTemplateName splits E2B's "name[:tag]".
-func SplitTemplateName(s string) (name, tag string) {
-	name, tag, _ = strings.Cut(s, ":")
-	return name, tag
-}
-
 // RequestBuild registers a build of req.Name (E2B's POST /v3/templates): a record in state
 // waiting, started by StartBuild. A tag in the name ("name:tag") joins req.Tags.
 func (m *Manager) RequestBuild(ctx context.Context, req BuildSpec) (*TemplateBuild, error) {
-	name, tag := SplitTemplateName(req.Name)
+	name, tag := sandbox.SplitTemplateName(req.Name)
 	if !nameRe.MatchString(name) {
 		return nil, fmt.Errorf("invalid template name %q: use lowercase letters, digits, '.', '_' and '-': %w", name, errdefs.ErrInvalid)
 	}
@@ -406,32 +410,9 @@ func (m *Manager) ListBuilds(ctx context.Context, templateID string) ([]*Templat
 	return out, nil
 }
 
-// GetTemplate returns a template or snapshot by id or name.
-func (m *Manager) GetTemplate(ctx context.Context, id string) (*Template, error) {
-	name, _ := SplitTemplateName(id)
-	if !nameRe.MatchString(name) {
-		return nil, fmt.Errorf("template %q: %w", id, errdefs.ErrNotFound)
-	}
-	if t, err := m.cfg.Store.GetTemplate(ctx, name); err == nil {
-		return t, nil
-	}
-	ts, err := m.cfg.Store.ListTemplates(ctx)
-	if err != nil {
-		return nil, err
-	}
-	for _, t := range ts {
-		for _, n := range append(append([]string(nil), t.Names...), t.Aliases...) {
-			if n == name {
-				return t, nil
-			}
-		}
-	}
-	return nil, fmt.Errorf("template %q: %w", name, errdefs.ErrNotFound)
-}
-
 // ---- uploaded files ----
 
-func (m *Manager) buildFilesDir() string { return filepath.Join(m.cfg.DataDir, "build-files") }
+func (m *Manager) buildFilesDir() string { return datadir.BuildFiles(m.cfg.DataDir) }
 
 func (m *Manager) buildFile(hash string) (string, error) {
 	if !filesHashRe.MatchString(hash) {
@@ -513,7 +494,7 @@ func (m *Manager) AssignTags(ctx context.Context, name, fromTag string, tags []s
 	if t.Kind != "template" {
 		return nil, fmt.Errorf("%q is a snapshot: %w", name, errdefs.ErrInvalid)
 	}
-	if fromTag != "" && fromTag != "latest" && !hasTag(t, fromTag) {
+	if fromTag != "" && fromTag != "latest" && !t.HasTag(fromTag) {
 		return nil, fmt.Errorf("template %q has no tag %q: %w", name, fromTag, errdefs.ErrNotFound)
 	}
 	t.Tags = mergeTags(t.Tags, tags, t.BuildID)
@@ -536,7 +517,7 @@ func (m *Manager) RemoveTags(ctx context.Context, name string, tags []string) er
 	}
 	drop := map[string]bool{}
 	for _, tg := range tags {
-		if !hasTag(t, tg) {
+		if !t.HasTag(tg) {
 			return fmt.Errorf("template %q has no tag %q: %w", name, tg, errdefs.ErrNotFound)
 		}
 		drop[tg] = true
@@ -549,15 +530,6 @@ func (m *Manager) RemoveTags(ctx context.Context, name string, tags []string) er
 	}
 	t.Tags = keep
 	return m.cfg.Store.PutTemplate(ctx, t)
-}
-
-func hasTag(t *Template, tag string) bool {
-	for _, tg := range t.Tags {
-		if tg.Tag == tag {
-			return true
-		}
-	}
-	return false
 }
 
 // mergeTags points tags (and the ones already there) at buildID.

@@ -1,4 +1,4 @@
-package sandbox
+package build
 
 import (
 	"context"
@@ -13,10 +13,14 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/image"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
+	"github.com/ember-sandbox/ember/internal/sandbox"
+	"net/http"
 )
 
 // Step builds (E2B's Template builder). A build boots a sandbox of its parent (a template, or
@@ -369,7 +373,7 @@ type stepLayer struct {
 	dir    string
 }
 
-func (m *Manager) layersDir() string { return filepath.Join(m.cfg.DataDir, "layers") }
+func (m *Manager) layersDir() string { return datadir.Layers(m.cfg.DataDir) }
 
 func (m *Manager) readStepLayer(key string) (*stepLayer, error) {
 	dir := filepath.Join(m.layersDir(), "step-"+key)
@@ -439,7 +443,7 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 		keys[i+1] = chainKey(keys[i], s.Type, s.Args, s.FilesHash, states[i+1])
 	}
 	final := states[n]
-	cpu, mem := orDefault(spec.CPUCount, m.cfg.CPUCount), orDefault(spec.MemoryMB, m.cfg.MemoryMB)
+	cpu, mem, _ := m.host.TemplateResources(&Template{CPUCount: spec.CPUCount, MemoryMB: spec.MemoryMB})
 	tplKey := chainKey(keys[n], req.StartCmd, req.ReadyCmd, cpu, mem)
 	usable := n // steps 1..usable may come from the cache
 	if req.Force {
@@ -492,7 +496,7 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 	}
 	cached(hitAt)
 
-	dir := filepath.Join(m.cfg.DataDir, "templates", name)
+	dir := m.templateDir(name)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
@@ -527,11 +531,11 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 		// removes the layers it committed.
 		mine, err := m.commitStepLayer(l)
 		if err != nil {
-			removeTree(l.dir)
+			overlayfs.RemoveTree(l.dir)
 			return nil, err
 		}
 		if mine {
-			cleanup = append(cleanup, func() { removeTree(l.dir) })
+			cleanup = append(cleanup, func() { overlayfs.RemoveTree(l.dir) })
 		}
 		lowerKeys = append(lowerKeys, l.Key)
 		layers = append(layers, l.layerDir())
@@ -542,7 +546,7 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 	if err := os.MkdirAll(rootfs, 0o755); err != nil {
 		return nil, err
 	}
-	cleanup = append(cleanup, func() { removeTree(rootfs) })
+	cleanup = append(cleanup, func() { overlayfs.RemoveTree(rootfs) })
 	if st := stackOf(layers); m.checkStack(st.Top, st.Lowers) != nil {
 		return nil, &stepError{step: "finalize", err: m.checkStack(st.Top, st.Lowers)}
 	}
@@ -563,18 +567,16 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 		Format: TemplateFormat, BuildKey: tplKey, Tags: mergeTags(oldTags, spec.Tags, bid), Names: []string{name},
 	}
 	imageDir := filepath.Join(dir, "image-"+bid[:8])
-	cleanup = append(cleanup, func() { removeTree(imageDir) })
+	cleanup = append(cleanup, func() { overlayfs.RemoveTree(imageDir) })
 	breq := BuildRequest{StartCmd: req.StartCmd, ReadyCmd: req.ReadyCmd, StartUser: final.User}
 	if err := m.warm(ctx, tpl, breq, imageDir, func(s string) { logf("finalize", "[finalize] %s", s) }); err != nil {
 		return nil, &stepError{step: "finalize", err: fmt.Errorf("start the template: %w", err)}
 	}
 	tpl.Image, tpl.Ready = imageDir, true
-	if err := m.cfg.Store.PutTemplate(ctx, tpl); err != nil {
+	if err := m.publish(ctx, tpl); err != nil {
 		return nil, err
 	}
 	ok = true
-	m.pool.templateChanged(tpl)
-	m.templateReady(tpl)
 	logf("finalize", "[finalize] template %s built in %s", name, time.Since(start).Round(time.Millisecond))
 	return tpl, nil
 }
@@ -593,7 +595,7 @@ func (m *Manager) commitStepLayer(l *stepLayer) (mine bool, err error) {
 	dst := filepath.Join(m.layersDir(), "step-"+l.Key)
 	if err := os.Rename(l.dir, dst); err != nil {
 		if dirExists(dst) {
-			removeTree(l.dir)
+			overlayfs.RemoveTree(l.dir)
 			l.dir = dst
 			return false, nil
 		}
@@ -629,7 +631,7 @@ func (m *Manager) stepParent(ctx context.Context, spec TemplateBuild, req StepBu
 		}
 	}
 	if from != "" {
-		name, _ := SplitTemplateName(from)
+		name, _ := sandbox.SplitTemplateName(from)
 		t, err := m.GetTemplate(ctx, name)
 		if err != nil {
 			return nil, "", nil, fmt.Errorf("template '%s' not found: %w", name, errdefs.ErrNotFound)
@@ -647,7 +649,7 @@ func (m *Manager) stepParent(ctx context.Context, spec TemplateBuild, req StepBu
 	// (<data-dir>/templates/.image-KEY/rootfs-ID), and reused until a forced build.
 	ref := req.FromImage
 	key := chainKey("image", ref, req.Auth != nil)[:16]
-	idir := filepath.Join(m.cfg.DataDir, "templates", ".image-"+key)
+	idir := m.templateDir(".image-" + key)
 	type imageParent struct {
 		RootFS string     `json:"rootfs"`
 		Info   RootFSInfo `json:"info"`
@@ -673,7 +675,7 @@ func (m *Manager) stepParent(ctx context.Context, spec TemplateBuild, req StepBu
 	}
 	ip = imageParent{RootFS: rootfs, Info: info, Built: time.Now().UTC()}
 	data, _ := json.Marshal(ip)
-	undo := func() { removeTree(rootfs) }
+	undo := func() { overlayfs.RemoveTree(rootfs) }
 	if err := writeFileAtomic(filepath.Join(idir, "parent.json"), data); err != nil {
 		undo()
 		return nil, "", nil, err
@@ -731,7 +733,7 @@ func (m *Manager) emptyStepLayer() (*stepLayer, error) {
 		return nil, err
 	}
 	if err := os.Mkdir(filepath.Join(stage, "root"), 0o755); err != nil {
-		removeTree(stage)
+		overlayfs.RemoveTree(stage)
 		return nil, err
 	}
 	return &stepLayer{Root: "root", dir: stage}, nil
@@ -745,25 +747,17 @@ func (m *Manager) runSteps(ctx context.Context, spec TemplateBuild, req StepBuil
 	if !ok {
 		return nil, fmt.Errorf("the %s driver cannot capture a sandbox's files as a layer: %w", m.cfg.Driver.Name(), errdefs.ErrInvalid)
 	}
-	owner := "b" + newID()[1:]
-	defer m.removeSandboxDir(owner)
 	token := randomHex(16)
 	btpl := &Template{ID: spec.TemplateID, Kind: "template", RootFS: root.Top, Lowers: root.Lowers, Env: parent.Env, User: parent.User, Workdir: parent.Workdir}
 	t0 := time.Now()
-	p, err := m.launch(ctx, launchSpec{owner: owner, tpl: btpl, init: &Sandbox{ID: owner, AccessToken: token, EnvVars: parent.Env},
-		cpu: orDefault(spec.CPUCount, m.cfg.CPUCount), memMB: orDefault(spec.MemoryMB, m.cfg.MemoryMB), diskMB: m.cfg.DiskMB,
-		egress: Egress{AllowInternet: true}})
+	p, err := m.launch(ctx, sandbox.BuildSandboxSpec{Kind: 'b', Template: btpl, Token: token,
+		CPUCount: spec.CPUCount, MemoryMB: spec.MemoryMB, Internet: true})
 	if err != nil {
 		return nil, &stepError{step: stepName(from), err: fmt.Errorf("boot the build sandbox: %w", err)}
 	}
-	down := false
-	defer func() {
-		if !down {
-			m.teardown(context.WithoutCancel(ctx), owner, p)
-		}
-	}()
+	defer p.Close(context.WithoutCancel(ctx))
 	logf(stepName(from), "build sandbox up in %s", time.Since(t0).Round(time.Millisecond))
-	g := &guestRun{m: m, base: envdBase(p.GuestIP), token: token}
+	g := &guestRun{m: m, client: p.Client, base: p.EnvdURL, token: token}
 	for i := from; i < to; i++ {
 		s := req.Steps[i]
 		step := stepName(i)
@@ -780,7 +774,7 @@ func (m *Manager) runSteps(ctx context.Context, spec TemplateBuild, req StepBuil
 		return nil, err
 	}
 	fail := func(err error) (*stepLayer, error) {
-		removeTree(stage)
+		overlayfs.RemoveTree(stage)
 		return nil, err
 	}
 	img := filepath.Join(stage, "image")
@@ -791,8 +785,7 @@ func (m *Manager) runSteps(ctx context.Context, spec TemplateBuild, req StepBuil
 	if err := m.cfg.Driver.Checkpoint(ctx, p.InstanceID, img, runtime.CheckpointOptions{FilesOnly: true}); err != nil {
 		return fail(fmt.Errorf("capture the build sandbox's files: %w", err))
 	}
-	down = true
-	m.teardown(context.WithoutCancel(ctx), owner, p)
+	p.Close(context.WithoutCancel(ctx))
 	upper, err := ud.UpperDir(img)
 	if err != nil {
 		return fail(err)
@@ -811,10 +804,11 @@ func (m *Manager) runSteps(ctx context.Context, spec TemplateBuild, req StepBuil
 
 // guestRun runs steps in a build sandbox through envd.
 type guestRun struct {
-	m     *Manager
-	base  string
-	token string
-	n     int
+	m      *Manager
+	client *http.Client
+	base   string
+	token  string
+	n      int
 }
 
 // step runs one step in state st (the state before it).
@@ -863,7 +857,7 @@ func (g *guestRun) root(ctx context.Context, cmd string, out func(string)) error
 func (g *guestRun) run(ctx context.Context, cmd, user, cwd string, env map[string]string, out func(string)) (int, error) {
 	lw := &lineWriter{emit: out}
 	o := envdclient.Output{Stdout: lw.write, Stderr: lw.write}
-	res, err := envdclient.New(g.m.client, g.base, g.token).Run(ctx,
+	res, err := envdclient.New(g.client, g.base, g.token).Run(ctx,
 		envdclient.Command{Line: cmd, User: user, Cwd: cwd, Envs: env}, o)
 	lw.flush()
 	return res.ExitCode, err

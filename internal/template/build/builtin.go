@@ -1,9 +1,8 @@
-package sandbox
+package build
 
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -128,27 +127,4 @@ func (m *Manager) buildBuiltin(ctx context.Context, name string, def BuiltinTemp
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
-}
-
-// resolveOrBuild resolves a template for a create; a built-in template that is missing is
-// built first.
-func (m *Manager) resolveOrBuild(ctx context.Context, id string) (*Template, error) {
-	t, err := m.resolveTemplate(ctx, id)
-	if err == nil || !errors.Is(err, errdefs.ErrNotFound) {
-		return t, err
-	}
-	name, _ := SplitTemplateName(id)
-	if !m.IsBuiltin(name) {
-		return nil, err
-	}
-	if _, berr := m.EnsureBuiltin(ctx, name, nil); berr != nil {
-		return nil, berr
-	}
-	return m.resolveTemplate(ctx, id)
-}
-
-// TemplateResources returns the vCPUs, memory and disk (MiB) a sandbox of t gets: the
-// template's own, or this node's defaults where it sets none (what GET /templates shows).
-func (m *Manager) TemplateResources(t *Template) (cpu, memoryMB, diskMB int) {
-	return orDefault(t.CPUCount, m.cfg.CPUCount), orDefault(t.MemoryMB, m.cfg.MemoryMB), orDefault(t.DiskMB, m.cfg.DiskMB)
 }
