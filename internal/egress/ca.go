@@ -72,7 +72,7 @@ func LoadOrCreateCA(dir, name string) (ca tls.Certificate, certPEM []byte, err e
 	if err := os.WriteFile(keyPath, keyPEM, 0o600); err != nil {
 		return tls.Certificate{}, nil, err
 	}
-	if err := os.WriteFile(certPath, certPEM, 0o644); err != nil {
+	if err := os.WriteFile(certPath, certPEM, 0o600); err != nil { // daemon files are 0600 (TestEscapeHostUserReadsDataDir)
 		return tls.Certificate{}, nil, err
 	}
 	if ca, err = tls.X509KeyPair(certPEM, keyPEM); err != nil {

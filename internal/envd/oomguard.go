@@ -40,7 +40,11 @@ type oomGuardConfig struct {
 	MinInterval, MaxInterval time.Duration
 	// Settle bounds the wait, after a kill, for the victim to die before the guard picks
 	// another (default 1 s); Release bounds the wait for its memory to come back once it has
-	// died (default 50 ms): a burst of many processes needs many kills in a row.
+	// died (default 500 ms), renewed while the free memory still grows (up to Settle). The guest
+	// is stalled meanwhile, so nothing allocates: the wait ends as soon as the memory is back,
+	// and it is long only when a victim's memory comes back slowly (a loaded host tears a large
+	// address space down late), when killing the next process would kill for memory already
+	// on its way back — in the e2e test, the caller's next command.
 	Settle, Release time.Duration
 	// Kill sends sig to pid (default syscall.Kill).
 	Kill func(pid int, sig syscall.Signal) error
@@ -79,7 +83,7 @@ func newOOMGuard(log *slog.Logger, cfg oomGuardConfig) *oomGuard {
 		cfg.Settle = time.Second
 	}
 	if cfg.Release <= 0 {
-		cfg.Release = 50 * time.Millisecond
+		cfg.Release = 500 * time.Millisecond
 	}
 	if cfg.Kill == nil {
 		cfg.Kill = syscall.Kill
@@ -218,13 +222,28 @@ func (g *oomGuard) kill(ctx context.Context, vs []oomVictim, m mem) {
 		return
 	}
 	deadline := time.Now().Add(g.cfg.Settle)
-	for dead := false; time.Now().Before(deadline); {
+	var last uint64 // the free memory last seen since the victims died
+	for dead, limit := false, deadline; time.Now().Before(deadline); {
 		if !dead && !slices.ContainsFunc(sent, g.alive) {
 			dead, deadline = true, time.Now().Add(g.cfg.Release)
+			limit = time.Now().Add(g.cfg.Settle)
 		}
 		if dead {
-			if n, err := g.meminfo(); err != nil || !n.low() {
+			n, err := g.meminfo()
+			if err != nil || !n.low() {
 				return
+			}
+			// Memory still coming back (a loaded host tears a large address space down
+			// slowly): wait on, up to Settle, rather than kill the next process — often the
+			// caller's next command — for memory that is already on its way back.
+			if n.avail > last {
+				if next := time.Now().Add(g.cfg.Release); last != 0 && next.After(deadline) {
+					deadline = next
+					if deadline.After(limit) {
+						deadline = limit
+					}
+				}
+				last = n.avail
 			}
 		}
 		select {

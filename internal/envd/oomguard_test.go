@@ -214,3 +214,58 @@ func TestOOMGuardKeepsPaceWithABurst(t *testing.T) {
 	case <-time.After(300 * time.Millisecond):
 	}
 }
+
+// A victim's memory that comes back slowly after it died (a loaded host tears a large address
+// space down over hundreds of milliseconds) is waited for: the guard does not kill the next
+// process — in the e2e test, the caller's next command — while the free memory still grows.
+func TestOOMGuardWaitsForMemoryComingBack(t *testing.T) {
+	f := newFakeProc(t, 1024, 40)
+	f.set(1, 20)
+	f.set(20, 30) // the next command
+	killed := make(chan int, 16)
+	kill := func(pid int, sig syscall.Signal) error {
+		if sig != syscall.SIGKILL {
+			return nil
+		}
+		f.mu.Lock()
+		r, ok := f.rss[pid]
+		if ok {
+			f.rss[pid], f.base = 0, f.base+r // dead, its memory not back yet
+		}
+		f.mu.Unlock()
+		if !ok {
+			return syscall.ESRCH
+		}
+		f.sync()
+		killed <- pid
+		go func() { // back after 150 ms, in 10 steps over 400 ms
+			time.Sleep(150 * time.Millisecond)
+			for i := 0; i < 10; i++ {
+				time.Sleep(40 * time.Millisecond)
+				f.mu.Lock()
+				f.base -= r / 10
+				f.mu.Unlock()
+				f.sync()
+			}
+		}()
+		return nil
+	}
+	g := newOOMGuard(slog.New(slog.DiscardHandler), oomGuardConfig{Proc: f.dir, Kill: kill, MaxInterval: 20 * time.Millisecond, Settle: time.Second})
+	ctx, cancel := context.WithCancel(context.Background())
+	go g.run(ctx)
+	t.Cleanup(func() { cancel(); <-g.stopped })
+	f.set(30, 950)
+	select {
+	case pid := <-killed:
+		if pid != 30 {
+			t.Fatalf("killed %d, want 30 (the allocation)", pid)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("nothing killed 2 s after the memory ran out")
+	}
+	select {
+	case pid := <-killed:
+		t.Fatalf("also killed %d while the allocation's memory was coming back", pid)
+	case <-time.After(800 * time.Millisecond):
+	}
+}
