@@ -14,13 +14,15 @@ func (cl *Cluster) syncLoop(ctx context.Context) {
 	t := time.NewTicker(cl.cfg.SyncInterval)
 	defer t.Stop()
 	for {
+		full := true
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		case <-cl.kick:
+			full = false // a claim or a release here: this node's own allocation is what changed
 		}
-		cl.sync(ctx)
+		cl.syncAllocs(ctx, full)
 	}
 }
 
@@ -29,7 +31,12 @@ func (cl *Cluster) syncLoop(ctx context.Context) {
 // routes of ended sandboxes removed, routes of an earlier epoch marked lost, and alloc/<id> =
 // what runs here plus the reservations made for it. Its one read also refreshes the cached
 // allocations of every node (they are not watched: cache.go).
-func (cl *Cluster) sync(ctx context.Context) {
+func (cl *Cluster) sync(ctx context.Context) { cl.syncAllocs(ctx, true) }
+
+// syncAllocs is sync; full reads every node's allocation into the cache, else only this
+// node's: a round kicked by each claim and release must not read all N allocations, or the
+// work of a create would grow with the cluster (BenchmarkClusterSim's bytes per create).
+func (cl *Cluster) syncAllocs(ctx context.Context, full bool) {
 	epoch := cl.epoch.Load()
 	if epoch == 0 || cl.Available() != nil {
 		return // fenced, or etcd cannot commit: nothing to reconcile against
@@ -38,14 +45,26 @@ func (cl *Cluster) sync(ctx context.Context) {
 	// Reservations before the local list: a reservation consumed in between is then counted
 	// twice (until the next round), never missed.
 	// One read for both: the allocation compared below is the one these reservations sum to.
-	tr, err := cl.c.Txn(ctx).Then(clientv3.OpGet(cl.key("resv", self)+"/", clientv3.WithPrefix()), clientv3.OpGet(cl.key("alloc")+"/", clientv3.WithPrefix())).Commit()
+	allocs := clientv3.OpGet(cl.key("alloc", self))
+	if full {
+		allocs = clientv3.OpGet(cl.key("alloc")+"/", clientv3.WithPrefix())
+	}
+	tr, err := cl.c.Txn(ctx).Then(clientv3.OpGet(cl.key("resv", self)+"/", clientv3.WithPrefix()), allocs).Commit()
 	if err != nil {
 		cl.log.Warn("cluster: sync: read reservations", "err", err)
 		return
 	}
 	cl.noteStore(nil) // a linearizable read answered: no probe needed this interval
 	rr, ar := tr.Responses[0].GetResponseRange(), tr.Responses[1].GetResponseRange()
-	cl.refreshAllocs(ar.Kvs)
+	if full {
+		cl.refreshAllocs(ar.Kvs)
+	} else {
+		cl.mu.Lock()
+		for _, kv := range ar.Kvs {
+			cl.applyPut(kv)
+		}
+		cl.mu.Unlock()
+	}
 	var ae allocEntry
 	hasAlloc := false
 	for _, kv := range ar.Kvs {
