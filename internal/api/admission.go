@@ -45,7 +45,7 @@ func withAdmission(w http.ResponseWriter, r *http.Request) (context.Context, err
 		}
 		wait = time.Duration(f * float64(time.Second))
 	}
-	t := admission.Ticket{Tenant: tenantOf(r), Wait: wait}
+	t := admission.Ticket{Tenant: auth.TeamOf(r.Context()), Wait: wait} // fair across teams
 	if w != nil {
 		t.Waited = func(d time.Duration) {
 			w.Header().Set(HeaderQueueWait, strconv.FormatFloat(d.Seconds(), 'f', 3, 64))
@@ -53,8 +53,3 @@ func withAdmission(w http.ResponseWriter, r *http.Request) (context.Context, err
 	}
 	return admission.WithTicket(r.Context(), t), nil
 }
-
-// tenantOf is who r is among the callers the admission queue is fair to: the caller's team
-// (auth.TeamOf; a request that carries no caller counts as the default team). It is the one
-// place that decides it.
-func tenantOf(r *http.Request) string { return auth.TeamOf(r.Context()) }

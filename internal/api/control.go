@@ -4,6 +4,7 @@ import (
 	"net/http"
 	"strconv"
 
+	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
@@ -92,7 +93,7 @@ func (s *server) createFrom(w http.ResponseWriter, r *http.Request, reservation 
 	if err != nil {
 		return nil, err
 	}
-	network, err := req.Network.toConfig(ownerOf(r))
+	network, err := req.Network.toConfig(auth.TeamOf(r.Context()))
 	if err != nil {
 		return nil, err
 	}

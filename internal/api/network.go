@@ -5,6 +5,7 @@ import (
 	"crypto/subtle"
 	"net/http"
 
+	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
@@ -83,7 +84,7 @@ func (s *server) updateNetwork(w http.ResponseWriter, r *http.Request, p params)
 	}
 	if err := up.UpdateNetwork(r.Context(), id, sandbox.NetworkUpdate{
 		AllowInternet: req.AllowInternetAccess, AllowOut: req.AllowOut, DenyOut: req.DenyOut,
-		Rules: req.Rules, EgressProxy: req.EgressProxy, SecretsOwner: ownerOf(r),
+		Rules: req.Rules, EgressProxy: req.EgressProxy, SecretsOwner: auth.TeamOf(r.Context()),
 	}); err != nil {
 		return err
 	}

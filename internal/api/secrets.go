@@ -9,12 +9,9 @@ import (
 )
 
 // E2B's secrets: /secrets and /secrets/{id} (Secret.create/list/getInfo/update/destroy of the
-// SDK), served by internal/secret. Values are write-only: no answer carries one.
-
-// ownerOf is who owns what the request makes and may see (secrets today): the caller's team
-// (auth.TeamOf). Another team's secret answers as a missing one, and a sandbox's rules
-// resolve only its own team's secrets.
-func ownerOf(r *http.Request) string { return auth.TeamOf(r.Context()) }
+// SDK), served by internal/secret. Values are write-only: no answer carries one. A secret
+// belongs to the caller's team (auth.TeamOf): another team's answers as a missing one, and a
+// sandbox's rules resolve only its own team's secrets.
 
 // secretJSON is E2B's Secret.
 type secretJSON struct {
@@ -60,7 +57,7 @@ func (s *server) createSecret(w http.ResponseWriter, r *http.Request, _ params) 
 	if req.Name == "" || req.Value == nil {
 		return badRequest("name and value are required")
 	}
-	sec, err := s.cfg.Secrets.Create(r.Context(), ownerOf(r), req.Name, *req.Value, req.Metadata)
+	sec, err := s.cfg.Secrets.Create(r.Context(), auth.TeamOf(r.Context()), req.Name, *req.Value, req.Metadata)
 	if err != nil {
 		return err
 	}
@@ -76,7 +73,7 @@ func (s *server) updateSecret(w http.ResponseWriter, r *http.Request, p params) 
 	if req.Value == nil {
 		return badRequest("value is required")
 	}
-	sec, err := s.cfg.Secrets.Update(r.Context(), ownerOf(r), p["id"], *req.Value, req.Metadata)
+	sec, err := s.cfg.Secrets.Update(r.Context(), auth.TeamOf(r.Context()), p["id"], *req.Value, req.Metadata)
 	if err != nil {
 		return err
 	}
@@ -85,7 +82,7 @@ func (s *server) updateSecret(w http.ResponseWriter, r *http.Request, p params) 
 }
 
 func (s *server) getSecret(w http.ResponseWriter, r *http.Request, p params) error {
-	sec, err := s.cfg.Secrets.Get(r.Context(), ownerOf(r), p["id"])
+	sec, err := s.cfg.Secrets.Get(r.Context(), auth.TeamOf(r.Context()), p["id"])
 	if err != nil {
 		return err
 	}
@@ -104,7 +101,7 @@ func (s *server) listSecrets(w http.ResponseWriter, r *http.Request, _ params) e
 	if err != nil {
 		return err
 	}
-	secs, err := s.cfg.Secrets.List(r.Context(), ownerOf(r))
+	secs, err := s.cfg.Secrets.List(r.Context(), auth.TeamOf(r.Context()))
 	if err != nil {
 		return err
 	}
@@ -117,7 +114,7 @@ func (s *server) listSecrets(w http.ResponseWriter, r *http.Request, _ params) e
 }
 
 func (s *server) destroySecret(w http.ResponseWriter, r *http.Request, p params) error {
-	if err := s.cfg.Secrets.Destroy(r.Context(), ownerOf(r), p["id"]); err != nil {
+	if err := s.cfg.Secrets.Destroy(r.Context(), auth.TeamOf(r.Context()), p["id"]); err != nil {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
