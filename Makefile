@@ -5,7 +5,8 @@ export PATH := $(PATH):/usr/local/go/bin:$(CURDIR)/.cache/bin
 GO ?= go
 DATA_DIR ?= $(CURDIR)/data
 LISTEN ?= 127.0.0.1:3000
-STATICCHECK_VERSION := v0.8.2
+# Pinned versions (STATICCHECK_VERSION, ...): one place, shared with scripts/setup.sh.
+include scripts/versions.env
 FUZZTIME ?= 20s
 
 .PHONY: setup build run test lint unit fuzz e2e sdk python sdk-python bench bench-basic proto check-protos clean
@@ -53,23 +54,23 @@ sdk: build
 	[ $$st -ne 0 ] || $(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SDK_MODEB=1 bash test/sdk/run.sh test/5-modeb.test.mjs || st=$$?; \
 	[ $$st -ne 0 ] || $(SDK_ENV) EMBER_DATA_DIR=$$d EMBER_SERVE_FLAGS="--pool-size 0" bash test/sdk/run.sh test/1-sandbox.test.mjs test/4-lifecycle.test.mjs || st=$$?; \
 	[ $$st -ne 0 ] || $(SDK_ENV) EMBER_DATA_DIR=$$d bash test/python/run.sh || st=$$?; \
-	umount $$d/runsc/null-netns 2>/dev/null; bash scripts/unmount-data-dir.sh $$d; rm -rf $$d; exit $$st
+	bash scripts/remove-data-dir.sh $$d; exit $$st
 
 # ember's own Python tests alone (E2B's Python SDK against a real daemon; also part of `sdk`).
 # PY_DATA_DIR keeps a data dir (and its base template) between runs.
 python: build
 	@d=$${PY_DATA_DIR:-$$(mktemp -d /tmp/ember-py-data.XXXXXX)}; st=0; \
 	$(SDK_ENV) EMBER_DATA_DIR=$$d bash test/python/run.sh || st=$$?; \
-	[ -n "$(PY_DATA_DIR)" ] || { umount $$d/runsc/null-netns 2>/dev/null; bash scripts/unmount-data-dir.sh $$d; rm -rf $$d; }; exit $$st
+	[ -n "$(PY_DATA_DIR)" ] || { bash scripts/remove-data-dir.sh $$d; }; exit $$st
 
 # E2B's Python SDK suite (2.34.0, from ../shared/e2b-python: its README.txt) against a daemon in
-# Mode B (TLS, host routing), volume tests skipped (no volumes yet). Results (summary.txt with
+# Mode B (TLS, host routing), volume tests on (ENABLE_VOLUME_TESTS=0 skips them). Results (summary.txt with
 # pass/fail counts and each failure's first line) in $(PY_OUT) (default: a temp dir, named at
 # the end). Not part of `make test`: it takes about half an hour.
 sdk-python: build
 	@d=$${PY_DATA_DIR:-$$(mktemp -d /tmp/ember-py-data.XXXXXX)}; st=0; \
 	$(SDK_ENV) EMBER_DATA_DIR=$$d OUT_DIR=$(PY_OUT) bash test/python/run.sh --e2b-suite || st=$$?; \
-	[ -n "$(PY_DATA_DIR)" ] || { umount $$d/runsc/null-netns 2>/dev/null; bash scripts/unmount-data-dir.sh $$d; rm -rf $$d; }; exit $$st
+	[ -n "$(PY_DATA_DIR)" ] || { bash scripts/remove-data-dir.sh $$d; }; exit $$st
 
 bench-basic: build
 	EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -run '^$$' -bench 'BenchmarkBasic' -benchtime 1x -timeout 30m ./bench/

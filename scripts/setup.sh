@@ -86,6 +86,13 @@ if [ "$(cat .cache/bin/etcd.version 2>/dev/null)" != "$ETCD_VERSION" ] || [ ! -x
 fi
 echo "setup: $(.cache/bin/etcd --version | head -1)"
 
+# The linter `make lint` runs, built from its module at the pinned version.
+if [ "$(cat .cache/bin/staticcheck.version 2>/dev/null)" != "$STATICCHECK_VERSION" ] || [ ! -x .cache/bin/staticcheck ]; then
+	echo "setup: building staticcheck $STATICCHECK_VERSION"
+	GOBIN="$PWD/.cache/bin" go install "honnef.co/go/tools/cmd/staticcheck@$STATICCHECK_VERSION"
+	echo "$STATICCHECK_VERSION" > .cache/bin/staticcheck.version
+fi
+
 # Installed again whenever the lockfile changed (a checkout that had the SDK suite's packages
 # before a new one was pinned, such as @e2b/code-interpreter).
 if [ -f test/sdk/package-lock.json ]; then

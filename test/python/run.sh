@@ -4,7 +4,7 @@
 #
 #   test/python/run.sh                 ember's own Python tests (test/python/test_*.py)
 #   test/python/run.sh --e2b-suite     E2B's Python SDK suite (its README: <kit>/README.txt),
-#                                      in Mode B, volume tests skipped; results in $OUT_DIR
+#                                      in Mode B, volume tests on; results in $OUT_DIR
 #
 # The SDK: `import e2b` when the interpreter has it, else the kit (E2B's SDK 2.34.0 with its
 # test suite and the pure-Python packages it needs) at $E2B_PYTHON_KIT (default
@@ -48,8 +48,8 @@ if [[ "${1:-}" == --inner ]]; then
     e2b)
       [[ -n "$KIT" ]] || { echo "python: no E2B Python kit (set E2B_PYTHON_KIT)" >&2; exit 1; }
       export OUT_DIR="${OUT_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/e2b-python.XXXXXX")}"
-      # Volumes are not built yet: their tests skip (unset ENABLE_VOLUME_TESTS), as upstream's do.
-      unset ENABLE_VOLUME_TESTS
+      # Volumes are served: their tests run (ENABLE_VOLUME_TESTS=0 skips them, as upstream's do).
+      export ENABLE_VOLUME_TESTS="${ENABLE_VOLUME_TESTS:-1}"
       "$KIT/run.sh" "$@"
       status=$?
       echo "python: E2B suite summary: $OUT_DIR/summary.txt"
