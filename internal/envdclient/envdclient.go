@@ -101,6 +101,21 @@ func (c *Client) Init(ctx context.Context, body InitRequest) error {
 	return c.do(req, "init")
 }
 
+// SetEnvVars merges env into envd's default environment (POST /init with nothing else: the
+// token, user and workdir stay as they are).
+func (c *Client) SetEnvVars(ctx context.Context, env map[string]string) error {
+	b, err := json.Marshal(map[string]any{"envVars": env})
+	if err != nil {
+		return err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base+"/init", bytes.NewReader(b))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	return c.do(req, "init")
+}
+
 func (c *Client) do(req *http.Request, op string) error {
 	if c.token != "" {
 		req.Header.Set("X-Access-Token", c.token)

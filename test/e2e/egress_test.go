@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"bufio"
-	"encoding/binary"
 	"fmt"
 	"net"
 	"net/http"
@@ -145,7 +144,7 @@ func makeE2EUpstream(t *testing.T, resolver string) (port string) {
 		fmt.Fprintf(w, "upstream %s\n", host)
 	})}
 	go srv.Serve(ln)
-	go serveDNS(pc, e2eName, netip.MustParseAddr(e2ePubA))
+	go serveDNS(pc, map[string]string{e2eName + ".": e2ePubA}) // egressproxy_test.go
 	_, port, _ = net.SplitHostPort(ln.Addr().String())
 	return port
 }
@@ -154,55 +153,6 @@ func mustAtoi(s string) int {
 	var n int
 	fmt.Sscan(s, &n)
 	return n
-}
-
-// serveDNS answers A queries for name with addr, AAAA with no answer, anything else NXDOMAIN.
-func serveDNS(pc net.PacketConn, name string, addr netip.Addr) {
-	buf := make([]byte, 512)
-	for {
-		n, from, err := pc.ReadFrom(buf)
-		if err != nil {
-			return
-		}
-		q := buf[:n]
-		if len(q) < 12 {
-			continue
-		}
-		var labels []string
-		i := 12
-		for i < len(q) && q[i] != 0 {
-			l := int(q[i])
-			if i+1+l > len(q) {
-				break
-			}
-			labels = append(labels, string(q[i+1:i+1+l]))
-			i += 1 + l
-		}
-		if i+5 > len(q) {
-			continue
-		}
-		qtype := binary.BigEndian.Uint16(q[i+1:])
-		question := q[12 : i+5]
-		resp := make([]byte, 12, 64)
-		copy(resp, q[:2])
-		match := strings.EqualFold(strings.Join(labels, "."), name)
-		flags, ancount := uint16(0x8180), uint16(0)
-		switch {
-		case !match:
-			flags |= 3 // NXDOMAIN
-		case qtype == 1:
-			ancount = 1
-		}
-		binary.BigEndian.PutUint16(resp[2:], flags)
-		binary.BigEndian.PutUint16(resp[4:], 1)
-		binary.BigEndian.PutUint16(resp[6:], ancount)
-		resp = append(resp, question...)
-		if ancount == 1 {
-			a := addr.As4()
-			resp = append(resp, 0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4, a[0], a[1], a[2], a[3])
-		}
-		_, _ = pc.WriteTo(resp, from)
-	}
 }
 
 // startEgressDaemon runs a daemon of its own (node id, CIDR and data dir of this test) and
