@@ -100,6 +100,15 @@ func inNetns(t *testing.T, name string, fn func()) {
 
 func makeE2EUpstream(t *testing.T, resolver string) (port string) {
 	t.Helper()
+	// Moved by EMBER_E2E_NODE_PREFIX/EMBER_E2E_NET_OFFSET like the daemon (newDaemonOpts).
+	e2eNS, e2eVeth, e2eTable := e2eNS, e2eVeth, e2eTable
+	if p := os.Getenv("EMBER_E2E_NODE_PREFIX"); p != "" {
+		e2eNS, e2eVeth = e2eNS+p, "xnet"+p+"0"
+	}
+	if off := os.Getenv("EMBER_E2E_NET_OFFSET"); off != "" {
+		e2eTable = fmt.Sprint(mustAtoi(e2eTable) + mustAtoi(off))
+	}
+	_, egressCIDR := isolate("", egressCIDR)
 	cleanup := func() {
 		quiet("ip", "rule", "del", "priority", e2eTable)
 		quiet("ip", "rule", "del", "priority", fmt.Sprint(mustAtoi(e2eTable)-1))
@@ -173,7 +182,7 @@ func startEgressDaemon(t *testing.T) *daemon {
 	t.Cleanup(func() {
 		d.stop()
 		quiet("umount", filepath.Join(d.dataDir, "runsc", "null-netns"))
-		quiet("nft", "delete", "table", "inet", "ember_"+egressNodeID)
+		quiet("nft", "delete", "table", "inet", "ember_"+d.nodeID)
 		os.RemoveAll(dir)
 	})
 	if err := d.start(); err != nil {

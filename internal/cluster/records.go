@@ -1,0 +1,123 @@
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/ember-sandbox/ember/internal/errdefs"
+)
+
+// Records is one kind of JSON record the cluster keeps in etcd, under <prefix><kind>/<id>:
+// API keys and teams (plain: they hold no secret), volumes and secrets (sealed with the
+// cluster key, seal.go). Every store of such records (keys.go, volumes.go, internal/secret's)
+// reads and writes through it, so that the etcd errors, the timeouts and the sealing are the
+// same everywhere.
+type Records struct {
+	cl     *Cluster
+	kind   string
+	noun   string // in errors: "volume", "api key"
+	sealed bool
+}
+
+// SealedRecords returns the records of kind (noun names one in errors), sealed with the
+// cluster key.
+func (cl *Cluster) SealedRecords(kind, noun string) *Records {
+	return &Records{cl: cl, kind: kind, noun: noun, sealed: true}
+}
+
+func (cl *Cluster) plainRecords(kind, noun string) *Records {
+	return &Records{cl: cl, kind: kind, noun: noun}
+}
+
+// Key is the etcd key of record id.
+func (r *Records) Key(id string) string { return r.cl.key(r.kind, id) }
+
+// encode is the etcd value of v under key k.
+func (r *Records) encode(k string, v any) (string, error) {
+	if r.sealed {
+		return r.cl.sealJSON(k, v)
+	}
+	b, err := json.Marshal(v)
+	return string(b), err
+}
+
+// decode reads the etcd value b under key k into v.
+func (r *Records) decode(k string, b []byte, v any) error {
+	if r.sealed {
+		return r.cl.openJSON(k, b, v)
+	}
+	return json.Unmarshal(b, v)
+}
+
+// Put writes v as record id.
+func (r *Records) Put(ctx context.Context, id string, v any) error {
+	k := r.Key(id)
+	val, err := r.encode(k, v)
+	if err != nil {
+		return err
+	}
+	ctx, done := r.cl.opCtx(ctx, r.cl.cfg.OpTimeout)
+	defer done()
+	if _, err := r.cl.c.Put(ctx, k, val); err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	return nil
+}
+
+// Get reads record id into v (ErrNotFound when there is none).
+func (r *Records) Get(ctx context.Context, id string, v any) error {
+	ctx, done := r.cl.opCtx(ctx, r.cl.cfg.OpTimeout)
+	defer done()
+	k := r.Key(id)
+	resp, err := r.cl.c.Get(ctx, k)
+	if err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	if len(resp.Kvs) == 0 {
+		return fmt.Errorf("%s %q: %w", r.noun, id, errdefs.ErrNotFound)
+	}
+	return r.decode(k, resp.Kvs[0].Value, v)
+}
+
+// List calls each with every record, opened; a record that does not decode is logged and
+// skipped (one bad record does not hide the others).
+func (r *Records) List(ctx context.Context, each func(decode func(v any) error) error) error {
+	ctx, done := r.cl.opCtx(ctx, r.cl.cfg.OpTimeout)
+	defer done()
+	resp, err := r.cl.c.Get(ctx, r.cl.key(r.kind)+"/", clientv3.WithPrefix())
+	if err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	for _, kv := range resp.Kvs {
+		var derr error
+		err := each(func(v any) error {
+			derr = r.decode(string(kv.Key), kv.Value, v)
+			return derr
+		})
+		if derr != nil {
+			r.cl.log.Warn("cluster: record does not decode", "key", string(kv.Key), "err", derr)
+			continue
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Delete removes record id (ErrNotFound when there was none).
+func (r *Records) Delete(ctx context.Context, id string) error {
+	ctx, done := r.cl.opCtx(ctx, r.cl.cfg.OpTimeout)
+	defer done()
+	resp, err := r.cl.c.Delete(ctx, r.Key(id))
+	if err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	if resp.Deleted == 0 {
+		return fmt.Errorf("%s %q: %w", r.noun, id, errdefs.ErrNotFound)
+	}
+	return nil
+}
