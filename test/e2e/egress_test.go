@@ -3,6 +3,7 @@ package e2e
 import (
 	"bufio"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/netip"
@@ -340,6 +341,34 @@ func TestEgressFromSandboxes(t *testing.T) {
 		}
 		if code := get("wrong"); code != 403 {
 			t.Errorf("wrong token: %d, want 403", code)
+		}
+	})
+
+	// network.httpsPorts: the sandbox plane speaks TLS to a guest port that serves it itself
+	// (a self-signed certificate: not verified, as in E2B). It was refused with 400 before.
+	t.Run("httpsPorts", func(t *testing.T) {
+		var s sbx
+		if code := d.api(t, "POST", "/v2/sandboxes", map[string]any{"templateID": "base", "network": map[string]any{"httpsPorts": []int{8443}}}, &s); code != 201 {
+			t.Fatalf("create: %d", code)
+		}
+		t.Cleanup(func() { d.api(t, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil) })
+		d.background(t, s, `cd /tmp && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout k.pem -out c.pem -days 1 -subj /CN=sandbox 2>/dev/null && `+
+			`exec python3 -c 'import http.server, ssl; s = http.server.HTTPServer(("0.0.0.0", 8443), http.server.SimpleHTTPRequestHandler); c = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); c.load_cert_chain("c.pem", "k.pem"); s.socket = c.wrap_socket(s.socket, server_side=True); s.serve_forever()'`)
+		code, body := 0, ""
+		for deadline := time.Now().Add(20 * time.Second); code != 200 && time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+			req, _ := http.NewRequest("GET", "http://"+d.addr+"/c.pem", nil)
+			req.Header.Set("E2b-Sandbox-Id", s.SandboxID)
+			req.Header.Set("E2b-Sandbox-Port", "8443")
+			resp, err := httpClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			code, body = resp.StatusCode, string(b)
+		}
+		if code != 200 || !strings.Contains(body, "BEGIN CERTIFICATE") {
+			t.Fatalf("GET through the plane to the HTTPS port: %d %q", code, body)
 		}
 	})
 }
