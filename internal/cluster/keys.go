@@ -45,22 +45,8 @@ func (s keyStore) GetKeyByHash(ctx context.Context, hash string) (*auth.Key, err
 	return nil, fmt.Errorf("api key: %w", errdefs.ErrNotFound)
 }
 
-// listOf returns every record of r.
-func listOf[T any](ctx context.Context, r *Records) ([]*T, error) {
-	out := []*T{}
-	err := r.List(ctx, func(decode func(any) error) error {
-		v := new(T)
-		if err := decode(v); err != nil {
-			return err
-		}
-		out = append(out, v)
-		return nil
-	})
-	return out, err
-}
-
 func (s keyStore) ListKeys(ctx context.Context) ([]*auth.Key, error) {
-	out, err := listOf[auth.Key](ctx, s.keys())
+	out, err := ListOf[auth.Key](ctx, s.keys())
 	if err != nil {
 		return nil, err
 	}
@@ -93,7 +79,7 @@ func (s keyStore) GetTeam(ctx context.Context, id string) (*auth.Team, error) {
 }
 
 func (s keyStore) ListTeams(ctx context.Context) ([]*auth.Team, error) {
-	out, err := listOf[auth.Team](ctx, s.teams())
+	out, err := ListOf[auth.Team](ctx, s.teams())
 	if err != nil {
 		return nil, err
 	}

@@ -121,3 +121,17 @@ func (r *Records) Delete(ctx context.Context, id string) error {
 	}
 	return nil
 }
+
+// ListOf returns every record of r (those that decode).
+func ListOf[T any](ctx context.Context, r *Records) ([]*T, error) {
+	out := []*T{}
+	err := r.List(ctx, func(decode func(any) error) error {
+		v := new(T)
+		if err := decode(v); err != nil {
+			return err
+		}
+		out = append(out, v)
+		return nil
+	})
+	return out, err
+}

@@ -78,7 +78,7 @@ func (s volumeStore) DeleteVolume(ctx context.Context, id string) error {
 }
 
 func (s volumeStore) ListVolumes(ctx context.Context) ([]*volume.Volume, error) {
-	out, err := listOf[volume.Volume](ctx, s.records())
+	out, err := ListOf[volume.Volume](ctx, s.records())
 	if err != nil {
 		return nil, err
 	}

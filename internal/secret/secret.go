@@ -200,16 +200,7 @@ func (c clusterStore) GetSecret(ctx context.Context, id string) (*Secret, error)
 func (c clusterStore) DeleteSecret(ctx context.Context, id string) error { return c.r.Delete(ctx, id) }
 
 func (c clusterStore) ListSecrets(ctx context.Context) ([]*Secret, error) {
-	var out []*Secret
-	err := c.r.List(ctx, func(decode func(any) error) error {
-		s := new(Secret)
-		if err := decode(s); err != nil {
-			return err
-		}
-		out = append(out, s)
-		return nil
-	})
-	return out, err
+	return cluster.ListOf[Secret](ctx, c.r)
 }
 
 var nameRe = regexp.MustCompile(`^[A-Za-z0-9_-]{1,128}$`)
