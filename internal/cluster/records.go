@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/url"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -20,12 +21,13 @@ type Records struct {
 	kind   string
 	noun   string // in errors: "volume", "api key"
 	sealed bool
+	names  string // the prefix of name claims (PutNamed): <names>/<part>/...
 }
 
 // SealedRecords returns the records of kind (noun names one in errors), sealed with the
-// cluster key.
+// cluster key. Their names, when PutNamed claims them, are under <kind>-names/.
 func (cl *Cluster) SealedRecords(kind, noun string) *Records {
-	return &Records{cl: cl, kind: kind, noun: noun, sealed: true}
+	return &Records{cl: cl, kind: kind, noun: noun, sealed: true, names: kind + "-names"}
 }
 
 func (cl *Cluster) plainRecords(kind, noun string) *Records {
@@ -104,6 +106,51 @@ func (r *Records) List(ctx context.Context, each func(decode func(v any) error) 
 		if err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// nameKey is the etcd key of the name claim made of parts (each path-escaped).
+func (r *Records) nameKey(parts []string) string {
+	esc := []string{r.names}
+	for _, p := range parts {
+		esc = append(esc, url.PathEscape(p))
+	}
+	return r.cl.key(esc...)
+}
+
+// PutNamed writes v as record id and claims the name made of parts for it, in one
+// transaction, so that two nodes never give one name (an owner's, say) to two records: a name
+// another record holds is ErrConflict. Writing id again under its own name is an update.
+func (r *Records) PutNamed(ctx context.Context, id string, name []string, v any) error {
+	k, nk := r.Key(id), r.nameKey(name)
+	val, err := r.encode(k, v)
+	if err != nil {
+		return err
+	}
+	ctx, done := r.cl.opCtx(ctx, r.cl.cfg.OpTimeout)
+	defer done()
+	resp, err := r.cl.c.Txn(ctx).If(clientv3.Compare(clientv3.Value(nk), "=", id)).Then(clientv3.OpPut(k, val)).
+		Else(clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(nk), "=", 0)},
+			[]clientv3.Op{clientv3.OpPut(k, val), clientv3.OpPut(nk, id)}, nil)).Commit()
+	if err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	if !resp.Succeeded && !resp.Responses[0].GetResponseTxn().Succeeded {
+		return fmt.Errorf("%s name is taken: %w", r.noun, errdefs.ErrConflict)
+	}
+	return nil
+}
+
+// DeleteNamed removes record id and its name claim (when the claim is still id's). A record
+// already gone is no error.
+func (r *Records) DeleteNamed(ctx context.Context, id string, name []string) error {
+	nk := r.nameKey(name)
+	ctx, done := r.cl.opCtx(ctx, r.cl.cfg.OpTimeout)
+	defer done()
+	if _, err := r.cl.c.Txn(ctx).Then(clientv3.OpDelete(r.Key(id)),
+		clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(nk), "=", id)}, []clientv3.Op{clientv3.OpDelete(nk)}, nil)).Commit(); err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
 	}
 	return nil
 }

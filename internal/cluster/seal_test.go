@@ -74,6 +74,28 @@ func TestEtcdHoldsNoPlainSecrets(t *testing.T) {
 	if _, err := sb.Create(ctx, "team-1", "api-key", "x", nil); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("b makes a second secret of that name: %v", err)
 	}
+	// Both nodes making one name at once: one secret (the name is claimed in etcd); once
+	// destroyed, the name is free again.
+	for range 5 {
+		errs := make(chan error, 2)
+		for _, m := range []*secret.Manager{sa, sb} {
+			go func() { _, err := m.Create(ctx, "team-1", "race", "v", nil); errs <- err }()
+		}
+		made := 0
+		for range 2 {
+			if err := <-errs; err == nil {
+				made++
+			} else if !errors.Is(err, errdefs.ErrConflict) {
+				t.Fatal(err)
+			}
+		}
+		if made != 1 {
+			t.Fatalf("%d secrets named race made at once", made)
+		}
+		if err := sb.Destroy(ctx, "team-1", "race"); err != nil {
+			t.Fatal(err)
+		}
+	}
 
 	// The nodes read them.
 	if got, err := b.SharedTemplate(ctx, "snapx"); err != nil || got == nil || got.Portable.Template.InitToken != initToken {

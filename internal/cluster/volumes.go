@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/url"
 	"slices"
 	"sort"
 	"strings"
@@ -23,32 +22,20 @@ func (cl *Cluster) Volumes() volume.Store { return volumeStore{cl} }
 
 type volumeStore struct{ cl *Cluster }
 
-func (s volumeStore) records() *Records { return s.cl.SealedRecords("volumes", "volume") }
+func (s volumeStore) records() *Records {
+	r := s.cl.SealedRecords("volumes", "volume")
+	r.names = "volnames" // volnames/<owner>/<name>
+	return r
+}
 
 // PutVolume records a new volume; its name is claimed in the same transaction
 // (volnames/<owner>/<name>), so that two nodes never make two volumes of one name.
 func (s volumeStore) PutVolume(ctx context.Context, v *volume.Volume) error {
-	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
-	defer done()
-	r := s.records()
-	k, nk := r.Key(v.ID), s.nameKey(v)
-	val, err := r.encode(k, v)
-	if err != nil {
-		return err
-	}
-	resp, err := s.cl.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(nk), "=", 0)).
-		Then(clientv3.OpPut(k, val), clientv3.OpPut(nk, v.ID)).Commit()
-	if err != nil {
-		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
-	}
-	if !resp.Succeeded {
+	err := s.records().PutNamed(ctx, v.ID, []string{v.Owner, v.Name}, v)
+	if errors.Is(err, errdefs.ErrConflict) {
 		return &volume.Error{Msg: fmt.Sprintf("volume with name '%s' already exists", v.Name), Kind: errdefs.ErrConflict}
 	}
-	return nil
-}
-
-func (s volumeStore) nameKey(v *volume.Volume) string {
-	return s.cl.key("volnames", url.PathEscape(v.Owner), url.PathEscape(v.Name))
+	return err
 }
 
 func (s volumeStore) GetVolume(ctx context.Context, id string) (*volume.Volume, error) {
@@ -67,14 +54,7 @@ func (s volumeStore) DeleteVolume(ctx context.Context, id string) error {
 	if err != nil {
 		return err
 	}
-	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
-	defer done()
-	nk := s.nameKey(v)
-	if _, err := s.cl.c.Txn(ctx).Then(clientv3.OpDelete(s.records().Key(id)),
-		clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(nk), "=", id)}, []clientv3.Op{clientv3.OpDelete(nk)}, nil)).Commit(); err != nil {
-		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
-	}
-	return nil
+	return s.records().DeleteNamed(ctx, id, []string{v.Owner, v.Name})
 }
 
 func (s volumeStore) ListVolumes(ctx context.Context) ([]*volume.Volume, error) {

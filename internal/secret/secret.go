@@ -175,7 +175,9 @@ func (m *Manager) UseCluster(ctx context.Context, cl *cluster.Cluster) error {
 		}
 		c := *s
 		c.Sealed = to.key.Seal(sealAD(s.ID), v)
-		if err := to.st.PutSecret(ctx, &c); err != nil {
+		if err := to.st.PutSecret(ctx, &c); errors.Is(err, errdefs.ErrConflict) {
+			continue // another node copied one of that name a moment ago
+		} else if err != nil {
 			return err
 		}
 		m.log.Info("secret copied to the cluster", "secret_id", s.ID)
@@ -184,10 +186,17 @@ func (m *Manager) UseCluster(ctx context.Context, cl *cluster.Cluster) error {
 	return nil
 }
 
-// clusterStore keeps secret records in etcd (cluster.Records, sealed).
+// clusterStore keeps secret records in etcd (cluster.Records, sealed), each owner's names
+// claimed with them: two nodes never make two secrets of one name.
 type clusterStore struct{ r *cluster.Records }
 
-func (c clusterStore) PutSecret(ctx context.Context, s *Secret) error { return c.r.Put(ctx, s.ID, s) }
+func (c clusterStore) PutSecret(ctx context.Context, s *Secret) error {
+	err := c.r.PutNamed(ctx, s.ID, []string{s.Owner, s.Name}, s)
+	if errors.Is(err, errdefs.ErrConflict) {
+		return fmt.Errorf("secret with name %q already exists: %w", s.Name, errdefs.ErrConflict)
+	}
+	return err
+}
 
 func (c clusterStore) GetSecret(ctx context.Context, id string) (*Secret, error) {
 	s := new(Secret)
@@ -197,7 +206,13 @@ func (c clusterStore) GetSecret(ctx context.Context, id string) (*Secret, error)
 	return s, nil
 }
 
-func (c clusterStore) DeleteSecret(ctx context.Context, id string) error { return c.r.Delete(ctx, id) }
+func (c clusterStore) DeleteSecret(ctx context.Context, id string) error {
+	s, err := c.GetSecret(ctx, id)
+	if err != nil {
+		return err
+	}
+	return c.r.DeleteNamed(ctx, id, []string{s.Owner, s.Name})
+}
 
 func (c clusterStore) ListSecrets(ctx context.Context) ([]*Secret, error) {
 	return cluster.ListOf[Secret](ctx, c.r)
