@@ -15,7 +15,8 @@ import (
 // guest-port controls of the sandbox plane (traffic access token, Host masking).
 
 // networkJSON is SandboxNetworkConfig as the SDK sends it. allowOut host names, rules and
-// egressProxy are enforced by the node's egress proxy (internal/egress); httpsPorts is refused.
+// egressProxy are enforced by the node's egress proxy (internal/egress); httpsPorts by the
+// sandbox plane (TLS to those guest ports).
 type networkJSON struct {
 	AllowOut           []string                         `json:"allowOut"`
 	DenyOut            []string                         `json:"denyOut"`

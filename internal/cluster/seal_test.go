@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/hex"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -12,12 +13,15 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
+	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/secret"
 )
 
 // What etcd holds is no secret: the cluster secret, the snapshot signing key, a stored paused
-// sandbox's envd token and env vars, a template's init token and env are sealed with the
-// cluster key (which etcd never sees). Reading every key of etcd finds none of them, while the
+// sandbox's envd token and env vars, a template's init token and env, a team's secret (E2B's
+// Secret API) are sealed with the cluster key (which etcd never sees). A secret made through
+// node a resolves on node b (what b's egress proxy does), for its team only. Reading every key of etcd finds none of them, while the
 // nodes read them back; a node with another key cannot join, and a record planted in plain
 // text by someone without the key is not taken.
 func TestEtcdHoldsNoPlainSecrets(t *testing.T) {
@@ -49,6 +53,49 @@ func TestEtcdHoldsNoPlainSecrets(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	const secretVal = "sk-team-secret-0123456789"
+	sa, err := secret.NewCluster(a, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sb, err := secret.NewCluster(b, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sa.Create(ctx, "team-1", "api-key", secretVal, nil); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := sb.Expand(ctx, "team-1", "Bearer ${e2b.secrets.api-key}"); err != nil || got != "Bearer "+secretVal {
+		t.Fatalf("b resolves a's secret: %q %v", got, err)
+	}
+	if _, err := sb.Expand(ctx, "team-2", "${e2b.secrets.api-key}"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("another team resolves it: %v", err)
+	}
+	if _, err := sb.Create(ctx, "team-1", "api-key", "x", nil); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("b makes a second secret of that name: %v", err)
+	}
+	// Both nodes making one name at once: one secret (the name is claimed in etcd); once
+	// destroyed, the name is free again.
+	for range 5 {
+		errs := make(chan error, 2)
+		for _, m := range []*secret.Manager{sa, sb} {
+			go func() { _, err := m.Create(ctx, "team-1", "race", "v", nil); errs <- err }()
+		}
+		made := 0
+		for range 2 {
+			if err := <-errs; err == nil {
+				made++
+			} else if !errors.Is(err, errdefs.ErrConflict) {
+				t.Fatal(err)
+			}
+		}
+		if made != 1 {
+			t.Fatalf("%d secrets named race made at once", made)
+		}
+		if err := sb.Destroy(ctx, "team-1", "race"); err != nil {
+			t.Fatal(err)
+		}
+	}
 
 	// The nodes read them.
 	if got, err := b.SharedTemplate(ctx, "snapx"); err != nil || got == nil || got.Portable.Template.InitToken != initToken {
@@ -63,7 +110,7 @@ func TestEtcdHoldsNoPlainSecrets(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	secrets := map[string]string{"envd token": token, "env var": envVal, "init token": initToken, "template env": tplEnv,
+	secrets := map[string]string{"team secret": secretVal, "envd token": token, "env var": envVal, "init token": initToken, "template env": tplEnv,
 		"cluster secret": hex.EncodeToString(a.Secret()), "snapshot key": hex.EncodeToString(snapKey)}
 	for _, kv := range resp.Kvs {
 		for what, s := range secrets {

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/url"
 	"slices"
 	"sort"
 	"strings"
@@ -23,44 +22,25 @@ func (cl *Cluster) Volumes() volume.Store { return volumeStore{cl} }
 
 type volumeStore struct{ cl *Cluster }
 
+func (s volumeStore) records() *Records {
+	r := s.cl.SealedRecords("volumes", "volume")
+	r.names = "volnames" // volnames/<owner>/<name>
+	return r
+}
+
 // PutVolume records a new volume; its name is claimed in the same transaction
 // (volnames/<owner>/<name>), so that two nodes never make two volumes of one name.
 func (s volumeStore) PutVolume(ctx context.Context, v *volume.Volume) error {
-	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
-	defer done()
-	k, nk := s.cl.key("volumes", v.ID), s.nameKey(v)
-	val, err := s.cl.sealJSON(k, v)
-	if err != nil {
-		return err
-	}
-	resp, err := s.cl.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(nk), "=", 0)).
-		Then(clientv3.OpPut(k, val), clientv3.OpPut(nk, v.ID)).Commit()
-	if err != nil {
-		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
-	}
-	if !resp.Succeeded {
+	err := s.records().PutNamed(ctx, v.ID, []string{v.Owner, v.Name}, v)
+	if errors.Is(err, errdefs.ErrConflict) {
 		return &volume.Error{Msg: fmt.Sprintf("volume with name '%s' already exists", v.Name), Kind: errdefs.ErrConflict}
 	}
-	return nil
-}
-
-func (s volumeStore) nameKey(v *volume.Volume) string {
-	return s.cl.key("volnames", url.PathEscape(v.Owner), url.PathEscape(v.Name))
+	return err
 }
 
 func (s volumeStore) GetVolume(ctx context.Context, id string) (*volume.Volume, error) {
-	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
-	defer done()
-	k := s.cl.key("volumes", id)
-	r, err := s.cl.c.Get(ctx, k)
-	if err != nil {
-		return nil, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
-	}
-	if len(r.Kvs) == 0 {
-		return nil, fmt.Errorf("volume %q: %w", id, errdefs.ErrNotFound)
-	}
 	v := new(volume.Volume)
-	if err := s.cl.openJSON(k, r.Kvs[0].Value, v); err != nil {
+	if err := s.records().Get(ctx, id, v); err != nil {
 		return nil, err
 	}
 	return v, nil
@@ -74,31 +54,13 @@ func (s volumeStore) DeleteVolume(ctx context.Context, id string) error {
 	if err != nil {
 		return err
 	}
-	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
-	defer done()
-	nk := s.nameKey(v)
-	if _, err := s.cl.c.Txn(ctx).Then(clientv3.OpDelete(s.cl.key("volumes", id)),
-		clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(nk), "=", id)}, []clientv3.Op{clientv3.OpDelete(nk)}, nil)).Commit(); err != nil {
-		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
-	}
-	return nil
+	return s.records().DeleteNamed(ctx, id, []string{v.Owner, v.Name})
 }
 
 func (s volumeStore) ListVolumes(ctx context.Context) ([]*volume.Volume, error) {
-	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
-	defer done()
-	r, err := s.cl.c.Get(ctx, s.cl.key("volumes")+"/", clientv3.WithPrefix())
+	out, err := ListOf[volume.Volume](ctx, s.records())
 	if err != nil {
-		return nil, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
-	}
-	out := make([]*volume.Volume, 0, len(r.Kvs))
-	for _, kv := range r.Kvs {
-		v := new(volume.Volume)
-		if err := s.cl.openJSON(string(kv.Key), kv.Value, v); err != nil {
-			s.cl.log.Warn("cluster: volume record", "key", string(kv.Key), "err", err)
-			continue
-		}
-		out = append(out, v)
+		return nil, err
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
 	return out, nil

@@ -379,6 +379,12 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		etcdOwned = true
 		// The cluster's keys: one made on any node works on every node.
 		keys = auth.NewKeys(cl.Keys())
+		// And its secrets: one made through any node resolves at every node's egress.
+		if err := secrets.UseCluster(ctx, cl); err != nil {
+			cl.Close()
+			mgr.Close()
+			return nil, fmt.Errorf("secrets: %w", err)
+		}
 		if err := ensureKey(ctx, cfg, keys); err != nil {
 			cl.Close()
 			mgr.Close()

@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"context"
 	"crypto/x509"
 	"encoding/pem"
 	"fmt"
@@ -20,13 +21,36 @@ import (
 // the system's (a private API behind a company CA; the e2e tests' upstream).
 const EgressRootCAsEnv = "EMBER_EGRESS_ROOT_CAS"
 
+// EgressDNSEnv names the DNS server (host:port) the egress proxy resolves allowed names with,
+// instead of the node's resolver (/etc/resolv.conf): a node whose sandboxes must see a private
+// zone, and the e2e tests' resolver in a namespace of their own.
+const EgressDNSEnv = "EMBER_EGRESS_DNS"
+
+// egressResolver is the resolver of EgressDNSEnv's server, or nil (the node's).
+func egressResolver() (egress.Resolver, error) {
+	addr := os.Getenv(EgressDNSEnv)
+	if addr == "" {
+		return nil, nil
+	}
+	if _, _, err := net.SplitHostPort(addr); err != nil {
+		return nil, fmt.Errorf("%s=%q: host:port needed: %w", EgressDNSEnv, addr, errdefs.ErrInvalid)
+	}
+	return &net.Resolver{PreferGo: true, Dial: func(ctx context.Context, network, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, network, addr)
+	}}, nil
+}
+
 // startEgressProxy starts the node's egress proxy on a port of its own (any address: only
 // redirected slot traffic reaches it through the firewall, and it serves only the guests it
 // holds a policy for), with the node's CA under <data-dir>/egress.
 func startEgressProxy(cfg Config, node string, secrets *secret.Manager, alwaysDenied func(netip.Addr) bool) (_ *egress.Proxy, _ uint16, caPEM []byte, _ error) {
-	ca, caPEM, err := egress.LoadOrCreateCA(filepath.Join(cfg.DataDir, "egress"), node)
+	ca, caPEM, replaced, err := egress.LoadOrCreateCA(filepath.Join(cfg.DataDir, "egress"), node)
 	if err != nil {
 		return nil, 0, nil, err
+	}
+	if replaced {
+		cfg.Logger.Warn("the egress CA's files did not load: a new CA replaces them (sandboxes made before trust the old one: TLS to their rules' hosts fails until they are made again)")
 	}
 	var roots []*x509.Certificate
 	if f := os.Getenv(EgressRootCAsEnv); f != "" {
@@ -42,7 +66,11 @@ func startEgressProxy(cfg Config, node string, secrets *secret.Manager, alwaysDe
 			roots = append(roots, c)
 		}
 	}
-	px, err := egress.New(egress.Config{CA: ca, ExtraRoots: roots, Secrets: secrets, AlwaysDenied: alwaysDenied, Logger: cfg.Logger})
+	res, err := egressResolver()
+	if err != nil {
+		return nil, 0, nil, err
+	}
+	px, err := egress.New(egress.Config{CA: ca, ExtraRoots: roots, Secrets: secrets, AlwaysDenied: alwaysDenied, Resolver: res, Logger: cfg.Logger})
 	if err != nil {
 		return nil, 0, nil, err
 	}

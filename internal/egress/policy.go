@@ -18,7 +18,11 @@
 //     reached the connection is closed (fail closed, never direct).
 //
 // The connection always goes to the address the sandbox dialled: a name only widens or
-// narrows what that address may do. The TLS interception and HTTP forwarding are
+// narrows what that address may do, and it widens it only to the addresses the name really
+// has: when only an allowed name would let a connection through, the proxy resolves that name
+// itself (Config.Resolver, the node's resolver) and refuses the connection unless the dialled
+// address is among the answers. A sandbox allowed x.com cannot reach any address by sending
+// SNI or Host x.com to it. The TLS interception and HTTP forwarding are
 // github.com/elazarl/goproxy's; SOCKS5 is golang.org/x/net/proxy's.
 package egress
 
@@ -113,15 +117,17 @@ func (p *Policy) needsName(a netip.Addr) bool {
 	return len(p.AllowHosts) > 0
 }
 
-// allows is the verdict for a connection to a with name host ("" = none seen).
-func (p *Policy) allows(a netip.Addr, host string) bool {
+// verdict is the policy's answer for a connection to a with name host ("" = none seen):
+// allowed, and whether only the name allows it (byName: the address rules alone would deny a),
+// in which case the proxy lets it through only if host resolves to a (Proxy.permits).
+func (p *Policy) verdict(a netip.Addr, host string) (ok, byName bool) {
 	if host != "" {
 		if matchAny(p.AllowHosts, host) {
-			return true
+			return true, !p.allowsAddr(a)
 		}
 		if matchAny(p.DenyHosts, host) {
-			return false
+			return false, false
 		}
 	}
-	return p.allowsAddr(a)
+	return p.allowsAddr(a), false
 }

@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"net/netip"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -41,9 +42,17 @@ type Config struct {
 	AlwaysDenied func(netip.Addr) bool
 	// OriginalDst returns where a redirected connection was going (nil: SO_ORIGINAL_DST).
 	OriginalDst func(net.Conn) (netip.AddrPort, error)
+	// Resolver resolves the names that alone allow a connection (nil: net.DefaultResolver,
+	// the node's resolver): the dialled address must be among the answers.
+	Resolver Resolver
 	// SniffTimeout bounds the wait for a client's first bytes when a name is needed (5 s).
 	SniffTimeout time.Duration
 	Logger       *slog.Logger
+}
+
+// Resolver resolves host names (*net.Resolver is one).
+type Resolver interface {
+	LookupNetIP(ctx context.Context, network, host string) ([]netip.Addr, error)
 }
 
 // Proxy is the node's egress proxy. Policies are keyed by the sandbox's guest address.
@@ -52,6 +61,7 @@ type Proxy struct {
 	log   *slog.Logger
 	roots *x509.CertPool
 	certs certCache
+	names nameCache
 
 	mu       sync.Mutex
 	policies map[netip.Addr]*Policy
@@ -66,6 +76,8 @@ type tracked struct {
 	guest netip.Addr
 	dst   netip.AddrPort
 	name  string
+	// bound: name resolved to dst when the connection was let through.
+	bound bool
 	c     net.Conn
 }
 
@@ -79,6 +91,9 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	if cfg.OriginalDst == nil {
 		cfg.OriginalDst = originalDst
+	}
+	if cfg.Resolver == nil {
+		cfg.Resolver = net.DefaultResolver
 	}
 	if cfg.AlwaysDenied == nil {
 		cfg.AlwaysDenied = func(netip.Addr) bool { return false }
@@ -94,7 +109,8 @@ func New(cfg Config) (*Proxy, error) {
 }
 
 // Set installs (or, with nil, removes) the policy of the sandbox at guest. Open connections
-// the new policy denies are closed.
+// the new policy denies are closed (and those only a name now allows, unless that name was
+// found to resolve to their address when they were let through).
 func (p *Proxy) Set(guest netip.Addr, pol *Policy) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -104,7 +120,14 @@ func (p *Proxy) Set(guest netip.Addr, pol *Policy) {
 		p.policies[guest] = pol
 	}
 	for t := range p.conns {
-		if t.guest == guest && (pol == nil || !pol.allows(t.dst.Addr(), t.name)) {
+		if t.guest != guest {
+			continue
+		}
+		if pol == nil {
+			_ = t.c.Close()
+			continue
+		}
+		if ok, byName := pol.verdict(t.dst.Addr(), t.name); !ok || byName && !t.bound {
 			_ = t.c.Close()
 		}
 	}
@@ -215,12 +238,13 @@ func (p *Proxy) handle(c net.Conn) {
 	if pol.needsName(dst.Addr()) {
 		replay, name, isTLS = sniff(c, p.cfg.SniffTimeout)
 	}
-	if !pol.allows(dst.Addr(), name) {
+	ok, bound := p.permits(context.Background(), pol, dst.Addr(), name)
+	if !ok {
 		log.Info("egress denied", "host", name)
 		_ = c.Close()
 		return
 	}
-	t := &tracked{guest: guest, dst: dst, name: name, c: c}
+	t := &tracked{guest: guest, dst: dst, name: name, bound: bound, c: c}
 	if !p.track(t) {
 		_ = c.Close()
 		return
@@ -240,6 +264,77 @@ func (p *Proxy) handle(c net.Conn) {
 		return
 	}
 	splice(client, up)
+}
+
+// permits is the policy's verdict, with the name bound to its DNS answers: when only the name
+// allows the connection, host must resolve (Config.Resolver) to a. bound reports that it did.
+func (p *Proxy) permits(ctx context.Context, pol *Policy, a netip.Addr, host string) (ok, bound bool) {
+	ok, byName := pol.verdict(a, host)
+	if !ok || !byName {
+		return ok, false
+	}
+	addrs, err := p.resolve(ctx, host)
+	if err != nil {
+		p.log.Info("egress: an allowed name does not resolve", "host", host, "dst", a, "err", err)
+		return false, false
+	}
+	if !slices.Contains(addrs, a.Unmap()) {
+		p.log.Info("egress denied: the name does not resolve to the address dialled", "host", host, "dst", a, "answers", addrs)
+		return false, false
+	}
+	return true, true
+}
+
+// resolve returns host's addresses, from a short-lived cache (nameTTL) or the resolver.
+func (p *Proxy) resolve(ctx context.Context, host string) ([]netip.Addr, error) {
+	if addrs, ok := p.names.get(host); ok {
+		return addrs, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	addrs, err := p.cfg.Resolver.LookupNetIP(ctx, "ip", host)
+	if err != nil {
+		return nil, err
+	}
+	for i := range addrs {
+		addrs[i] = addrs[i].Unmap()
+	}
+	p.names.put(host, addrs)
+	return addrs, nil
+}
+
+// nameTTL is how long a name's answers are reused (the resolver gives no TTL; a short one
+// keeps a name moved to new addresses usable).
+const nameTTL = 10 * time.Second
+
+// nameCache holds recent answers of the resolver.
+type nameCache struct {
+	mu sync.Mutex
+	m  map[string]nameEntry
+}
+
+type nameEntry struct {
+	addrs []netip.Addr
+	until time.Time
+}
+
+func (c *nameCache) get(host string) ([]netip.Addr, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, ok := c.m[host]
+	if !ok || time.Now().After(e.until) {
+		return nil, false
+	}
+	return e.addrs, true
+}
+
+func (c *nameCache) put(host string, addrs []netip.Addr) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m == nil || len(c.m) >= 4096 {
+		c.m = map[string]nameEntry{}
+	}
+	c.m[host] = nameEntry{addrs: addrs, until: time.Now().Add(nameTTL)}
 }
 
 // dial connects to dst, through the policy's SOCKS5 upstream when it has one (never around
@@ -316,7 +411,10 @@ func (p *Proxy) intercept(client *replayConn, guest, local netip.Addr, dst netip
 func (p *Proxy) transform(r *http.Request, guest netip.Addr, dst netip.AddrPort) (*http.Request, *http.Response) {
 	pol := p.policy(guest)
 	host := hostOnly(r.Host)
-	if pol == nil || !pol.allows(dst.Addr(), host) {
+	if pol == nil {
+		return r, goproxy.NewResponse(r, goproxy.ContentTypeText, http.StatusForbidden, "egress to "+host+" is denied by the sandbox's network rules\n")
+	}
+	if ok, _ := p.permits(r.Context(), pol, dst.Addr(), host); !ok {
 		p.log.Info("egress denied", "guest", guest, "dst", dst, "host", host)
 		return r, goproxy.NewResponse(r, goproxy.ContentTypeText, http.StatusForbidden, "egress to "+host+" is denied by the sandbox's network rules\n")
 	}

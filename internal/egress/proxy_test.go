@@ -33,6 +33,24 @@ func (f fakeSecrets) Expand(_ context.Context, owner, s string) (string, error) 
 	return s, nil
 }
 
+// fakeResolver answers names from a map (a name it lacks does not exist).
+type fakeResolver map[string][]netip.Addr
+
+func (f fakeResolver) LookupNetIP(_ context.Context, _, host string) ([]netip.Addr, error) {
+	if a, ok := f[host]; ok {
+		return a, nil
+	}
+	return nil, &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}
+}
+
+// testNames is the test resolver's view: the names the tests allow resolve to the upstreams'
+// loopback address, elsewhere.test to another one.
+var testNames = fakeResolver{
+	"allowed.test":   {netip.MustParseAddr("127.0.0.1")},
+	"a.wild.test":    {netip.MustParseAddr("::1"), netip.MustParseAddr("127.0.0.1")},
+	"elsewhere.test": {netip.MustParseAddr("127.0.0.2")},
+}
+
 type testProxy struct {
 	p    *Proxy
 	addr string
@@ -43,14 +61,14 @@ type testProxy struct {
 
 func newTestProxy(t *testing.T, upstreamRoots ...*x509.Certificate) *testProxy {
 	t.Helper()
-	ca, _, err := LoadOrCreateCA(t.TempDir(), "test")
+	ca, _, _, err := LoadOrCreateCA(t.TempDir(), "test")
 	if err != nil {
 		t.Fatal(err)
 	}
 	tp := &testProxy{dst: map[string]netip.AddrPort{}, ca: x509.NewCertPool()}
 	tp.ca.AddCert(ca.Leaf)
 	tp.p, err = New(Config{CA: ca, ExtraRoots: upstreamRoots, Secrets: fakeSecrets{"api-key": "s3cr3t-value"},
-		SniffTimeout: 300 * time.Millisecond,
+		SniffTimeout: 300 * time.Millisecond, Resolver: testNames,
 		OriginalDst: func(c net.Conn) (netip.AddrPort, error) {
 			for range 200 { // the test records the destination once its dial returned
 				tp.mu.Lock()
@@ -176,6 +194,39 @@ func TestFilterByName(t *testing.T) {
 		t.Fatal("denied host reached")
 	}
 	_ = keep
+}
+
+// TestNameBoundToDNSAnswers: an allowed name opens only the addresses it resolves to. Sending
+// SNI or Host of an allowed name to another address is refused (it used to pass: a sandbox
+// allowed one name could reach any address).
+func TestNameBoundToDNSAnswers(t *testing.T) {
+	tp := newTestProxy(t)
+	_, dst := upstream(t, false)
+	_, tlsDst := upstream(t, true)
+	tp.p.Set(guest, &Policy{AllowHosts: []string{"allowed.test", "elsewhere.test", "nowhere.test"}})
+	port := itoa(netip.MustParseAddrPort(dst).Port())
+	if _, body, err := tp.get(dst, "http://allowed.test:"+port+"/"); err != nil || !strings.HasPrefix(body, "auth=") {
+		t.Fatalf("a name to its own address: %q %v", body, err)
+	}
+	for _, name := range []string{"elsewhere.test", "nowhere.test"} { // another address; no address
+		if resp, _, err := tp.get(dst, "http://"+name+":"+port+"/"); err == nil {
+			t.Fatalf("Host %s reached an address it does not resolve to: %d", name, resp.StatusCode)
+		}
+		c, err := tp.dial(tlsDst)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tc := tls.Client(c, &tls.Config{ServerName: name, InsecureSkipVerify: true})
+		if err := tc.Handshake(); err == nil {
+			t.Fatalf("SNI %s reached an address it does not resolve to", name)
+		}
+		tc.Close()
+	}
+	// The address rules still decide alone: with the internet allowed, the name is not needed.
+	tp.p.Set(guest, &Policy{AllowInternet: true, AllowHosts: []string{"elsewhere.test"}})
+	if _, _, err := tp.get(dst, "http://elsewhere.test:"+port+"/"); err != nil {
+		t.Fatalf("internet allowed: %v", err)
+	}
 }
 
 func TestTransformHTTPS(t *testing.T) {

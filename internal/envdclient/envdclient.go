@@ -88,7 +88,15 @@ type InitRequest struct {
 // Init sends POST /init once, authenticated with the client's token (the one envd holds now,
 // if any). A transport error is returned wrapped (errors.As finds the transport's own error);
 // a refusal is a *StatusError.
-func (c *Client) Init(ctx context.Context, body InitRequest) error {
+func (c *Client) Init(ctx context.Context, body InitRequest) error { return c.postInit(ctx, body) }
+
+// SetEnvVars merges env into envd's default environment (POST /init with nothing else: the
+// token, user and workdir stay as they are).
+func (c *Client) SetEnvVars(ctx context.Context, env map[string]string) error {
+	return c.postInit(ctx, map[string]any{"envVars": env})
+}
+
+func (c *Client) postInit(ctx context.Context, body any) error {
 	b, err := json.Marshal(body)
 	if err != nil {
 		return err

@@ -11,12 +11,14 @@ import (
 	"strings"
 
 	"golang.org/x/net/http/httpguts"
+
+	"github.com/ember-sandbox/ember/internal/envdclient"
 )
 
 // E2B's egress by name (SandboxNetworkConfig's allowOut host names, rules, egressProxy):
 // enforced by the node's egress proxy (internal/egress), which the sandbox's outbound TCP goes
-// through when any of them is set. httpsPorts (HTTPS to the sandbox's own ports, through the
-// sandbox plane) is not supported yet and refused.
+// through when any of them is set. httpsPorts (guest ports serving HTTPS themselves) is the
+// sandbox plane's: it reaches those ports over TLS, not verified (GuestURL, guest.go).
 
 // Limits on what one sandbox's rules may hold.
 const (
@@ -24,6 +26,7 @@ const (
 	MaxRulesPerDomain   = 8
 	MaxHeadersPerRule   = 32
 	MaxHeaderValueBytes = 8 << 10
+	MaxHTTPSPorts       = 64
 )
 
 // NetworkRule is one of a domain's rules (E2B's SandboxNetworkRule).
@@ -152,8 +155,16 @@ func ValidateRules(rules map[string][]NetworkRule, px *EgressProxy, httpsPorts [
 			}
 		}
 	}
-	if len(httpsPorts) > 0 {
-		return invalidf("network httpsPorts (HTTPS to the sandbox's ports) is not supported by this server")
+	if len(httpsPorts) > MaxHTTPSPorts {
+		return invalidf("network httpsPorts: at most %d ports", MaxHTTPSPorts)
+	}
+	for _, p := range httpsPorts {
+		if p <= 0 || p > 65535 {
+			return invalidf("network httpsPorts: invalid port %d", p)
+		}
+		if p == envdclient.Port {
+			return invalidf("network httpsPorts: the envd port (%d) cannot be listed", envdclient.Port)
+		}
 	}
 	if px != nil {
 		if err := validateEgressProxy(px); err != nil {

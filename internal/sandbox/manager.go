@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -647,7 +648,11 @@ func (m *Manager) GuestURL(ctx context.Context, id string, port int) (string, er
 	if err := runningLocked(e); err != nil {
 		return "", err
 	}
-	return "http://" + net.JoinHostPort(e.sb.Runtime.GuestIP, strconv.Itoa(port)), nil
+	scheme := "http://"
+	if e.sb.Network != nil && slices.Contains(e.sb.Network.HTTPSPorts, port) {
+		scheme = "https://" // network.httpsPorts: the guest's port serves TLS (guest.go)
+	}
+	return scheme + net.JoinHostPort(e.sb.Runtime.GuestIP, strconv.Itoa(port)), nil
 }
 
 // GuestTransport is the transport for requests into sandboxes.

@@ -49,8 +49,8 @@ type NetworkConfig struct {
 	Rules map[string][]NetworkRule `json:"rules,omitempty"`
 	// EgressProxy is a SOCKS5 upstream all outbound TCP goes through.
 	EgressProxy *EgressProxy `json:"egressProxy,omitempty"`
-	// HTTPSPorts: guest ports serving HTTPS (E2B's httpsPorts); refused until the sandbox
-	// plane speaks HTTPS to them.
+	// HTTPSPorts: guest ports serving HTTPS (E2B's httpsPorts): the sandbox plane reaches them
+	// over TLS (certificates not verified, as E2B's proxy), not plain HTTP.
 	HTTPSPorts []int `json:"httpsPorts,omitempty"`
 	// SecretsOwner is whose secrets the rules' placeholders name (set by the API edge).
 	SecretsOwner string `json:"secretsOwner,omitempty"`

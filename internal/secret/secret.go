@@ -7,8 +7,14 @@
 // At rest a record (<data-dir>/store.db, bucket "secrets") holds the value sealed with the
 // node's secrets key (AES-256-GCM, the sealing helpers of internal/cluster, the record's id as
 // additional data), which lives in <data-dir>/secrets.key (0600, made on first start) and
-// nowhere else: a copy of the store alone reveals no value. Secrets are per node: they are not
-// written to etcd.
+// nowhere else: a copy of the store alone reveals no value.
+//
+// In a cluster (UseCluster) the records are the cluster's instead, so that a secret made
+// through any node resolves on every node: etcd records under secrets/<id>, sealed whole with
+// the cluster key (cluster.SealedRecords), the value inside sealed again with a key derived
+// from the cluster secret (HKDF-SHA256), which every node has and etcd holds only sealed (or
+// not at all, with --cluster-secret-file). A node's own secrets from before it joined are
+// copied to the cluster when it joins (those whose owner has no secret of that name there).
 //
 // Records are owned: every call takes the owner string internal/api derives from the request
 // (the team, once ember has teams), and a secret of another owner is not found.
@@ -16,7 +22,9 @@ package secret
 
 import (
 	"context"
+	"crypto/hkdf"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -26,6 +34,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/cluster"
@@ -62,11 +71,16 @@ type Store interface {
 
 // Manager creates, finds, updates and destroys secrets and resolves them for the egress proxy.
 type Manager struct {
-	st  Store
-	key *cluster.SealKey
+	be  atomic.Pointer[backend]
 	log *slog.Logger
 	// mu serialises writes (names are unique per owner).
 	mu sync.Mutex
+}
+
+// backend is where records are and the key their values are sealed with.
+type backend struct {
+	st  Store
+	key *cluster.SealKey
 }
 
 // Open returns the secrets of st, sealed with the key in keyFile (made, 0600, if absent).
@@ -92,7 +106,116 @@ func Open(st Store, keyFile string, log *slog.Logger) (*Manager, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Manager{st: st, key: key, log: log}, nil
+	m := &Manager{log: log}
+	m.be.Store(&backend{st: st, key: key})
+	return m, nil
+}
+
+// clusterKeyInfo is the HKDF info of the key secrets' values are sealed with in a cluster.
+const clusterKeyInfo = "ember secrets v1"
+
+// clusterBackend is the cluster's secrets: sealed records in etcd, values sealed with a key
+// derived from the cluster secret.
+func clusterBackend(cl *cluster.Cluster) (*backend, error) {
+	k, err := hkdf.Key(sha256.New, cl.Secret(), nil, clusterKeyInfo, 32)
+	if err != nil {
+		return nil, err
+	}
+	key, err := cluster.NewSealKey(k)
+	if err != nil {
+		return nil, err
+	}
+	return &backend{st: clusterStore{cl.SealedRecords("secrets", "secret")}, key: key}, nil
+}
+
+// NewCluster returns the secrets of cl.
+func NewCluster(cl *cluster.Cluster, log *slog.Logger) (*Manager, error) {
+	if log == nil {
+		log = slog.Default()
+	}
+	be, err := clusterBackend(cl)
+	if err != nil {
+		return nil, err
+	}
+	m := &Manager{log: log}
+	m.be.Store(be)
+	return m, nil
+}
+
+// UseCluster makes m serve the secrets of cl (the node joined it), after copying there the
+// secrets m held that cl lacks (same owner and name), re-sealed with the cluster's key.
+func (m *Manager) UseCluster(ctx context.Context, cl *cluster.Cluster) error {
+	to, err := clusterBackend(cl)
+	if err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	from := m.be.Load()
+	mine, err := from.st.ListSecrets(ctx)
+	if err != nil {
+		return err
+	}
+	theirs, err := to.st.ListSecrets(ctx)
+	if err != nil {
+		return err
+	}
+	have := map[[2]string]bool{}
+	for _, s := range theirs {
+		have[[2]string{s.Owner, s.Name}] = true
+	}
+	for _, s := range mine {
+		if have[[2]string{s.Owner, s.Name}] {
+			continue
+		}
+		v, err := from.key.Open(sealAD(s.ID), s.Sealed)
+		if err != nil {
+			m.log.Warn("secret not copied to the cluster: it does not open", "secret_id", s.ID, "err", err)
+			continue
+		}
+		c := *s
+		c.Sealed = to.key.Seal(sealAD(s.ID), v)
+		if err := to.st.PutSecret(ctx, &c); errors.Is(err, errdefs.ErrConflict) {
+			continue // another node copied one of that name a moment ago
+		} else if err != nil {
+			return err
+		}
+		m.log.Info("secret copied to the cluster", "secret_id", s.ID)
+	}
+	m.be.Store(to)
+	return nil
+}
+
+// clusterStore keeps secret records in etcd (cluster.Records, sealed), each owner's names
+// claimed with them: two nodes never make two secrets of one name.
+type clusterStore struct{ r *cluster.Records }
+
+func (c clusterStore) PutSecret(ctx context.Context, s *Secret) error {
+	err := c.r.PutNamed(ctx, s.ID, []string{s.Owner, s.Name}, s)
+	if errors.Is(err, errdefs.ErrConflict) {
+		return fmt.Errorf("secret with name %q already exists: %w", s.Name, errdefs.ErrConflict)
+	}
+	return err
+}
+
+func (c clusterStore) GetSecret(ctx context.Context, id string) (*Secret, error) {
+	s := new(Secret)
+	if err := c.r.Get(ctx, id, s); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+func (c clusterStore) DeleteSecret(ctx context.Context, id string) error {
+	s, err := c.GetSecret(ctx, id)
+	if err != nil {
+		return err
+	}
+	return c.r.DeleteNamed(ctx, id, []string{s.Owner, s.Name})
+}
+
+func (c clusterStore) ListSecrets(ctx context.Context) ([]*Secret, error) {
+	return cluster.ListOf[Secret](ctx, c.r)
 }
 
 var nameRe = regexp.MustCompile(`^[A-Za-z0-9_-]{1,128}$`)
@@ -155,8 +278,8 @@ func (m *Manager) Create(ctx context.Context, owner, name, value string, meta ma
 	}
 	now := time.Now().UTC()
 	s := &Secret{ID: newID(), Name: name, Owner: owner, Version: 1, Metadata: meta, CreatedAt: now, UpdatedAt: now}
-	s.Sealed = m.key.Seal(sealAD(s.ID), []byte(value))
-	if err := m.st.PutSecret(ctx, s); err != nil {
+	s.Sealed = m.be.Load().key.Seal(sealAD(s.ID), []byte(value))
+	if err := m.be.Load().st.PutSecret(ctx, s); err != nil {
 		return nil, err
 	}
 	m.log.Info("secret created", "secret_id", s.ID, "name", name)
@@ -179,8 +302,8 @@ func (m *Manager) Update(ctx context.Context, owner, idOrName, value string, met
 	if meta != nil {
 		s.Metadata = meta
 	}
-	s.Sealed = m.key.Seal(sealAD(s.ID), []byte(value))
-	if err := m.st.PutSecret(ctx, s); err != nil {
+	s.Sealed = m.be.Load().key.Seal(sealAD(s.ID), []byte(value))
+	if err := m.be.Load().st.PutSecret(ctx, s); err != nil {
 		return nil, err
 	}
 	m.log.Info("secret updated", "secret_id", s.ID, "version", s.Version)
@@ -205,7 +328,7 @@ func (m *Manager) Destroy(ctx context.Context, owner, idOrName string) error {
 	if err != nil {
 		return err
 	}
-	if err := m.st.DeleteSecret(ctx, s.ID); err != nil {
+	if err := m.be.Load().st.DeleteSecret(ctx, s.ID); err != nil {
 		return err
 	}
 	m.log.Info("secret destroyed", "secret_id", s.ID)
@@ -218,7 +341,7 @@ func (m *Manager) Resolve(ctx context.Context, owner, name string) (string, erro
 	if err != nil {
 		return "", err
 	}
-	v, err := m.key.Open(sealAD(s.ID), s.Sealed)
+	v, err := m.be.Load().key.Open(sealAD(s.ID), s.Sealed)
 	if err != nil {
 		return "", err
 	}
@@ -256,7 +379,7 @@ func (m *Manager) Expand(ctx context.Context, owner, s string) (string, error) {
 }
 
 func (m *Manager) owned(ctx context.Context, owner string) ([]*Secret, error) {
-	all, err := m.st.ListSecrets(ctx)
+	all, err := m.be.Load().st.ListSecrets(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -271,7 +394,7 @@ func (m *Manager) owned(ctx context.Context, owner string) ([]*Secret, error) {
 }
 
 func (m *Manager) find(ctx context.Context, owner, idOrName string) (*Secret, error) {
-	if s, err := m.st.GetSecret(ctx, idOrName); err == nil && s.Owner == owner {
+	if s, err := m.be.Load().st.GetSecret(ctx, idOrName); err == nil && s.Owner == owner {
 		return s, nil
 	}
 	mine, err := m.owned(ctx, owner)

@@ -104,7 +104,7 @@ func MakeCluster(o ClusterOptions) (ClusterResult, error) {
 		if ca, caKey, err = newClusterCA(now); err != nil {
 			return res, err
 		}
-		if err := writePair(o.Dir, ClusterCAFile, ClusterCAKeyFile, ca, caKey); err != nil {
+		if err := writePair(o.Dir, ClusterCAFile, ClusterCAKeyFile, ca, caKey, 0o644); err != nil {
 			return res, err
 		}
 		res.Written = append(res.Written, path(ClusterCAFile), path(ClusterCAKeyFile))
@@ -119,7 +119,7 @@ func MakeCluster(o ClusterOptions) (ClusterResult, error) {
 		if err != nil {
 			return res, err
 		}
-		if err := writePair(o.Dir, EtcdCertFile, EtcdKeyFile, leaf, key); err != nil {
+		if err := writePair(o.Dir, EtcdCertFile, EtcdKeyFile, leaf, key, 0o644); err != nil {
 			return res, err
 		}
 		res.Written = append(res.Written, path(EtcdCertFile))
@@ -137,7 +137,7 @@ func MakeCluster(o ClusterOptions) (ClusterResult, error) {
 		if err != nil {
 			return res, err
 		}
-		if err := writePair(o.Dir, NodeCertFile(n), NodeKeyFile(n), leaf, key); err != nil {
+		if err := writePair(o.Dir, NodeCertFile(n), NodeKeyFile(n), leaf, key, 0o644); err != nil {
 			return res, err
 		}
 		res.Written = append(res.Written, path(NodeCertFile(n)))

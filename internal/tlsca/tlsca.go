@@ -18,6 +18,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"io/fs"
 	"math/big"
@@ -206,7 +207,7 @@ func ensure(o Options) (*tls.Certificate, Changes, error) {
 		if err != nil {
 			return nil, ch, err
 		}
-		if err := writePair(o.Dir, CAFile, CAKeyFile, ca, caKey); err != nil {
+		if err := writePair(o.Dir, CAFile, CAKeyFile, ca, caKey, 0o644); err != nil {
 			return nil, ch, err
 		}
 		ch.NewCA = true
@@ -217,7 +218,7 @@ func ensure(o Options) (*tls.Certificate, Changes, error) {
 		if err != nil {
 			return nil, ch, err
 		}
-		if err := writePair(o.Dir, CertFile, KeyFile, leaf, leafKey); err != nil {
+		if err := writePair(o.Dir, CertFile, KeyFile, leaf, leafKey, 0o644); err != nil {
 			return nil, ch, err
 		}
 		ch.NewLeaf = true
@@ -371,9 +372,9 @@ func loadPair(certPath, keyPath string) (*x509.Certificate, crypto.Signer, error
 	return pair.Leaf, signer, nil
 }
 
-// writePair writes the certificate (0644) and key (0600) atomically, the key first so a
+// writePair writes the certificate (certMode) and key (0600) atomically, the key first so a
 // certificate on disk never names a key that is not there.
-func writePair(dir, certName, keyName string, cert *x509.Certificate, key crypto.Signer) error {
+func writePair(dir, certName, keyName string, cert *x509.Certificate, key crypto.Signer, certMode fs.FileMode) error {
 	der, err := x509.MarshalPKCS8PrivateKey(key)
 	if err != nil {
 		return fmt.Errorf("tls: marshal key: %w", err)
@@ -381,7 +382,71 @@ func writePair(dir, certName, keyName string, cert *x509.Certificate, key crypto
 	if err := writeFile(filepath.Join(dir, keyName), pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), 0o600); err != nil {
 		return err
 	}
-	return writeFile(filepath.Join(dir, certName), pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: cert.Raw}), 0o644)
+	return writeFile(filepath.Join(dir, certName), pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: cert.Raw}), certMode)
+}
+
+// CA is a certificate authority EnsureCA keeps in a directory.
+type CA struct {
+	Cert    tls.Certificate // with Leaf set
+	CertPEM []byte
+	// Replaced: files were there but did not load, and a new CA replaced them.
+	Replaced bool
+}
+
+// EnsureCA returns the CA in dir (certName and keyName, both 0600), making one when there is
+// none or the pair there does not load (a file cut short by a crash of an older version, or
+// damaged): the new CA replaces it atomically, and Replaced says so. Unlike the sandbox plane's
+// CA it has no name constraints: it signs for any name (the egress proxy's interception).
+// Only an error reading the directory itself (permissions) is returned.
+func EnsureCA(dir, certName, keyName, commonName string) (*CA, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("tls: %w", err)
+	}
+	certPath, keyPath := filepath.Join(dir, certName), filepath.Join(dir, keyName)
+	existed := false
+	for _, p := range []string{certPath, keyPath} {
+		if f, err := os.Open(p); err == nil {
+			existed = true
+			f.Close()
+		} else if !errors.Is(err, fs.ErrNotExist) {
+			return nil, fmt.Errorf("tls: %w", err)
+		}
+	}
+	if cert, key, err := loadPair(certPath, keyPath); err == nil && cert.IsCA && time.Now().Before(cert.NotAfter) {
+		certPEM, err := os.ReadFile(certPath)
+		if err != nil {
+			return nil, fmt.Errorf("tls: %w", err)
+		}
+		return &CA{Cert: tls.Certificate{Certificate: [][]byte{cert.Raw}, PrivateKey: key, Leaf: cert}, CertPEM: certPEM}, nil
+	}
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, fmt.Errorf("tls: ca key: %w", err)
+	}
+	sn, err := serial()
+	if err != nil {
+		return nil, err
+	}
+	now := time.Now()
+	tmpl := &x509.Certificate{
+		SerialNumber:          sn,
+		Subject:               pkix.Name{CommonName: commonName, Organization: []string{"ember"}},
+		NotBefore:             now.Add(-backdate),
+		NotAfter:              now.Add(CAValidity),
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature,
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+		MaxPathLenZero:        true,
+	}
+	cert, _, err := sign(tmpl, tmpl, key, key)
+	if err != nil {
+		return nil, err
+	}
+	if err := writePair(dir, certName, keyName, cert, key, 0o600); err != nil {
+		return nil, err
+	}
+	return &CA{Cert: tls.Certificate{Certificate: [][]byte{cert.Raw}, PrivateKey: key, Leaf: cert},
+		CertPEM: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: cert.Raw}), Replaced: existed}, nil
 }
 
 func writeFile(path string, data []byte, mode fs.FileMode) error {

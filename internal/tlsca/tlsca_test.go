@@ -286,7 +286,7 @@ func writeOperatorPair(t *testing.T, dir string, names ...string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := writePair(dir, "op.pem", "op-key.pem", cert, key); err != nil {
+	if err := writePair(dir, "op.pem", "op-key.pem", cert, key, 0o644); err != nil {
 		t.Fatal(err)
 	}
 }

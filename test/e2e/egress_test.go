@@ -2,8 +2,8 @@ package e2e
 
 import (
 	"bufio"
-	"encoding/binary"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/netip"
@@ -101,6 +101,15 @@ func inNetns(t *testing.T, name string, fn func()) {
 
 func makeE2EUpstream(t *testing.T, resolver string) (port string) {
 	t.Helper()
+	// Moved by EMBER_E2E_NODE_PREFIX/EMBER_E2E_NET_OFFSET like the daemon (newDaemonOpts).
+	e2eNS, e2eVeth, e2eTable := e2eNS, e2eVeth, e2eTable
+	if p := os.Getenv("EMBER_E2E_NODE_PREFIX"); p != "" {
+		e2eNS, e2eVeth = e2eNS+p, "xnet"+p+"0"
+	}
+	if off := os.Getenv("EMBER_E2E_NET_OFFSET"); off != "" {
+		e2eTable = fmt.Sprint(mustAtoi(e2eTable) + mustAtoi(off))
+	}
+	_, egressCIDR := isolate("", egressCIDR)
 	cleanup := func() {
 		quiet("ip", "rule", "del", "priority", e2eTable)
 		quiet("ip", "rule", "del", "priority", fmt.Sprint(mustAtoi(e2eTable)-1))
@@ -145,7 +154,7 @@ func makeE2EUpstream(t *testing.T, resolver string) (port string) {
 		fmt.Fprintf(w, "upstream %s\n", host)
 	})}
 	go srv.Serve(ln)
-	go serveDNS(pc, e2eName, netip.MustParseAddr(e2ePubA))
+	go serveDNS(pc, map[string]string{e2eName + ".": e2ePubA}) // egressproxy_test.go
 	_, port, _ = net.SplitHostPort(ln.Addr().String())
 	return port
 }
@@ -154,55 +163,6 @@ func mustAtoi(s string) int {
 	var n int
 	fmt.Sscan(s, &n)
 	return n
-}
-
-// serveDNS answers A queries for name with addr, AAAA with no answer, anything else NXDOMAIN.
-func serveDNS(pc net.PacketConn, name string, addr netip.Addr) {
-	buf := make([]byte, 512)
-	for {
-		n, from, err := pc.ReadFrom(buf)
-		if err != nil {
-			return
-		}
-		q := buf[:n]
-		if len(q) < 12 {
-			continue
-		}
-		var labels []string
-		i := 12
-		for i < len(q) && q[i] != 0 {
-			l := int(q[i])
-			if i+1+l > len(q) {
-				break
-			}
-			labels = append(labels, string(q[i+1:i+1+l]))
-			i += 1 + l
-		}
-		if i+5 > len(q) {
-			continue
-		}
-		qtype := binary.BigEndian.Uint16(q[i+1:])
-		question := q[12 : i+5]
-		resp := make([]byte, 12, 64)
-		copy(resp, q[:2])
-		match := strings.EqualFold(strings.Join(labels, "."), name)
-		flags, ancount := uint16(0x8180), uint16(0)
-		switch {
-		case !match:
-			flags |= 3 // NXDOMAIN
-		case qtype == 1:
-			ancount = 1
-		}
-		binary.BigEndian.PutUint16(resp[2:], flags)
-		binary.BigEndian.PutUint16(resp[4:], 1)
-		binary.BigEndian.PutUint16(resp[6:], ancount)
-		resp = append(resp, question...)
-		if ancount == 1 {
-			a := addr.As4()
-			resp = append(resp, 0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4, a[0], a[1], a[2], a[3])
-		}
-		_, _ = pc.WriteTo(resp, from)
-	}
 }
 
 // startEgressDaemon runs a daemon of its own (node id, CIDR and data dir of this test) and
@@ -223,7 +183,7 @@ func startEgressDaemon(t *testing.T) *daemon {
 	t.Cleanup(func() {
 		d.stop()
 		quiet("umount", filepath.Join(d.dataDir, "runsc", "null-netns"))
-		quiet("nft", "delete", "table", "inet", "ember_"+egressNodeID)
+		quiet("nft", "delete", "table", "inet", "ember_"+d.nodeID)
 		os.RemoveAll(dir)
 	})
 	if err := d.start(); err != nil {
@@ -381,6 +341,34 @@ func TestEgressFromSandboxes(t *testing.T) {
 		}
 		if code := get("wrong"); code != 403 {
 			t.Errorf("wrong token: %d, want 403", code)
+		}
+	})
+
+	// network.httpsPorts: the sandbox plane speaks TLS to a guest port that serves it itself
+	// (a self-signed certificate: not verified, as in E2B). It was refused with 400 before.
+	t.Run("httpsPorts", func(t *testing.T) {
+		var s sbx
+		if code := d.api(t, "POST", "/v2/sandboxes", map[string]any{"templateID": "base", "network": map[string]any{"httpsPorts": []int{8443}}}, &s); code != 201 {
+			t.Fatalf("create: %d", code)
+		}
+		t.Cleanup(func() { d.api(t, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil) })
+		d.background(t, s, `cd /tmp && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout k.pem -out c.pem -days 1 -subj /CN=sandbox 2>/dev/null && `+
+			`exec python3 -c 'import http.server, ssl; s = http.server.HTTPServer(("0.0.0.0", 8443), http.server.SimpleHTTPRequestHandler); c = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); c.load_cert_chain("c.pem", "k.pem"); s.socket = c.wrap_socket(s.socket, server_side=True); s.serve_forever()'`)
+		code, body := 0, ""
+		for deadline := time.Now().Add(20 * time.Second); code != 200 && time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+			req, _ := http.NewRequest("GET", "http://"+d.addr+"/c.pem", nil)
+			req.Header.Set("E2b-Sandbox-Id", s.SandboxID)
+			req.Header.Set("E2b-Sandbox-Port", "8443")
+			resp, err := httpClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			code, body = resp.StatusCode, string(b)
+		}
+		if code != 200 || !strings.Contains(body, "BEGIN CERTIFICATE") {
+			t.Fatalf("GET through the plane to the HTTPS port: %d %q", code, body)
 		}
 	})
 }

@@ -24,6 +24,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/net/dns/dnsmessage"
+
 	"github.com/ember-sandbox/ember/internal/layerfs"
 	"github.com/ember-sandbox/ember/internal/testutil"
 )
@@ -34,8 +36,10 @@ import (
 // from the slot's host-side address) are routed there by policy routing, never off the
 // machine. Inside: an HTTPS server for api.egress.test and other.egress.test (certificate of a
 // CA the test makes and hands the daemon through EMBER_EGRESS_ROOT_CAS), a plain HTTP server,
-// and a SOCKS5 server. Names reach the servers by curl --resolve (SNI and Host as a resolver
-// would give them).
+// a SOCKS5 server, and a DNS server the daemon's egress proxy resolves names with
+// (EMBER_EGRESS_DNS): api/other.egress.test are the HTTPS server's address, plain.egress.test
+// the plain one's. Names reach the servers by curl --resolve (SNI and Host as a resolver would
+// give them), so a sandbox can also send a name to an address the name does not have.
 const (
 	epNode  = "egp"
 	epCIDR  = "10.196.0.0/16"
@@ -43,8 +47,11 @@ const (
 	epPlain = "198.51.100.11" // HTTP :80
 	epSOCKS = "198.51.100.12" // SOCKS5 :1080
 	epHost  = "198.51.100.249"
-	epNSIP  = "198.51.100.250"
+	epNSIP  = "198.51.100.250" // also the DNS server's, :53
 )
+
+// epZone is the test's DNS zone.
+var epZone = map[string]string{"api.egress.test.": epAPI, "other.egress.test.": epAPI, "plain.egress.test.": epPlain}
 
 type epUpstream struct {
 	mu       sync.Mutex
@@ -126,16 +133,19 @@ func makeEgressProxyUpstream(t *testing.T, cidr string) *epUpstream {
 		t.Fatal(err)
 	}
 	var tlsLn, plainLn net.Listener
-	var err1, err2, err3 error
+	var dnsPC net.PacketConn
+	var err1, err2, err3, err4 error
 	inNetns(t, ns, func() {
 		tlsLn, err1 = net.Listen("tcp4", epAPI+":443")
 		plainLn, err2 = net.Listen("tcp4", epPlain+":80")
 		u.socksLn, err3 = net.Listen("tcp4", epSOCKS+":1080")
+		dnsPC, err4 = net.ListenPacket("udp4", epNSIP+":53")
 	})
-	if err1 != nil || err2 != nil || err3 != nil {
-		t.Fatalf("upstream servers: %v %v %v", err1, err2, err3)
+	if err1 != nil || err2 != nil || err3 != nil || err4 != nil {
+		t.Fatalf("upstream servers: %v %v %v %v", err1, err2, err3, err4)
 	}
-	t.Cleanup(func() { tlsLn.Close(); plainLn.Close(); u.socksLn.Close() })
+	t.Cleanup(func() { tlsLn.Close(); plainLn.Close(); u.socksLn.Close(); dnsPC.Close() })
+	go serveDNS(dnsPC, epZone)
 	api := &http.Server{TLSConfig: &tls.Config{Certificates: []tls.Certificate{leaf}}, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		u.mu.Lock()
 		u.apiKeys = append(u.apiKeys, r.Header.Get("X-Api-Key"))
@@ -152,6 +162,44 @@ func makeEgressProxyUpstream(t *testing.T, cidr string) *epUpstream {
 		return c, err
 	})
 	return u
+}
+
+// serveDNS answers A queries for the names of zone (golang.org/x/net/dns/dnsmessage); any
+// other query gets an empty answer, an unknown name NXDOMAIN.
+func serveDNS(pc net.PacketConn, zone map[string]string) {
+	buf := make([]byte, 1500)
+	for {
+		n, from, err := pc.ReadFrom(buf)
+		if err != nil {
+			return
+		}
+		var p dnsmessage.Parser
+		h, err := p.Start(buf[:n])
+		if err != nil {
+			continue
+		}
+		q, err := p.Question()
+		if err != nil {
+			continue
+		}
+		addr, known := zone[strings.ToLower(q.Name.String())]
+		rh := dnsmessage.Header{ID: h.ID, Response: true, Authoritative: true, RecursionDesired: h.RecursionDesired}
+		if !known {
+			rh.RCode = dnsmessage.RCodeNameError
+		}
+		b := dnsmessage.NewBuilder(nil, rh)
+		b.EnableCompression()
+		_ = b.StartQuestions()
+		_ = b.Question(q)
+		_ = b.StartAnswers()
+		if known && q.Type == dnsmessage.TypeA {
+			_ = b.AResource(dnsmessage.ResourceHeader{Name: q.Name, Class: dnsmessage.ClassINET, TTL: 60},
+				dnsmessage.AResource{A: [4]byte(net.ParseIP(addr).To4())})
+		}
+		if out, err := b.Finish(); err == nil {
+			_, _ = pc.WriteTo(out, from)
+		}
+	}
 }
 
 // serveSOCKS5 is a minimal SOCKS5 server (no auth, CONNECT to IPv4 only): the test's upstream.
@@ -199,6 +247,7 @@ func TestEgressProxy(t *testing.T) {
 	node, cidr := isolate(epNode, epCIDR)
 	up := makeEgressProxyUpstream(t, cidr)
 	t.Setenv("EMBER_EGRESS_ROOT_CAS", up.caFile)
+	t.Setenv("EMBER_EGRESS_DNS", epNSIP+":53")
 	dir, err := os.MkdirTemp("/tmp", "egress-e2e-")
 	if err != nil {
 		t.Fatal(err)
@@ -226,7 +275,7 @@ func TestEgressProxy(t *testing.T) {
 		t.Fatalf("create secret: %d %s", code, body)
 	}
 	rules := map[string]any{"api.egress.test": []any{map[string]any{"transform": map[string]any{"headers": map[string]string{"X-Api-Key": "${e2b.secrets.api-key}"}}}}}
-	s := d.create(t, map[string]any{"network": map[string]any{"allowOut": []string{"api.egress.test"}, "denyOut": []string{"0.0.0.0/0"}, "rules": rules}})
+	s := d.create(t, map[string]any{"network": map[string]any{"allowOut": []string{"api.egress.test", "plain.egress.test"}, "denyOut": []string{"0.0.0.0/0"}, "rules": rules}})
 
 	https := func(name string, insecure bool) string {
 		k := ""
@@ -239,6 +288,10 @@ func TestEgressProxy(t *testing.T) {
 	plain := func() string {
 		return strings.TrimSpace(d.run(t, s, "curl -sS -m 10 http://"+epPlain+"/ 2>&1 || echo FAIL").stdout)
 	}
+	// curlAt sends url's name (SNI or Host) to addr, whether or not the name has that address.
+	curlAt := func(url, name, port, addr string) string {
+		return strings.TrimSpace(d.run(t, s, fmt.Sprintf("curl -sS -k -m 10 --resolve %s:%s:%s %s 2>&1 || echo FAIL", name, port, addr, url)).stdout)
+	}
 
 	// The rule's header, with the secret's value, reaches the upstream over verified TLS.
 	if out := https("api.egress.test", false); out != "hello from api.egress.test" {
@@ -246,6 +299,27 @@ func TestEgressProxy(t *testing.T) {
 	}
 	if seen := up.seen(); len(seen) != 1 || seen[0] != value {
 		t.Fatalf("upstream saw X-Api-Key %q, want the secret's value", seen)
+	}
+	// Python's TLS, pointed at the bundle with the node's CA by the sandbox's env
+	// (SSL_CERT_FILE, REQUESTS_CA_BUNDLE, NODE_EXTRA_CA_CERTS), verifies the intercepted name.
+	if r, err := d.runCtx(t.Context(), s, "grep -q api.egress.test /etc/hosts || echo '"+epAPI+" api.egress.test' >> /etc/hosts", "root"); err != nil || r.exitCode != 0 {
+		t.Fatalf("/etc/hosts: %v %+v", err, r)
+	}
+	py := `import os, urllib.request; print(*[os.environ.get(k) for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")]); print(urllib.request.urlopen("https://api.egress.test/", timeout=10).read().decode().strip())`
+	const bundle = "/etc/ssl/certs/ca-certificates.crt"
+	if out := strings.TrimSpace(d.run(t, s, "python3 -c '"+py+"' 2>&1").stdout); out != bundle+" "+bundle+" "+bundle+"\nhello from api.egress.test" {
+		t.Errorf("python3 urllib over the egress CA: %q", out)
+	}
+	// A name opens only its own addresses: plain.egress.test reaches its server; the names
+	// sent (Host, SNI) to an address they do not resolve to are refused.
+	if out := curlAt("http://plain.egress.test/", "plain.egress.test", "80", epPlain); out != "plain upstream" {
+		t.Errorf("plain.egress.test at its address: %q", out)
+	}
+	if out := curlAt("http://api.egress.test/", "api.egress.test", "80", epPlain); !strings.Contains(out, "FAIL") {
+		t.Errorf("Host api.egress.test reached %s, which the name does not resolve to: %q", epPlain, out)
+	}
+	if out := curlAt("https://plain.egress.test/", "plain.egress.test", "443", epAPI); !strings.Contains(out, "FAIL") {
+		t.Errorf("SNI plain.egress.test reached %s, which the name does not resolve to: %q", epAPI, out)
 	}
 	// Another name, and addresses, are denied (denyOut 0.0.0.0/0).
 	if out := https("other.egress.test", true); !strings.Contains(out, "FAIL") {
