@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
@@ -167,7 +168,7 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 	if m.layerCapturer() != nil {
 		ended := m.buildStarted() // no layer collection until the checkpoint is recorded
 		defer ended()
-		forks := filepath.Join(m.cfg.DataDir, forkLayersDir)
+		forks := datadir.ForkLayers(m.cfg.DataDir)
 		if err := os.MkdirAll(forks, 0o700); err != nil {
 			overlayfs.RemoveTree(stage)
 			return nil, err
@@ -552,7 +553,7 @@ func (m *Manager) SnapshotCheckpoint(ctx context.Context, id, cid, name string) 
 		return nil, err
 	}
 	start := time.Now()
-	image := filepath.Join(m.cfg.DataDir, "images", snapID)
+	image := datadir.Image(m.cfg.DataDir, snapID)
 	if err := linkTree(ck.Image, image); err != nil {
 		os.RemoveAll(image)
 		return nil, err
@@ -631,8 +632,8 @@ func (m *Manager) reconcileCheckpoints(ctx context.Context) error {
 		}
 		overlayfs.RemoveTree(c.Image)
 	}
-	dirs, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "sandboxes", "*", "checkpoints", "*"))
-	dots, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "sandboxes", "*", "checkpoints", ".*"))
+	dirs, _ := filepath.Glob(filepath.Join(datadir.Sandboxes(m.cfg.DataDir), "*", "checkpoints", "*"))
+	dots, _ := filepath.Glob(filepath.Join(datadir.Sandboxes(m.cfg.DataDir), "*", "checkpoints", ".*"))
 	for _, d := range append(dirs, dots...) {
 		if !recorded[d] {
 			m.log.Info("reconcile: removed unfinished checkpoint", "dir", d)

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
@@ -52,7 +53,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 		return nil, err
 	}
 	sb := m.snapshotOf(e)
-	image := filepath.Join(m.cfg.DataDir, "images", snapID)
+	image := datadir.Image(m.cfg.DataDir, snapID)
 	if err := os.MkdirAll(image, 0o700); err != nil {
 		e.mu.Unlock()
 		return nil, err
@@ -149,7 +150,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 		return nil, err
 	}
 	parent := m.snapshotOf(e)
-	image := filepath.Join(m.cfg.DataDir, "images", "fork-"+randomHex(6))
+	image := datadir.Image(m.cfg.DataDir, "fork-"+randomHex(6))
 	if err := os.MkdirAll(image, 0o700); err != nil {
 		e.mu.Unlock()
 		return nil, err
@@ -175,7 +176,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	if m.layerCapturer() != nil && !m.forkCopies.Load() {
 		ended := m.buildStarted() // no layer collection until the children are recorded
 		defer ended()
-		forks := filepath.Join(m.cfg.DataDir, forkLayersDir)
+		forks := datadir.ForkLayers(m.cfg.DataDir)
 		layerDir = filepath.Join(forks, filepath.Base(image))
 		err = os.MkdirAll(forks, 0o700)
 	}

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
 
@@ -65,8 +66,8 @@ func (m *Manager) collectLayers(ctx context.Context, why string) {
 	for _, d := range keep {
 		used[d] = true
 	}
-	tops, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "templates", "*", "rootfs-*"))
-	scratch, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "templates", "*", ".rootfs-*"))
+	tops, _ := filepath.Glob(filepath.Join(datadir.Templates(m.cfg.DataDir), "*", "rootfs-*"))
+	scratch, _ := filepath.Glob(filepath.Join(datadir.Templates(m.cfg.DataDir), "*", ".rootfs-*"))
 	for _, d := range append(tops, scratch...) {
 		if used[d] {
 			continue
