@@ -170,7 +170,7 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 		defer ended()
 		forks := datadir.ForkLayers(m.cfg.DataDir)
 		if err := os.MkdirAll(forks, 0o700); err != nil {
-			overlayfs.RemoveTree(stage)
+			overlayfs.RemoveTree(stage, overlayfs.DetachMounts)
 			return nil, err
 		}
 		layerDir = filepath.Join(forks, cid)
@@ -185,7 +185,7 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 		return cerr
 	})
 	if err != nil {
-		overlayfs.RemoveTree(stage)
+		overlayfs.RemoveTree(stage, overlayfs.DetachMounts)
 		m.observe(StageCheckpoint, start, err)
 		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
@@ -197,8 +197,8 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 		ck.Layer, ck.RootFS, ck.Lowers = layerDir, c.RootFS, c.Lowers
 	}
 	undo := func() {
-		overlayfs.RemoveTree(image)
-		overlayfs.RemoveTree(stage)
+		overlayfs.RemoveTree(image, overlayfs.DetachMounts)
+		overlayfs.RemoveTree(stage, overlayfs.DetachMounts)
 		if ck.Layer != "" {
 			if lc := m.layerCapturer(); lc != nil {
 				lc.RemoveCapturedLayer(context.WithoutCancel(ctx), ck.Layer)
@@ -301,7 +301,7 @@ func (m *Manager) DeleteCheckpoint(ctx context.Context, id, cid string) error {
 	if err := m.cfg.Store.DeleteCheckpoint(ctx, id, cid); err != nil {
 		return err
 	}
-	overlayfs.RemoveTree(ck.Image)
+	overlayfs.RemoveTree(ck.Image, overlayfs.DetachMounts)
 	if ck.Layer != "" {
 		m.collectForkLayersLater("a checkpoint was deleted")
 	}
@@ -425,7 +425,7 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 	if hot != nil {
 		e.hot = nil
 		if image := hot.image; image != "" {
-			m.goBG(func() { overlayfs.RemoveTree(image) })
+			m.goBG(func() { overlayfs.RemoveTree(image, overlayfs.DetachMounts) })
 		}
 	}
 	m.guestT.open(p.GuestIP, p.InstanceID, true)
@@ -434,7 +434,7 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 		m.wg.Add(1)
 		go func() {
 			defer m.wg.Done()
-			overlayfs.RemoveTree(old.Image) // the pause is replaced by the checkpoint
+			overlayfs.RemoveTree(old.Image, overlayfs.DetachMounts) // the pause is replaced by the checkpoint
 		}()
 	}
 	if old.InstanceID != "" {
@@ -630,14 +630,14 @@ func (m *Manager) reconcileCheckpoints(ctx context.Context) error {
 		if err := m.cfg.Store.DeleteCheckpoint(ctx, c.SandboxID, c.ID); err != nil {
 			return err
 		}
-		overlayfs.RemoveTree(c.Image)
+		overlayfs.RemoveTree(c.Image, overlayfs.DetachMounts)
 	}
 	dirs, _ := filepath.Glob(filepath.Join(datadir.Sandboxes(m.cfg.DataDir), "*", "checkpoints", "*"))
 	dots, _ := filepath.Glob(filepath.Join(datadir.Sandboxes(m.cfg.DataDir), "*", "checkpoints", ".*"))
 	for _, d := range append(dirs, dots...) {
 		if !recorded[d] {
 			m.log.Info("reconcile: removed unfinished checkpoint", "dir", d)
-			overlayfs.RemoveTree(d)
+			overlayfs.RemoveTree(d, overlayfs.DetachMounts)
 		}
 	}
 	return nil

@@ -161,7 +161,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 		m.wg.Add(1)
 		go func() {
 			defer m.wg.Done()
-			overlayfs.RemoveTree(image)
+			overlayfs.RemoveTree(image, overlayfs.DetachMounts)
 		}()
 	}()
 	tpl, err := m.templateOf(ctx, parent)

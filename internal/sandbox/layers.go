@@ -73,7 +73,7 @@ func (m *Manager) collectLayers(ctx context.Context, why string) {
 			continue
 		}
 		m.log.Info("layer gc: removed unused template layer", "dir", d, "why", why)
-		overlayfs.RemoveTree(d)
+		overlayfs.RemoveTree(d, overlayfs.DetachMounts)
 	}
 }
 

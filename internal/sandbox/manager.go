@@ -398,14 +398,14 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	// Step layers a crash left staged (never committed under their key).
 	staged, _ := filepath.Glob(filepath.Join(datadir.Layers(cfg.DataDir), ".tmp-step-*"))
 	for _, d := range staged {
-		overlayfs.RemoveTree(d)
+		overlayfs.RemoveTree(d, overlayfs.DetachMounts)
 	}
 	m.sweepTemporaries()
 	// Rootfs trees a crash left half composed, and template directories left empty by a first
 	// build that never finished.
 	halves, _ := filepath.Glob(filepath.Join(datadir.Templates(cfg.DataDir), "*", "rootfs-*.tmp"))
 	for _, d := range halves {
-		overlayfs.RemoveTree(d)
+		overlayfs.RemoveTree(d, overlayfs.DetachMounts)
 	}
 	if dirs, err := os.ReadDir(datadir.Templates(cfg.DataDir)); err == nil {
 		for _, d := range dirs {

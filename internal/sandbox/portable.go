@@ -458,7 +458,7 @@ func (m *Manager) ExportFork(ctx context.Context, id string) (*PortableFork, err
 		e.mu.Unlock()
 		return nil, err
 	}
-	defer overlayfs.RemoveTree(image)
+	defer overlayfs.RemoveTree(image, overlayfs.DetachMounts)
 	tpl, err := m.templateOf(ctx, parent)
 	if err != nil {
 		e.mu.Unlock()
@@ -519,7 +519,7 @@ func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, tim
 	err = m.cfg.Images.Fetch(ctx, pf.ImageID, image, func(ctx context.Context, src, dst string) error {
 		return m.cfg.Driver.ImportImage(ctx, src, dst, runtime.ImportOptions{MaxBytes: max})
 	})
-	defer overlayfs.RemoveTree(image)
+	defer overlayfs.RemoveTree(image, overlayfs.DetachMounts)
 	if err != nil {
 		return nil, fmt.Errorf("fork of %q: load image: %w", parent.ID, err)
 	}

@@ -208,12 +208,12 @@ func (m *Manager) reconcile(ctx context.Context) error {
 					return fmt.Errorf("release %s: %w", r, err)
 				}
 				m.log.Info("reconcile: removed stale instance directory", "dir", r)
-				overlayfs.RemoveTree(r)
+				overlayfs.RemoveTree(r, overlayfs.DetachMounts)
 			}
 		}
 		if !keepDirs[d.Name()] {
 			m.log.Info("reconcile: removed orphan directory", "dir", dir)
-			overlayfs.RemoveTree(dir)
+			overlayfs.RemoveTree(dir, overlayfs.DetachMounts)
 			continue
 		}
 		// Pause images but the one a paused sandbox resumes from (a resume recorded before
@@ -226,7 +226,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		for _, img := range images {
 			if img != keepImage {
 				m.log.Info("reconcile: removed stale pause image", "image", img)
-				overlayfs.RemoveTree(img)
+				overlayfs.RemoveTree(img, overlayfs.DetachMounts)
 			}
 		}
 		// Stage directories of exports and imports interrupted by a crash.
@@ -235,14 +235,14 @@ func (m *Manager) reconcile(ctx context.Context) error {
 			if filepath.Base(s) == tokenSwapName {
 				continue // undone below (snaptoken.go)
 			}
-			overlayfs.RemoveTree(s)
+			overlayfs.RemoveTree(s, overlayfs.DetachMounts)
 		}
 	}
 	// Leftovers of earlier layouts and of work a crash interrupted.
 	for _, dir := range []string{datadir.Pool(m.cfg.DataDir)} {
 		if _, err := os.Stat(dir); err == nil {
 			m.log.Info("reconcile: removed orphan directory", "dir", dir)
-			overlayfs.RemoveTree(dir)
+			overlayfs.RemoveTree(dir, overlayfs.DetachMounts)
 		}
 	}
 	uploads, _ := filepath.Glob(filepath.Join(m.importDir(), ".upload-*"))
@@ -253,7 +253,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 	builds, _ := filepath.Glob(filepath.Join(datadir.Templates(m.cfg.DataDir), "*", "build-*"))
 	for _, b := range builds {
 		m.log.Info("reconcile: removed orphan directory", "dir", b)
-		overlayfs.RemoveTree(b)
+		overlayfs.RemoveTree(b, overlayfs.DetachMounts)
 	}
 	// Fork images, export stages, and snapshot captures whose record was never written.
 	tpls, err := m.cfg.Store.ListTemplates(ctx)
@@ -265,7 +265,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 	for _, e := range imgs {
 		if strings.HasPrefix(e.Name(), "fork-") || strings.HasPrefix(e.Name(), ".") || !captures[e.Name()] {
 			m.log.Info("reconcile: removed unfinished image", "image", e.Name())
-			overlayfs.RemoveTree(datadir.Image(m.cfg.DataDir, e.Name()))
+			overlayfs.RemoveTree(datadir.Image(m.cfg.DataDir, e.Name()), overlayfs.DetachMounts)
 		}
 	}
 	if err := m.resumeUploads(ctx, tpls); err != nil {

@@ -27,6 +27,6 @@ func (m *Manager) sweepTemporaries() {
 	}
 	for _, p := range found {
 		m.log.Info("removed a temporary file an interrupted operation left", "path", p)
-		overlayfs.RemoveTree(p)
+		overlayfs.RemoveTree(p, overlayfs.DetachMounts)
 	}
 }
