@@ -513,83 +513,36 @@ func (m *Manager) ForkCheckpoint(ctx context.Context, id, cid string, count int,
 // image is linked (not copied) into the snapshot's, and the snapshot stacks the checkpoint's
 // layer, which then outlives the checkpoint and the sandbox.
 func (m *Manager) SnapshotCheckpoint(ctx context.Context, id, cid, name string) (*Template, error) {
-	if name != "" && !nameRe.MatchString(name) {
-		return nil, fmt.Errorf("snapshot name %q: must match %s: %w", name, nameRe, errdefs.ErrInvalid)
-	}
-	snapID := name
-	if snapID == "" {
-		snapID = "snap-" + randomHex(6)
-	}
-	ctx, done, err := m.op(ctx)
-	if err != nil {
-		return nil, err
-	}
-	defer done()
-	e, err := m.entry(id)
-	if err != nil {
-		return nil, err
-	}
-	release, err := m.reserveName(snapID, false)
-	if err != nil {
-		return nil, err
-	}
-	defer release()
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	sb := e.sb
-	if sb.State == StateKilled {
-		return nil, goneErr(sb)
-	}
-	ck, err := m.checkpointOf(ctx, id, cid)
-	if err != nil {
-		return nil, err
-	}
-	if ck.Token == "" && sb.AccessToken != "" {
-		// Its image holds the sandbox's live token, which a snapshot must not carry.
-		return nil, fmt.Errorf("checkpoint %q was taken by an earlier version of ember and holds the sandbox's own token: take a new checkpoint to make a snapshot of: %w", cid, errdefs.ErrConflict)
-	}
-	tpl, err := m.templateOf(ctx, sb)
-	if err != nil {
-		return nil, err
-	}
-	start := time.Now()
-	image := datadir.Image(m.cfg.DataDir, snapID)
-	if err := linkTree(ck.Image, image); err != nil {
-		os.RemoveAll(image)
-		return nil, err
-	}
-	snap := &Template{
-		ID:            snapID,
-		Kind:          "snapshot",
-		Team:          sb.Team,
-		RootFS:        ck.RootFS,
-		Lowers:        ck.Lowers,
-		Image:         image,
-		CreatedAt:     time.Now().UTC(),
-		Ready:         true,
-		CPUCount:      sb.CPUCount,
-		MemoryMB:      sb.MemoryMB,
-		InitToken:     ck.Token, // not the sandbox's (Checkpoint.Token)
-		SourceSandbox: sb.ID,
-		Names:         []string{snapID},
-		SnapshotState: SnapshotLocal,
-		Env:           tpl.Env,
-		User:          tpl.User,
-		Workdir:       tpl.Workdir,
-	}
-	if m.cfg.Images != nil {
-		snap.SnapshotState = SnapshotUploading
-	}
-	if err := m.cfg.Store.PutTemplate(ctx, snap); err != nil {
-		os.RemoveAll(image)
-		return nil, err
-	}
-	m.observe(StageSnapshot, start, nil)
-	if m.cfg.Images != nil {
-		m.startUpload(snapID, image, false)
-	}
-	m.logger(id).Info("checkpoint promoted to a snapshot", "checkpoint", cid, "snapshot", snapID, "ms", time.Since(start).Milliseconds())
-	return snap, nil
+	return m.newSnapshot(ctx, id, name, "checkpoint promoted to a snapshot", func(ctx context.Context, e *entry, image string) (*Template, []any, error) {
+		sb := e.sb
+		if sb.State == StateKilled {
+			return nil, nil, goneErr(sb)
+		}
+		ck, err := m.checkpointOf(ctx, id, cid)
+		if err != nil {
+			return nil, nil, err
+		}
+		if ck.Token == "" && sb.AccessToken != "" {
+			// Its image holds the sandbox's live token, which a snapshot must not carry.
+			return nil, nil, fmt.Errorf("checkpoint %q was taken by an earlier version of ember and holds the sandbox's own token: take a new checkpoint to make a snapshot of: %w", cid, errdefs.ErrConflict)
+		}
+		tpl, err := m.templateOf(ctx, sb)
+		if err != nil {
+			return nil, nil, err
+		}
+		if err := linkTree(ck.Image, image); err != nil {
+			return nil, nil, err
+		}
+		snap := &Template{
+			RootFS:    ck.RootFS,
+			Lowers:    ck.Lowers,
+			InitToken: ck.Token, // not the sandbox's (Checkpoint.Token)
+			Env:       tpl.Env,
+			User:      tpl.User,
+			Workdir:   tpl.Workdir,
+		}
+		return snap, []any{"checkpoint", cid}, nil
+	})
 }
 
 // linkTree makes dst (absent) a copy of the tree src whose files are hard links to src's (the
