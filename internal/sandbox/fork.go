@@ -60,6 +60,25 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 	})
 }
 
+// lockRunning is the set-up of capturing running sandbox id into a new image (Fork,
+// ExportFork): its entry locked and image made (empty). On success e.mu is held (the caller
+// unlocks it) and parent is a copy of the sandbox's record.
+func (m *Manager) lockRunning(id, image string) (e *entry, parent *Sandbox, err error) {
+	if e, err = m.entry(id); err != nil {
+		return nil, nil, err
+	}
+	e.mu.Lock()
+	if err := runningLocked(e); err != nil {
+		e.mu.Unlock()
+		return nil, nil, err
+	}
+	if err := os.MkdirAll(image, 0o700); err != nil {
+		e.mu.Unlock()
+		return nil, nil, err
+	}
+	return e, m.snapshotOf(e), nil
+}
+
 // newSnapshot is the one way a snapshot is made, of a running sandbox (Snapshot) or of one of
 // its checkpoints (SnapshotCheckpoint): the name is checked and reserved (a generated id
 // without one), and with the sandbox's entry locked fill makes the image at
@@ -148,19 +167,9 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 		return nil, err
 	}
 	defer done()
-	e, err := m.entry(id)
-	if err != nil {
-		return nil, err
-	}
-	e.mu.Lock()
-	if err := runningLocked(e); err != nil {
-		e.mu.Unlock()
-		return nil, err
-	}
-	parent := m.snapshotOf(e)
 	image := datadir.Image(m.cfg.DataDir, "fork-"+randomHex(6))
-	if err := os.MkdirAll(image, 0o700); err != nil {
-		e.mu.Unlock()
+	e, parent, err := m.lockRunning(id, image)
+	if err != nil {
 		return nil, err
 	}
 	// The image is removed after the answer (lever 3): the children no longer read it once

@@ -443,19 +443,9 @@ func (m *Manager) ExportFork(ctx context.Context, id string) (*PortableFork, err
 		return nil, err
 	}
 	defer done()
-	e, err := m.entry(id)
-	if err != nil {
-		return nil, err
-	}
-	e.mu.Lock()
-	if err := runningLocked(e); err != nil {
-		e.mu.Unlock()
-		return nil, err
-	}
-	parent := m.snapshotOf(e)
 	image := datadir.Image(m.cfg.DataDir, "fork-"+randomHex(6))
-	if err := os.MkdirAll(image, 0o700); err != nil {
-		e.mu.Unlock()
+	e, parent, err := m.lockRunning(id, image)
+	if err != nil {
 		return nil, err
 	}
 	defer overlayfs.RemoveTree(image, overlayfs.DetachMounts)
