@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/ember-sandbox/ember/internal/datadir"
 )
 
 // TestArchiveBuildsConfinedToImports: a build's `archive:` source is a file in the import
@@ -14,7 +16,7 @@ func TestArchiveBuildsConfinedToImports(t *testing.T) {
 	e := newEnv(t)
 	secret := filepath.Join(t.TempDir(), "secret.tar")
 	os.WriteFile(secret, []byte("host file"), 0o600)
-	imports := filepath.Join(e.fake.dataDir, "imports")
+	imports := datadir.Imports(e.fake.dataDir)
 	os.MkdirAll(imports, 0o700)
 	if err := os.Symlink(secret, filepath.Join(imports, "out.tar")); err != nil {
 		t.Fatal(err)

@@ -20,6 +20,7 @@ import (
 
 	"github.com/ember-sandbox/ember/api/gen/process"
 	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
@@ -388,7 +389,7 @@ func TestTemplateBuildFlow(t *testing.T) {
 // no rootfs and no layer: only the build's record.
 func TestTemplateBuildFailureLeavesNothing(t *testing.T) {
 	e := newEnv(t)
-	layersBefore, _ := filepath.Glob(filepath.Join(e.fake.dataDir, "layers", "*"))
+	layersBefore, _ := filepath.Glob(filepath.Join(datadir.Layers(e.fake.dataDir), "*"))
 	tpl, bid := e.requestBuild("broken")
 	e.ctl("POST", "/v2/templates/broken/builds/"+bid, buildBody(`{"type":"RUN","args":["echo fine"]},{"type":"RUN","args":["false; exit 3"]}`))
 	bi := e.waitBuild(tpl, bid)
@@ -399,7 +400,7 @@ func TestTemplateBuildFailureLeavesNothing(t *testing.T) {
 	// Scratch trees go in the background: give them a moment.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		_, err := os.Stat(filepath.Join(e.fake.dataDir, "templates", "broken"))
+		_, err := os.Stat(filepath.Join(datadir.Templates(e.fake.dataDir), "broken"))
 		if os.IsNotExist(err) {
 			break
 		}
@@ -408,11 +409,11 @@ func TestTemplateBuildFailureLeavesNothing(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	layers, _ := filepath.Glob(filepath.Join(e.fake.dataDir, "layers", "*"))
+	layers, _ := filepath.Glob(filepath.Join(datadir.Layers(e.fake.dataDir), "*"))
 	if len(layers) != len(layersBefore) {
 		t.Fatalf("the failed build left layers: %v", layers)
 	}
-	sandboxes, _ := os.ReadDir(filepath.Join(e.fake.dataDir, "sandboxes"))
+	sandboxes, _ := os.ReadDir(datadir.Sandboxes(e.fake.dataDir))
 	if len(sandboxes) != 0 || len(e.fake.rig.Driver.Running()) != 0 {
 		t.Fatalf("the failed build left sandboxes: %v", sandboxes)
 	}

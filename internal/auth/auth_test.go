@@ -4,11 +4,11 @@ import (
 	"context"
 	"errors"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
@@ -102,7 +102,7 @@ func TestEnsureInitialKey(t *testing.T) {
 	if _, err := keys.Verify(ctx, plain); err != nil {
 		t.Fatalf("initial key does not verify: %v", err)
 	}
-	path := filepath.Join(dir, KeyFileName)
+	path := datadir.APIKey(dir)
 	st, err := os.Stat(path)
 	if err != nil {
 		t.Fatal(err)

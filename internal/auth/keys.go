@@ -19,6 +19,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
@@ -27,9 +28,6 @@ const KeyPrefix = "e2b_"
 
 // keyHexLen is the number of hex characters after the prefix (20 random bytes).
 const keyHexLen = 40
-
-// KeyFileName is the file in the data directory that holds the initial key.
-const KeyFileName = "api-key"
 
 var keyFormat = regexp.MustCompile(`^e2b_[0-9a-f]{40}$`)
 
@@ -288,7 +286,7 @@ func (k *Keys) EnsureInitialKey(ctx context.Context, dataDir string) (plaintext 
 	if len(keys) > 0 {
 		return "", false, nil
 	}
-	path := filepath.Join(dataDir, KeyFileName)
+	path := datadir.APIKey(dataDir)
 	if b, rerr := os.ReadFile(path); rerr == nil && ValidKeyFormat(strings.TrimSpace(string(b))) {
 		plaintext = strings.TrimSpace(string(b))
 	} else {

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/egress"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/image"
@@ -210,7 +211,7 @@ func (a *builderAdapter) imageConfig(dest string) (template.ImageConfig, error) 
 		if dataDir == "" {
 			dataDir = filepath.Dir(filepath.Dir(filepath.Dir(dest))) // <data-dir>/templates/<name>/rootfs-<id>
 		}
-		st := &image.Store{Root: filepath.Join(dataDir, "layers"), MaxLayerBytes: template.DefaultMaxLayerBytes, MaxImageBytes: template.DefaultMaxImageBytes, MaxLayerEntries: template.DefaultMaxLayerEntries}
+		st := &image.Store{Root: datadir.Layers(dataDir), MaxLayerBytes: template.DefaultMaxLayerBytes, MaxImageBytes: template.DefaultMaxImageBytes, MaxLayerEntries: template.DefaultMaxLayerEntries}
 		for _, v := range []struct {
 			env string
 			p   *int64

@@ -7,7 +7,6 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"path/filepath"
 	goruntime "runtime"
 	"strconv"
 	"strings"
@@ -16,6 +15,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/ember-sandbox/ember/internal/cluster"
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/layerfs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
@@ -54,7 +54,7 @@ func openCluster(ctx context.Context, cfg Config, c *clientv3.Client, counters *
 		Capacity: cluster.Capacity{CPU: goruntime.NumCPU(), MemoryMB: memTotalMB(), Slots: slots, DiskFreeMB: diskFreeMB(cfg.DataDir)},
 		Runsc:    runscVersion(cfg.Runsc), CPUClass: cluster.CPUClass(),
 		Local:            cluster.ManagerLocal(mgr),
-		LeaseFile:        filepath.Join(cfg.DataDir, "cluster-lease"),
+		LeaseFile:        datadir.ClusterLease(cfg.DataDir),
 		Logger:           cfg.Logger,
 		Secret:           secret,
 		SealKey:          seal,

@@ -30,6 +30,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/codeinterp"
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/egress"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/layerfs"
@@ -175,7 +176,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		cfg.Out = io.Discard
 	}
 	if cfg.CacheDir == "" {
-		cfg.CacheDir = filepath.Join(cfg.DataDir, "cache")
+		cfg.CacheDir = datadir.Cache(cfg.DataDir)
 	}
 	if cfg.Mirror == "" {
 		cfg.Mirror = "http://deb.debian.org/debian"
@@ -194,7 +195,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	cfg.Logger.Info(lfs.String(), "layer_fs", lfs.FS, "action", lfs.Action, "image", lfs.Image, "device", lfs.Device, "size", lfs.Size)
 	fmt.Fprintln(cfg.Out, strings.ToUpper(lfs.String()[:1])+lfs.String()[1:])
-	st, err := store.Open(filepath.Join(cfg.DataDir, "ember.db"))
+	st, err := store.Open(datadir.DB(cfg.DataDir))
 	if err != nil {
 		return nil, err
 	}
@@ -216,7 +217,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
-	drv, err := gvisor.New(gvisor.Config{Runsc: cfg.Runsc, Root: filepath.Join(cfg.DataDir, "runsc"), CgroupParent: names.CgroupParent,
+	drv, err := gvisor.New(gvisor.Config{Runsc: cfg.Runsc, Root: datadir.Runsc(cfg.DataDir), FailedLogDir: datadir.FailedLogs(cfg.DataDir), CgroupParent: names.CgroupParent,
 		ExtraFlags: []string{"--allow-suid"}, SandboxLogs: os.Getenv("EMBER_RUNSC_LOGS") == "1", Logger: cfg.Logger,
 		RunscCLI:      os.Getenv("EMBER_RUNSC_CLI") == "1",
 		LayerIdentity: sandbox.LayerIdentity(cfg.DataDir),
@@ -228,7 +229,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if cfg.SlotPoolSize < 0 {
 		cfg.SlotPoolSize = 4
 	}
-	secrets, err := secret.Open(st, filepath.Join(cfg.DataDir, "secrets.key"), cfg.Logger)
+	secrets, err := secret.Open(st, datadir.SecretsKey(cfg.DataDir), cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
@@ -440,7 +441,7 @@ func ensureKey(ctx context.Context, cfg Config, keys *auth.Keys) error {
 		return fmt.Errorf("api key: %w", err)
 	}
 	if created {
-		fmt.Fprintf(cfg.Out, "Created API key (shown once; also in %s):\n  %s\n", filepath.Join(cfg.DataDir, "api-key"), plain)
+		fmt.Fprintf(cfg.Out, "Created API key (shown once; also in %s):\n  %s\n", datadir.APIKey(cfg.DataDir), plain)
 	}
 	return nil
 }
@@ -575,7 +576,7 @@ func sandboxTLS(cfg Config, addr string) (*tls.Config, error) {
 		fmt.Fprintf(cfg.Out, "TLS certificate: %s (reloaded when it changes)\n", cfg.TLSCert)
 		return tlsca.ServerConfig(f), nil
 	}
-	l, ch, err := tlsca.NewLocal(tlsca.Options{Dir: filepath.Join(cfg.DataDir, "tls"), Domain: cfg.Domain, IPs: tlsca.ListenIPs(addr)})
+	l, ch, err := tlsca.NewLocal(tlsca.Options{Dir: datadir.TLS(cfg.DataDir), Domain: cfg.Domain, IPs: tlsca.ListenIPs(addr)})
 	if err != nil {
 		return nil, err
 	}
@@ -647,7 +648,7 @@ func openImages(cfg Config, key []byte) (sandbox.ImageStore, error) {
 		}
 		backend = b
 	} else {
-		b, err := local.New(filepath.Join(cfg.DataDir, "snapshots"))
+		b, err := local.New(datadir.Snapshots(cfg.DataDir))
 		if err != nil {
 			return nil, err
 		}
@@ -659,7 +660,7 @@ func openImages(cfg Config, key []byte) (sandbox.ImageStore, error) {
 	if key == nil {
 		keyFile := cfg.SnapshotKeyFile
 		if keyFile == "" {
-			keyFile = filepath.Join(cfg.DataDir, "snapshot-key")
+			keyFile = datadir.SnapshotKey(cfg.DataDir)
 		}
 		var err error
 		if key, err = snapshot.LoadOrCreateKey(keyFile); err != nil {
@@ -668,7 +669,7 @@ func openImages(cfg Config, key []byte) (sandbox.ImageStore, error) {
 	}
 	opts := []snapshot.Option{snapshot.WithSigningKey(key), snapshot.WithLogger(cfg.Logger)}
 	if cfg.S3.Endpoint != "" {
-		opts = append(opts, snapshot.WithCache(filepath.Join(cfg.DataDir, "snapshot-cache")))
+		opts = append(opts, snapshot.WithCache(datadir.SnapshotCache(cfg.DataDir)))
 	}
 	return &imageAdapter{s: snapshot.New(backend, opts...), private: cfg.S3.Endpoint == ""}, nil
 }
@@ -698,7 +699,7 @@ func serveMetrics(ln net.Listener, h http.Handler) *http.Server {
 func sharedVolumes(cfg Config) bool { return len(cfg.EtcdEndpoints) > 0 && cfg.S3.Endpoint != "" }
 
 // sharedVolumesMount is where this node mounts the cluster's bucket for the volumes.
-func sharedVolumesMount(cfg Config) string { return filepath.Join(cfg.DataDir, "volumes", "s3") }
+func sharedVolumesMount(cfg Config) string { return filepath.Join(datadir.Volumes(cfg.DataDir), "s3") }
 
 func s3fsConfig(cfg Config) volume.S3FS {
 	return volume.S3FS{Endpoint: cfg.S3.Endpoint, TLS: cfg.S3.TLS, CAFile: cfg.S3.CAFile, Insecure: cfg.S3.InsecureSkipVerify,
@@ -724,7 +725,7 @@ func openVolumes(ctx context.Context, cfg Config, st *store.Store, cl *cluster.C
 		return out, nil
 	}
 	vcfg := volume.Config{
-		Dir:    filepath.Join(cfg.DataDir, "volumes"),
+		Dir:    datadir.Volumes(cfg.DataDir),
 		Store:  st,
 		SizeMB: cfg.VolumeSizeMB,
 		Logger: cfg.Logger,

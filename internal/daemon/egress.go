@@ -9,8 +9,8 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"path/filepath"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/egress"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
@@ -45,7 +45,7 @@ func egressResolver() (egress.Resolver, error) {
 // redirected slot traffic reaches it through the firewall, and it serves only the guests it
 // holds a policy for), with the node's CA under <data-dir>/egress.
 func startEgressProxy(cfg Config, node string, secrets *secret.Manager, alwaysDenied func(netip.Addr) bool) (_ *egress.Proxy, _ uint16, caPEM []byte, _ error) {
-	ca, caPEM, replaced, err := egress.LoadOrCreateCA(filepath.Join(cfg.DataDir, "egress"), node)
+	ca, caPEM, replaced, err := egress.LoadOrCreateCA(datadir.Egress(cfg.DataDir), node)
 	if err != nil {
 		return nil, 0, nil, err
 	}

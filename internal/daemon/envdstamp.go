@@ -7,6 +7,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+
+	"github.com/ember-sandbox/ember/internal/datadir"
 )
 
 // A template's checkpoint holds the envd that was running when it was built, so a new envd
@@ -17,7 +19,7 @@ import (
 // build.
 
 func envdStampPath(dataDir, name string) string {
-	return filepath.Join(dataDir, "envd-stamps", name)
+	return filepath.Join(datadir.EnvdStamps(dataDir), name)
 }
 
 // envdDigest is the SHA-256 of the envd binary at path ("" if unreadable: no stamp then).

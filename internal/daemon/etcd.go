@@ -6,13 +6,13 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
-	"path/filepath"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
 	"github.com/ember-sandbox/ember/internal/cluster"
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/snapshot"
 )
@@ -67,7 +67,7 @@ func clusterSnapshotKey(ctx context.Context, cfg Config, c *clientv3.Client, sea
 		return nil, nil
 	}
 	var offer []byte
-	local := filepath.Join(cfg.DataDir, "snapshot-key")
+	local := datadir.SnapshotKey(cfg.DataDir)
 	if _, err := os.Lstat(local); err == nil {
 		if offer, err = snapshot.LoadOrCreateKey(local); err != nil {
 			return nil, err

@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/snapshot"
 	"github.com/ember-sandbox/ember/internal/snapshot/local"
@@ -108,7 +109,7 @@ func TestClusterSharesSnapshotKey(t *testing.T) {
 	cfgB := cfgA
 	cfgB.DataDir = t.TempDir()
 	// Node a ran alone before: its key signs what it stored then.
-	own, err := snapshot.LoadOrCreateKey(filepath.Join(cfgA.DataDir, "snapshot-key"))
+	own, err := snapshot.LoadOrCreateKey(datadir.SnapshotKey(cfgA.DataDir))
 	if err != nil {
 		t.Fatal(err)
 	}

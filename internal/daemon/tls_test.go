@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
@@ -86,7 +87,7 @@ func TestSandboxTLSOperatorFiles(t *testing.T) {
 	if err != nil || !bytes.Equal(cert.Certificate[0], der) {
 		t.Fatalf("served certificate is not the operator's (err %v)", err)
 	}
-	if _, err := os.Stat(filepath.Join(cfg.DataDir, "tls")); !errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(datadir.TLS(cfg.DataDir)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("an operator certificate still made a local CA dir (stat: %v)", err)
 	}
 	if logs.Len() != 0 {

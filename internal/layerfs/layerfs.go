@@ -28,7 +28,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -413,7 +412,7 @@ type mounted struct {
 
 // mountedImage reports the loop-backed btrfs mounted exactly at dir, if any.
 func mountedImage(dir string) (mounted, bool) {
-	if !isMountPoint(dir) {
+	if !overlayfs.IsMountPoint(dir) {
 		return mounted{}, false
 	}
 	src, fstype, ok := mountAt(dir)
@@ -450,21 +449,6 @@ func mountAt(dir string) (source, fstype string, ok bool) {
 	return source, fstype, ok
 }
 
-// isMountPoint reports whether p is the root of a mount (its mount id differs from its
-// parent's).
-func isMountPoint(p string) bool {
-	id := func(path string) (uint64, bool) {
-		var stx unix.Statx_t
-		if unix.Statx(unix.AT_FDCWD, path, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_MNT_ID, &stx) != nil {
-			return 0, false
-		}
-		return stx.Mnt_id, stx.Mask&unix.STATX_MNT_ID != 0
-	}
-	a, ok1 := id(p)
-	b, ok2 := id(filepath.Dir(p))
-	return ok1 && ok2 && a != b
-}
-
 // loopBacking is the backing file of a loop device ("" when it has none).
 func loopBacking(dev string) string {
 	b, err := os.ReadFile("/sys/block/" + filepath.Base(dev) + "/loop/backing_file")
@@ -487,49 +471,15 @@ func loopOf(image string) string {
 	return ""
 }
 
-// attachLoop attaches the open file fd to a free loop device with autoclear (and direct I/O
-// where the host filesystem has it: the page cache then holds btrfs's pages only once). It
-// returns the device and an open descriptor of it: the device is detached when that closes
-// unless something (a mount) holds it.
+// attachLoop attaches the open file fd to a free loop device (overlayfs.AttachLoop) with
+// direct I/O where the host filesystem has it: the page cache then holds btrfs's pages only
+// once.
 func attachLoop(fd int) (string, int, error) {
-	ctl, err := unix.Open("/dev/loop-control", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	dev, lfd, err := overlayfs.AttachLoop(fd, true)
 	if err != nil {
-		return "", -1, fmt.Errorf("layer fs: loop-control: %w", err)
+		return "", -1, fmt.Errorf("layer fs: %w", err)
 	}
-	defer unix.Close(ctl)
-	for attempt := 0; attempt < 20; attempt++ {
-		n, err := unix.IoctlRetInt(ctl, unix.LOOP_CTL_GET_FREE)
-		if err != nil {
-			return "", -1, fmt.Errorf("layer fs: loop-control: %w", err)
-		}
-		dev := "/dev/loop" + strconv.Itoa(n)
-		var lfd int
-		for i := 0; i < 50; i++ { // devtmpfs may add the node a moment later
-			lfd, err = unix.Open(dev, unix.O_RDWR|unix.O_CLOEXEC, 0)
-			if !errors.Is(err, unix.ENOENT) {
-				break
-			}
-			time.Sleep(2 * time.Millisecond)
-		}
-		if err != nil {
-			return "", -1, fmt.Errorf("layer fs: open %s: %w", dev, err)
-		}
-		cfg := unix.LoopConfig{Fd: uint32(fd), Size: 4096}
-		cfg.Info.Flags = unix.LO_FLAGS_AUTOCLEAR | unix.LO_FLAGS_DIRECT_IO
-		err = unix.IoctlLoopConfigure(lfd, &cfg)
-		if errors.Is(err, unix.EINVAL) { // no direct I/O on this host filesystem
-			cfg.Info.Flags, cfg.Size = unix.LO_FLAGS_AUTOCLEAR, 0
-			err = unix.IoctlLoopConfigure(lfd, &cfg)
-		}
-		if err == nil {
-			return dev, lfd, nil
-		}
-		unix.Close(lfd)
-		if !errors.Is(err, unix.EBUSY) { // EBUSY: another process took it first
-			return "", -1, fmt.Errorf("layer fs: configure %s: %w", dev, err)
-		}
-	}
-	return "", -1, fmt.Errorf("layer fs: no free loop device: %w", errdefs.ErrUnavailable)
+	return dev, lfd, nil
 }
 
 // hostSize is the space available on the filesystem holding dir: the default image size
@@ -550,19 +500,8 @@ func hostSize(dir string) (int64, error) {
 
 // resizeMax grows the btrfs mounted at dir to its device's size (BTRFS_IOC_RESIZE "max").
 func resizeMax(dir string) error {
-	const btrfsIocResize = 0x50009403 // _IOW(0x94, 3, struct btrfs_ioctl_vol_args)
-	var args struct {
-		Fd   int64
-		Name [4088]byte
-	}
-	copy(args.Name[:], "max")
-	d, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
+	if err := overlayfs.BtrfsVolIoctl(dir, overlayfs.BtrfsIocResize, 0, "max"); err != nil {
 		return fmt.Errorf("layer fs: grow: %w", err)
-	}
-	defer unix.Close(d)
-	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(d), btrfsIocResize, uintptr(unsafe.Pointer(&args))); errno != 0 {
-		return fmt.Errorf("layer fs: grow %s: %w", dir, errno)
 	}
 	return nil
 }

@@ -239,21 +239,6 @@ func MountsUnder(dir string) []string {
 	return points
 }
 
-// RemoveTree unmounts whatever is mounted under dir (a crashed instance's rootfs) or on it (the
-// read-only mount of an export a crash cut) and removes it.
-func RemoveTree(dir string) {
-	points := MountsUnder(dir)
-	for i := len(points) - 1; i >= 0; i-- {
-		unix.Unmount(points[i], unix.MNT_DETACH)
-	}
-	for MountedOn(dir) {
-		if unix.Unmount(dir, unix.MNT_DETACH) != nil {
-			break
-		}
-	}
-	os.RemoveAll(dir)
-}
-
 // MountedOn reports whether something is mounted on dir itself.
 func MountedOn(dir string) bool {
 	mounts, _ := Mounts()

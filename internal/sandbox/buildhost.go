@@ -65,8 +65,7 @@ func (h BuildHost) LaunchBuildSandbox(ctx context.Context, spec BuildSandboxSpec
 // Close tears the build sandbox down and removes its directory (idempotent).
 func (b *BuildSandbox) Close(ctx context.Context) {
 	b.once.Do(func() {
-		b.m.teardown(ctx, b.owner, b.Placement)
-		b.m.removeSandboxDir(b.owner)
+		b.m.teardownSandbox(ctx, b.owner, b.Placement)
 	})
 }
 

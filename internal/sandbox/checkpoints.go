@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
@@ -167,9 +168,9 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 	if m.layerCapturer() != nil {
 		ended := m.buildStarted() // no layer collection until the checkpoint is recorded
 		defer ended()
-		forks := filepath.Join(m.cfg.DataDir, forkLayersDir)
+		forks := datadir.ForkLayers(m.cfg.DataDir)
 		if err := os.MkdirAll(forks, 0o700); err != nil {
-			overlayfs.RemoveTree(stage)
+			overlayfs.RemoveTree(stage, overlayfs.DetachMounts)
 			return nil, err
 		}
 		layerDir = filepath.Join(forks, cid)
@@ -184,7 +185,7 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 		return cerr
 	})
 	if err != nil {
-		overlayfs.RemoveTree(stage)
+		overlayfs.RemoveTree(stage, overlayfs.DetachMounts)
 		m.observe(StageCheckpoint, start, err)
 		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
@@ -196,8 +197,8 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 		ck.Layer, ck.RootFS, ck.Lowers = layerDir, c.RootFS, c.Lowers
 	}
 	undo := func() {
-		overlayfs.RemoveTree(image)
-		overlayfs.RemoveTree(stage)
+		overlayfs.RemoveTree(image, overlayfs.DetachMounts)
+		overlayfs.RemoveTree(stage, overlayfs.DetachMounts)
 		if ck.Layer != "" {
 			if lc := m.layerCapturer(); lc != nil {
 				lc.RemoveCapturedLayer(context.WithoutCancel(ctx), ck.Layer)
@@ -300,7 +301,7 @@ func (m *Manager) DeleteCheckpoint(ctx context.Context, id, cid string) error {
 	if err := m.cfg.Store.DeleteCheckpoint(ctx, id, cid); err != nil {
 		return err
 	}
-	overlayfs.RemoveTree(ck.Image)
+	overlayfs.RemoveTree(ck.Image, overlayfs.DetachMounts)
 	if ck.Layer != "" {
 		m.collectForkLayersLater("a checkpoint was deleted")
 	}
@@ -424,7 +425,7 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 	if hot != nil {
 		e.hot = nil
 		if image := hot.image; image != "" {
-			m.goBG(func() { overlayfs.RemoveTree(image) })
+			m.goBG(func() { overlayfs.RemoveTree(image, overlayfs.DetachMounts) })
 		}
 	}
 	m.guestT.open(p.GuestIP, p.InstanceID, true)
@@ -433,7 +434,7 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 		m.wg.Add(1)
 		go func() {
 			defer m.wg.Done()
-			overlayfs.RemoveTree(old.Image) // the pause is replaced by the checkpoint
+			overlayfs.RemoveTree(old.Image, overlayfs.DetachMounts) // the pause is replaced by the checkpoint
 		}()
 	}
 	if old.InstanceID != "" {
@@ -512,83 +513,36 @@ func (m *Manager) ForkCheckpoint(ctx context.Context, id, cid string, count int,
 // image is linked (not copied) into the snapshot's, and the snapshot stacks the checkpoint's
 // layer, which then outlives the checkpoint and the sandbox.
 func (m *Manager) SnapshotCheckpoint(ctx context.Context, id, cid, name string) (*Template, error) {
-	if name != "" && !nameRe.MatchString(name) {
-		return nil, fmt.Errorf("snapshot name %q: must match %s: %w", name, nameRe, errdefs.ErrInvalid)
-	}
-	snapID := name
-	if snapID == "" {
-		snapID = "snap-" + randomHex(6)
-	}
-	ctx, done, err := m.op(ctx)
-	if err != nil {
-		return nil, err
-	}
-	defer done()
-	e, err := m.entry(id)
-	if err != nil {
-		return nil, err
-	}
-	release, err := m.reserveName(snapID, false)
-	if err != nil {
-		return nil, err
-	}
-	defer release()
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	sb := e.sb
-	if sb.State == StateKilled {
-		return nil, goneErr(sb)
-	}
-	ck, err := m.checkpointOf(ctx, id, cid)
-	if err != nil {
-		return nil, err
-	}
-	if ck.Token == "" && sb.AccessToken != "" {
-		// Its image holds the sandbox's live token, which a snapshot must not carry.
-		return nil, fmt.Errorf("checkpoint %q was taken by an earlier version of ember and holds the sandbox's own token: take a new checkpoint to make a snapshot of: %w", cid, errdefs.ErrConflict)
-	}
-	tpl, err := m.templateOf(ctx, sb)
-	if err != nil {
-		return nil, err
-	}
-	start := time.Now()
-	image := filepath.Join(m.cfg.DataDir, "images", snapID)
-	if err := linkTree(ck.Image, image); err != nil {
-		os.RemoveAll(image)
-		return nil, err
-	}
-	snap := &Template{
-		ID:            snapID,
-		Kind:          "snapshot",
-		Team:          sb.Team,
-		RootFS:        ck.RootFS,
-		Lowers:        ck.Lowers,
-		Image:         image,
-		CreatedAt:     time.Now().UTC(),
-		Ready:         true,
-		CPUCount:      sb.CPUCount,
-		MemoryMB:      sb.MemoryMB,
-		InitToken:     ck.Token, // not the sandbox's (Checkpoint.Token)
-		SourceSandbox: sb.ID,
-		Names:         []string{snapID},
-		SnapshotState: SnapshotLocal,
-		Env:           tpl.Env,
-		User:          tpl.User,
-		Workdir:       tpl.Workdir,
-	}
-	if m.cfg.Images != nil {
-		snap.SnapshotState = SnapshotUploading
-	}
-	if err := m.cfg.Store.PutTemplate(ctx, snap); err != nil {
-		os.RemoveAll(image)
-		return nil, err
-	}
-	m.observe(StageSnapshot, start, nil)
-	if m.cfg.Images != nil {
-		m.startUpload(snapID, image, false)
-	}
-	m.logger(id).Info("checkpoint promoted to a snapshot", "checkpoint", cid, "snapshot", snapID, "ms", time.Since(start).Milliseconds())
-	return snap, nil
+	return m.newSnapshot(ctx, id, name, "checkpoint promoted to a snapshot", func(ctx context.Context, e *entry, image string) (*Template, []any, error) {
+		sb := e.sb
+		if sb.State == StateKilled {
+			return nil, nil, goneErr(sb)
+		}
+		ck, err := m.checkpointOf(ctx, id, cid)
+		if err != nil {
+			return nil, nil, err
+		}
+		if ck.Token == "" && sb.AccessToken != "" {
+			// Its image holds the sandbox's live token, which a snapshot must not carry.
+			return nil, nil, fmt.Errorf("checkpoint %q was taken by an earlier version of ember and holds the sandbox's own token: take a new checkpoint to make a snapshot of: %w", cid, errdefs.ErrConflict)
+		}
+		tpl, err := m.templateOf(ctx, sb)
+		if err != nil {
+			return nil, nil, err
+		}
+		if err := linkTree(ck.Image, image); err != nil {
+			return nil, nil, err
+		}
+		snap := &Template{
+			RootFS:    ck.RootFS,
+			Lowers:    ck.Lowers,
+			InitToken: ck.Token, // not the sandbox's (Checkpoint.Token)
+			Env:       tpl.Env,
+			User:      tpl.User,
+			Workdir:   tpl.Workdir,
+		}
+		return snap, []any{"checkpoint", cid}, nil
+	})
 }
 
 // linkTree makes dst (absent) a copy of the tree src whose files are hard links to src's (the
@@ -629,14 +583,14 @@ func (m *Manager) reconcileCheckpoints(ctx context.Context) error {
 		if err := m.cfg.Store.DeleteCheckpoint(ctx, c.SandboxID, c.ID); err != nil {
 			return err
 		}
-		overlayfs.RemoveTree(c.Image)
+		overlayfs.RemoveTree(c.Image, overlayfs.DetachMounts)
 	}
-	dirs, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "sandboxes", "*", "checkpoints", "*"))
-	dots, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "sandboxes", "*", "checkpoints", ".*"))
+	dirs, _ := filepath.Glob(filepath.Join(datadir.Sandboxes(m.cfg.DataDir), "*", "checkpoints", "*"))
+	dots, _ := filepath.Glob(filepath.Join(datadir.Sandboxes(m.cfg.DataDir), "*", "checkpoints", ".*"))
 	for _, d := range append(dirs, dots...) {
 		if !recorded[d] {
 			m.log.Info("reconcile: removed unfinished checkpoint", "dir", d)
-			overlayfs.RemoveTree(d)
+			overlayfs.RemoveTree(d, overlayfs.DetachMounts)
 		}
 	}
 	return nil

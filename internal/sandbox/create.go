@@ -139,8 +139,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 				how = "pool"
 			} else {
 				m.logger(pe.owner).Warn("pool instance did not take its identity; restoring instead", "err", err)
-				m.teardown(context.WithoutCancel(ctx), pe.owner, pe.place)
-				m.removeSandboxDir(pe.owner)
+				m.teardownSandbox(context.WithoutCancel(ctx), pe.owner, pe.place)
 				sb.ID = newID()
 			}
 		}
@@ -222,8 +221,7 @@ func (m *Manager) register(ctx context.Context, sb *Sandbox) (*entry, error) {
 		err = m.cfg.Store.PutSandbox(ctx, sb)
 	}
 	if err != nil {
-		m.teardown(context.WithoutCancel(ctx), sb.ID, sb.Runtime)
-		m.removeSandboxDir(sb.ID)
+		m.teardownSandbox(context.WithoutCancel(ctx), sb.ID, sb.Runtime)
 		return nil, err
 	}
 	e := &entry{sb: sb}

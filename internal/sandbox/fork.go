@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
@@ -25,6 +26,68 @@ const forkParallelism = 8
 // content-addressed chunks in the background (SnapshotState uploading, then stored or failed;
 // snapupload.go), and creates on this node use the capture meanwhile.
 func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, error) {
+	return m.newSnapshot(ctx, id, name, "snapshot taken", func(ctx context.Context, e *entry, image string) (*Template, []any, error) {
+		if err := runningLocked(e); err != nil {
+			return nil, nil, err
+		}
+		sb := m.snapshotOf(e)
+		if err := os.MkdirAll(image, 0o700); err != nil {
+			return nil, nil, err
+		}
+		tpl, err := m.templateOf(ctx, sb)
+		if err != nil {
+			return nil, nil, err
+		}
+		start := time.Now()
+		var stopped time.Duration
+		// The image holds a token of its own, not the live sandbox's (snaptoken.go).
+		initToken, err := m.withSnapshotToken(ctx, sb, tpl, func() error {
+			var cerr error
+			_, stopped, cerr = m.captureRunningLocked(ctx, e, image, "")
+			return cerr
+		})
+		if err != nil {
+			m.observe(StageSnapshot, start, err)
+			return nil, nil, fmt.Errorf("checkpoint: %w", err)
+		}
+		snap := &Template{
+			VolumeMounts: sb.VolumeMounts, // volumemounts.go
+			RootFS:       tpl.RootFS,
+			Lowers:       tpl.Lowers,
+			InitToken:    initToken,
+		}
+		return snap, []any{"checkpoint_ms", time.Since(start).Milliseconds(), "stopped_ms", stopped.Milliseconds()}, nil
+	})
+}
+
+// lockRunning is the set-up of capturing running sandbox id into a new image (Fork,
+// ExportFork): its entry locked and image made (empty). On success e.mu is held (the caller
+// unlocks it) and parent is a copy of the sandbox's record.
+func (m *Manager) lockRunning(id, image string) (e *entry, parent *Sandbox, err error) {
+	if e, err = m.entry(id); err != nil {
+		return nil, nil, err
+	}
+	e.mu.Lock()
+	if err := runningLocked(e); err != nil {
+		e.mu.Unlock()
+		return nil, nil, err
+	}
+	if err := os.MkdirAll(image, 0o700); err != nil {
+		e.mu.Unlock()
+		return nil, nil, err
+	}
+	return e, m.snapshotOf(e), nil
+}
+
+// newSnapshot is the one way a snapshot is made, of a running sandbox (Snapshot) or of one of
+// its checkpoints (SnapshotCheckpoint): the name is checked and reserved (a generated id
+// without one), and with the sandbox's entry locked fill makes the image at
+// <data-dir>/images/<id> (absent before; removed again if anything fails) and returns the
+// snapshot's own fields (its layers, init token, ...) and what to log. newSnapshot completes
+// the record and writes it before the answer, still holding the lock (a crash from then on
+// finds the record and resumes the upload; the layers it stacks are counted from then on), and
+// starts the upload to the image store when there is one.
+func (m *Manager) newSnapshot(ctx context.Context, id, name, msg string, fill func(ctx context.Context, e *entry, image string) (*Template, []any, error)) (*Template, error) {
 	if name != "" && !nameRe.MatchString(name) {
 		return nil, fmt.Errorf("snapshot name %q: must match %s: %w", name, nameRe, errdefs.ErrInvalid)
 	}
@@ -47,58 +110,23 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 	}
 	defer release()
 	e.mu.Lock()
-	if err := runningLocked(e); err != nil {
-		e.mu.Unlock()
-		return nil, err
-	}
-	sb := m.snapshotOf(e)
-	image := filepath.Join(m.cfg.DataDir, "images", snapID)
-	if err := os.MkdirAll(image, 0o700); err != nil {
-		e.mu.Unlock()
-		return nil, err
-	}
-	tpl, err := m.templateOf(ctx, sb)
-	if err != nil {
-		e.mu.Unlock()
-		os.RemoveAll(image)
-		return nil, err
-	}
+	defer e.mu.Unlock()
 	start := time.Now()
-	var stopped time.Duration
-	// The image holds a token of its own, not the live sandbox's (snaptoken.go).
-	initToken, err := m.withSnapshotToken(ctx, sb, tpl, func() error {
-		var cerr error
-		_, stopped, cerr = m.captureRunningLocked(ctx, e, image, "")
-		return cerr
-	})
-	e.mu.Unlock()
+	image := datadir.Image(m.cfg.DataDir, snapID)
+	snap, logArgs, err := fill(ctx, e, image)
 	if err != nil {
 		os.RemoveAll(image)
-		m.observe(StageSnapshot, start, err)
-		return nil, fmt.Errorf("checkpoint: %w", err)
+		return nil, err
 	}
-	ckpt := time.Since(start)
-	snap := &Template{
-		ID:            snapID,
-		Kind:          "snapshot",
-		Team:          sb.Team,
-		VolumeMounts:  sb.VolumeMounts, // volumemounts.go
-		RootFS:        tpl.RootFS,
-		Lowers:        tpl.Lowers,
-		Image:         image,
-		CreatedAt:     time.Now().UTC(),
-		Ready:         true,
-		CPUCount:      sb.CPUCount,
-		MemoryMB:      sb.MemoryMB,
-		InitToken:     initToken,
-		SourceSandbox: sb.ID,
-		Names:         []string{snapID},
-		SnapshotState: SnapshotLocal,
-	}
+	sb := e.sb
+	snap.ID, snap.Kind, snap.Team, snap.Image = snapID, "snapshot", sb.Team, image
+	snap.CreatedAt, snap.Ready = time.Now().UTC(), true
+	snap.CPUCount, snap.MemoryMB = sb.CPUCount, sb.MemoryMB
+	snap.SourceSandbox, snap.Names = sb.ID, []string{snapID}
+	snap.SnapshotState = SnapshotLocal
 	if m.cfg.Images != nil {
 		snap.SnapshotState = SnapshotUploading
 	}
-	// Recorded before the answer: a crash from here on finds the record and resumes the upload.
 	if err := m.cfg.Store.PutTemplate(ctx, snap); err != nil {
 		os.RemoveAll(image)
 		return nil, err
@@ -107,7 +135,7 @@ func (m *Manager) Snapshot(ctx context.Context, id, name string) (*Template, err
 	if m.cfg.Images != nil {
 		m.startUpload(snapID, image, false)
 	}
-	m.logger(id).Info("snapshot taken", "snapshot", snapID, "state", snap.SnapshotState, "checkpoint_ms", ckpt.Milliseconds(), "stopped_ms", stopped.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
+	m.logger(id).Info(msg, append([]any{"snapshot", snapID, "state", snap.SnapshotState, "total_ms", time.Since(start).Milliseconds()}, logArgs...)...)
 	return snap, nil
 }
 
@@ -139,19 +167,9 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 		return nil, err
 	}
 	defer done()
-	e, err := m.entry(id)
+	image := datadir.Image(m.cfg.DataDir, "fork-"+randomHex(6))
+	e, parent, err := m.lockRunning(id, image)
 	if err != nil {
-		return nil, err
-	}
-	e.mu.Lock()
-	if err := runningLocked(e); err != nil {
-		e.mu.Unlock()
-		return nil, err
-	}
-	parent := m.snapshotOf(e)
-	image := filepath.Join(m.cfg.DataDir, "images", "fork-"+randomHex(6))
-	if err := os.MkdirAll(image, 0o700); err != nil {
-		e.mu.Unlock()
 		return nil, err
 	}
 	// The image is removed after the answer (lever 3): the children no longer read it once
@@ -160,7 +178,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 		m.wg.Add(1)
 		go func() {
 			defer m.wg.Done()
-			overlayfs.RemoveTree(image)
+			overlayfs.RemoveTree(image, overlayfs.DetachMounts)
 		}()
 	}()
 	tpl, err := m.templateOf(ctx, parent)
@@ -175,7 +193,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	if m.layerCapturer() != nil && !m.forkCopies.Load() {
 		ended := m.buildStarted() // no layer collection until the children are recorded
 		defer ended()
-		forks := filepath.Join(m.cfg.DataDir, forkLayersDir)
+		forks := datadir.ForkLayers(m.cfg.DataDir)
 		layerDir = filepath.Join(forks, filepath.Base(image))
 		err = os.MkdirAll(forks, 0o700)
 	}

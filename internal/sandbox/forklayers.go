@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
@@ -23,9 +24,6 @@ import (
 // every other collection, and when a sandbox that stacks a fork layer ends. A fork in flight
 // counts as a build, so no collection removes its layer before its children are recorded.
 
-// forkLayersDir is where fork layers live, under the data directory.
-const forkLayersDir = "forks"
-
 // layerCapturer returns the driver's LayerCapturer when it can capture layers, else nil.
 func (m *Manager) layerCapturer() runtime.LayerCapturer {
 	lc, ok := m.cfg.Driver.(runtime.LayerCapturer)
@@ -42,7 +40,7 @@ func (m *Manager) ForkCopiesLayers(on bool) { m.forkCopies.Store(on) }
 
 // stacksForkLayer reports whether sb's stack holds a fork layer of this node.
 func (m *Manager) stacksForkLayer(sb *Sandbox) bool {
-	prefix := filepath.Join(m.cfg.DataDir, forkLayersDir) + string(os.PathSeparator)
+	prefix := datadir.ForkLayers(m.cfg.DataDir) + string(os.PathSeparator)
 	for _, d := range append([]string{sb.RootFS}, sb.Lowers...) {
 		if strings.HasPrefix(d, prefix) {
 			return true
@@ -83,7 +81,7 @@ func (m *Manager) collectForkLayers(ctx context.Context, why string) {
 // sweepForkLayersLocked removes the fork layers no directory of keep is inside, and opens the
 // others (a host restart unmounted them). gcMu is held.
 func (m *Manager) sweepForkLayersLocked(ctx context.Context, keep []string, why string) {
-	dirs, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, forkLayersDir, "*"))
+	dirs, _ := filepath.Glob(filepath.Join(datadir.ForkLayers(m.cfg.DataDir), "*"))
 	if len(dirs) == 0 {
 		return
 	}
@@ -111,7 +109,7 @@ func (m *Manager) sweepForkLayersLocked(ctx context.Context, keep []string, why 
 // on the host (their mounts); the next start opens those still in use.
 func (m *Manager) closeForkLayers() {
 	lc := m.layerCapturer()
-	dirs, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, forkLayersDir, "*"))
+	dirs, _ := filepath.Glob(filepath.Join(datadir.ForkLayers(m.cfg.DataDir), "*"))
 	if lc == nil || len(dirs) == 0 {
 		return
 	}

@@ -9,12 +9,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
 // forkLayerDirs lists the fork layers in n's data dir.
 func (n *node) forkLayerDirs() []string {
-	dirs, _ := filepath.Glob(filepath.Join(n.cfg.DataDir, "forks", "*"))
+	dirs, _ := filepath.Glob(filepath.Join(datadir.ForkLayers(n.cfg.DataDir), "*"))
 	return dirs
 }
 
@@ -120,7 +121,7 @@ func TestForkLayerOfNoChildIsRemoved(t *testing.T) {
 	n.rig.Driver.Fail = nil
 	n.waitForkLayers(0)
 	// What a kill -9 between the capture and the children's records leaves.
-	cut := filepath.Join(n.cfg.DataDir, "forks", "fork-cut")
+	cut := filepath.Join(datadir.ForkLayers(n.cfg.DataDir), "fork-cut")
 	if err := os.MkdirAll(filepath.Join(cut, "layer", "upper"), 0o700); err != nil {
 		t.Fatal(err)
 	}

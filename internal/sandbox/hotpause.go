@@ -152,7 +152,7 @@ func (m *Manager) checkpointFrozen(ctx context.Context, inst, image string) erro
 		return err
 	}
 	if err := m.cfg.Driver.Checkpoint(ctx, inst, image, runtime.CheckpointOptions{LeaveRunning: true}); err != nil {
-		overlayfs.RemoveTree(image)
+		overlayfs.RemoveTree(image, overlayfs.DetachMounts)
 		return err
 	}
 	return markComplete(image, false)
@@ -242,7 +242,7 @@ func (m *Manager) thawLocked(ctx context.Context, e *entry, timeout time.Duratio
 	e.hot = nil
 	if image := h.image; image != "" {
 		// Stale now that the sandbox runs on; a crash first leaves it to reconcile.
-		m.goBG(func() { overlayfs.RemoveTree(image) })
+		m.goBG(func() { overlayfs.RemoveTree(image, overlayfs.DetachMounts) })
 	}
 	m.guestT.open(sb.Runtime.GuestIP, h.inst, true)
 	m.observe(StageResume, start, nil)
@@ -282,7 +282,7 @@ func (m *Manager) demoteLocked(ctx context.Context, e *entry, why string) error 
 			return err
 		}
 		if err := m.cfg.Driver.Checkpoint(ctx, h.inst, image, runtime.CheckpointOptions{}); err != nil {
-			overlayfs.RemoveTree(image)
+			overlayfs.RemoveTree(image, overlayfs.DetachMounts)
 			return fmt.Errorf("checkpoint for demotion: %w", err)
 		}
 		if err := markComplete(image, false); err != nil {

@@ -3,6 +3,7 @@ package sandbox_test
 import (
 	"context"
 	"errors"
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/testutil"
 	"net/http"
@@ -105,7 +106,7 @@ func TestHotPauseKeepsTheInstanceAndThaws(t *testing.T) {
 		t.Fatalf("file after the thaw: %q", v)
 	}
 	testutil.Eventually(t, 2*time.Second, "the stale image removed", func() bool {
-		imgs, _ := filepath.Glob(filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID, "image-*"))
+		imgs, _ := filepath.Glob(filepath.Join(datadir.Sandbox(n.cfg.DataDir, sb.ID), "image-*"))
 		return len(imgs) == 0
 	})
 	// A running sandbox's timeout still works, and a kill leaves nothing.
@@ -256,7 +257,7 @@ func TestResumeAndKillDuringTheBackgroundCheckpoint(t *testing.T) {
 		t.Fatalf("memory: %d %q", code, v)
 	}
 	testutil.Eventually(t, 2*time.Second, "the checkpoint's image removed", func() bool {
-		imgs, _ := filepath.Glob(filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID, "image-*"))
+		imgs, _ := filepath.Glob(filepath.Join(datadir.Sandbox(n.cfg.DataDir, sb.ID), "image-*"))
 		return len(imgs) == 0
 	})
 
@@ -362,7 +363,7 @@ func TestHotPauseSurvivesCrashAtEveryStep(t *testing.T) {
 		n, sb := setup(t)
 		n.kill9()
 		// What hotPauseLocked had done: its marker, the freeze.
-		os.WriteFile(filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID, ".ember-pausing"), nil, 0o600)
+		os.WriteFile(filepath.Join(datadir.Sandbox(n.cfg.DataDir, sb.ID), ".ember-pausing"), nil, 0o600)
 		n.rig.Driver.Freeze(ctx, sb.Runtime.InstanceID)
 		n.start()
 		check(t, n, sb, sandbox.TierMemory, true)

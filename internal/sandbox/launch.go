@@ -13,6 +13,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/admission"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -240,6 +241,22 @@ func (m *Manager) teardown(ctx context.Context, owner string, p Placement) {
 		if err := os.RemoveAll(p.StateDir); err != nil {
 			log.Warn("remove instance dir", "dir", p.StateDir, "err", err)
 		}
+	}
+}
+
+// teardownSandbox is the teardown of a sandbox that ends (a kill, an end, a create or a pool
+// instance given up, a build sandbox closed): its instance p (teardown), then its directory,
+// with whatever is still mounted in it (removeSandboxDir). Idempotent, like both halves.
+func (m *Manager) teardownSandbox(ctx context.Context, owner string, p Placement) {
+	m.teardown(ctx, owner, p)
+	m.removeSandboxDir(owner)
+}
+
+// removeSandboxDir removes a sandbox's directory and detaches what is mounted in it (call it
+// only once no instance runs there). Idempotent.
+func (m *Manager) removeSandboxDir(id string) {
+	if err := overlayfs.RemoveTree(m.sandboxDir(id), overlayfs.DetachMounts); err != nil {
+		m.logger(id).Warn("remove sandbox dir", "err", err)
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"regexp"
 	"strings"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
@@ -116,13 +117,14 @@ func (m *Manager) checkLayerDir(dir string) error {
 		return bad
 	}
 	rel = filepath.ToSlash(rel)
-	if rest, ok := strings.CutPrefix(rel, remoteDir+"/"); ok {
-		enc, tree, _ := strings.Cut(rest, "/")
+	remote := datadir.Remote(data)
+	if rest, ok := strings.CutPrefix(dir, remote+string(os.PathSeparator)); ok {
+		enc, tree, _ := strings.Cut(filepath.ToSlash(rest), "/")
 		ident, err := base64.RawURLEncoding.DecodeString(enc)
 		if err != nil || m.checkIdentity(string(ident), false) != nil {
 			return bad
 		}
-		want, err := os.ReadFile(filepath.Join(data, remoteDir, enc, treeFile))
+		want, err := os.ReadFile(filepath.Join(remote, enc, treeFile))
 		if err != nil || string(want) != filepath.FromSlash(tree) || !cleanRel(tree) {
 			return bad
 		}

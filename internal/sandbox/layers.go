@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
 
@@ -65,14 +66,14 @@ func (m *Manager) collectLayers(ctx context.Context, why string) {
 	for _, d := range keep {
 		used[d] = true
 	}
-	tops, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "templates", "*", "rootfs-*"))
-	scratch, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "templates", "*", ".rootfs-*"))
+	tops, _ := filepath.Glob(filepath.Join(datadir.Templates(m.cfg.DataDir), "*", "rootfs-*"))
+	scratch, _ := filepath.Glob(filepath.Join(datadir.Templates(m.cfg.DataDir), "*", ".rootfs-*"))
 	for _, d := range append(tops, scratch...) {
 		if used[d] {
 			continue
 		}
 		m.log.Info("layer gc: removed unused template layer", "dir", d, "why", why)
-		overlayfs.RemoveTree(d)
+		overlayfs.RemoveTree(d, overlayfs.DetachMounts)
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/template/build"
@@ -21,7 +22,7 @@ func TestTemplateStackNamingTheDataDirIsRefused(t *testing.T) {
 	n := newNode(t, nil)
 	tpl := n.build("base")
 	ctx := context.Background()
-	for _, bad := range []string{n.cfg.DataDir, filepath.Join(n.cfg.DataDir, "templates")} {
+	for _, bad := range []string{n.cfg.DataDir, datadir.Templates(n.cfg.DataDir)} {
 		tampered := *tpl
 		tampered.Lowers = append([]string{bad}, tpl.Lowers...)
 		if err := n.store.PutTemplate(ctx, &tampered); err != nil {

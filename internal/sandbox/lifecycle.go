@@ -19,13 +19,6 @@ const (
 	EndLost    = "lost: its instance no longer ran when ember restarted"
 )
 
-// removeSandboxDir removes a sandbox's directory (call it only once no instance runs there).
-func (m *Manager) removeSandboxDir(id string) {
-	if err := os.RemoveAll(m.sandboxDir(id)); err != nil {
-		m.logger(id).Warn("remove sandbox dir", "err", err)
-	}
-}
-
 // Kill stops a sandbox and releases everything it holds.
 func (m *Manager) Kill(ctx context.Context, id string) error {
 	ctx, done, err := m.op(ctx)
@@ -57,10 +50,9 @@ func (m *Manager) endLocked(ctx context.Context, e *entry, reason string) {
 		waitHot(h, true) // its checkpoint writes into the directory removed below
 		e.hot = nil
 	}
-	m.teardown(ctx, sb.ID, sb.Runtime)
 	m.dropPreLocked(ctx, e)
 	m.dropCheckpointsLocked(ctx, e) // step checkpoints go with it (checkpoints.go)
-	m.removeSandboxDir(sb.ID)
+	m.teardownSandbox(ctx, sb.ID, sb.Runtime)
 	sb.State = StateKilled
 	sb.EndReason = reason
 	sb.EndedAt = time.Now().UTC()

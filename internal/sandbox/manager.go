@@ -365,8 +365,8 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	if err := os.Chmod(cfg.DataDir, 0o700); err != nil {
 		return nil, err
 	}
-	for _, d := range []string{"sandboxes", "templates", "images"} {
-		if err := os.MkdirAll(filepath.Join(cfg.DataDir, d), 0o700); err != nil {
+	for _, d := range []string{datadir.Sandboxes(cfg.DataDir), datadir.Templates(cfg.DataDir), datadir.Images(cfg.DataDir)} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, err
 		}
 	}
@@ -397,20 +397,20 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		m.ls.Store(&ls)
 	}
 	// Step layers a crash left staged (never committed under their key).
-	staged, _ := filepath.Glob(filepath.Join(cfg.DataDir, "layers", ".tmp-step-*"))
+	staged, _ := filepath.Glob(filepath.Join(datadir.Layers(cfg.DataDir), ".tmp-step-*"))
 	for _, d := range staged {
-		overlayfs.RemoveTree(d)
+		overlayfs.RemoveTree(d, overlayfs.DetachMounts)
 	}
 	m.sweepTemporaries()
 	// Rootfs trees a crash left half composed, and template directories left empty by a first
 	// build that never finished.
-	halves, _ := filepath.Glob(filepath.Join(cfg.DataDir, "templates", "*", "rootfs-*.tmp"))
+	halves, _ := filepath.Glob(filepath.Join(datadir.Templates(cfg.DataDir), "*", "rootfs-*.tmp"))
 	for _, d := range halves {
-		overlayfs.RemoveTree(d)
+		overlayfs.RemoveTree(d, overlayfs.DetachMounts)
 	}
-	if dirs, err := os.ReadDir(filepath.Join(cfg.DataDir, "templates")); err == nil {
+	if dirs, err := os.ReadDir(datadir.Templates(cfg.DataDir)); err == nil {
 		for _, d := range dirs {
-			os.Remove(filepath.Join(cfg.DataDir, "templates", d.Name())) // only when empty
+			os.Remove(filepath.Join(datadir.Templates(cfg.DataDir), d.Name())) // only when empty
 		}
 	}
 	m.bg, m.cancelBG = context.WithCancel(context.Background())
@@ -529,7 +529,7 @@ func newID() string {
 func instanceID(sandboxID string) string { return sandboxID + "-" + randomHex(2) }
 
 func (m *Manager) sandboxDir(id string) string {
-	return filepath.Join(datadir.Sandboxes(m.cfg.DataDir), id)
+	return datadir.Sandbox(m.cfg.DataDir, id)
 }
 func (m *Manager) layersDir() string { return datadir.Layers(m.cfg.DataDir) }
 func (m *Manager) importDir() string { return datadir.Imports(m.cfg.DataDir) }

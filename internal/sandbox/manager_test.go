@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/testutil"
 	"io"
 	"log/slog"
@@ -164,7 +165,7 @@ func (n *node) assertHolds(want int) {
 }
 
 func (n *node) sandboxDirs() []string {
-	ents, _ := os.ReadDir(filepath.Join(n.cfg.DataDir, "sandboxes"))
+	ents, _ := os.ReadDir(datadir.Sandboxes(n.cfg.DataDir))
 	var out []string
 	for _, e := range ents {
 		out = append(out, e.Name())
@@ -225,7 +226,7 @@ func TestCreateFromPoolKeepsItsDirectoryAcrossRestart(t *testing.T) {
 		t.Fatalf("create restored instead of taking a pool instance")
 	}
 	// The pool instance lived under the sandbox's own id from the start.
-	if !strings.HasPrefix(sb.Runtime.StateDir, filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID)+"/") {
+	if !strings.HasPrefix(sb.Runtime.StateDir, datadir.Sandbox(n.cfg.DataDir, sb.ID)+"/") {
 		t.Fatalf("state dir %s is not under the sandbox's directory", sb.Runtime.StateDir)
 	}
 	n.write(sb.ID, "/keep.txt", "precious")
@@ -261,7 +262,7 @@ func TestReconcileAdoptsOnlyWhatTheStoreKnows(t *testing.T) {
 	if err := n.rig.Driver.Crash(gone.Runtime.InstanceID, runtime.ExitKilled); err != nil {
 		t.Fatal(err)
 	}
-	orphanDir := filepath.Join(n.cfg.DataDir, "sandboxes", "orphanaaaaaaaaaaaaaa", "run-abcd")
+	orphanDir := filepath.Join(datadir.Sandbox(n.cfg.DataDir, "orphanaaaaaaaaaaaaaa"), "run-abcd")
 	os.MkdirAll(orphanDir, 0o700)
 	slot, _ := n.rig.Network.Acquire(context.Background(), sandbox.Egress{AllowInternet: true})
 	if err := n.rig.Driver.Start(context.Background(), runtime.Spec{ID: "orphanaaaaaaaaaaaaaa-abcd", RootFS: tpl.RootFS, StateDir: orphanDir, NetNSPath: slot.NetNSPath, Args: []string{"/usr/local/bin/envd"}}); err != nil {
@@ -810,7 +811,7 @@ func TestPauseCutByCrashIsRecovered(t *testing.T) {
 	n.m.Close()
 	n.m = nil
 	// What pauseLocked had done when the daemon died: the checkpoint, its completion mark.
-	image := filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID, "image-abcdef")
+	image := filepath.Join(datadir.Sandbox(n.cfg.DataDir, sb.ID), "image-abcdef")
 	os.MkdirAll(image, 0o700)
 	if err := n.rig.Driver.Checkpoint(context.Background(), sb.Runtime.InstanceID, image, runtime.CheckpointOptions{}); err != nil {
 		t.Fatal(err)
@@ -904,13 +905,13 @@ func TestRestartRemovesUnfinishedUploads(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	partial := filepath.Join(n.cfg.DataDir, "imports", ".upload-123")
+	partial := filepath.Join(datadir.Imports(n.cfg.DataDir), ".upload-123")
 	os.WriteFile(partial, []byte("half"), 0o600)
 	n.restart()
 	if _, err := os.Stat(partial); err == nil {
 		t.Error("an unfinished upload survived the restart")
 	}
-	if _, err := os.Stat(filepath.Join(n.cfg.DataDir, "imports", name)); err != nil {
+	if _, err := os.Stat(filepath.Join(datadir.Imports(n.cfg.DataDir), name)); err != nil {
 		t.Errorf("a finished import was removed: %v", err)
 	}
 }

@@ -186,8 +186,7 @@ func (p *pool) close() int {
 }
 
 func (p *pool) discard(pe *pooled) {
-	p.m.teardown(context.Background(), pe.owner, pe.place)
-	p.m.removeSandboxDir(pe.owner)
+	p.m.teardownSandbox(context.Background(), pe.owner, pe.place)
 }
 
 // demandLocked returns the stats of a template, creating them.

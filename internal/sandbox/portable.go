@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
@@ -47,7 +48,6 @@ type PortableTemplate struct {
 }
 
 const (
-	remoteDir   = "remote"
 	treeArchive = "tree.tar"
 )
 
@@ -56,7 +56,7 @@ const (
 // loaded from another node by the identity it had there; anything else (an identity already)
 // is its own name.
 func LayerIdentity(dataDir string) func(string) string {
-	remote := filepath.Join(dataDir, remoteDir) + string(os.PathSeparator)
+	remote := datadir.Remote(dataDir) + string(os.PathSeparator)
 	return func(p string) string {
 		if !filepath.IsAbs(p) {
 			return p
@@ -148,10 +148,10 @@ func (m *Manager) exportLayer(ctx context.Context, tp TreePorter, name, dir stri
 	if ok, err := m.cfg.Images.Exists(ctx, sid); err != nil || ok {
 		return err
 	}
-	if err := os.MkdirAll(filepath.Join(m.cfg.DataDir, remoteDir), 0o700); err != nil {
+	if err := os.MkdirAll(datadir.Remote(m.cfg.DataDir), 0o700); err != nil {
 		return err
 	}
-	stage, err := os.MkdirTemp(filepath.Join(m.cfg.DataDir, remoteDir), ".export-")
+	stage, err := os.MkdirTemp(datadir.Remote(m.cfg.DataDir), ".export-")
 	if err != nil {
 		return err
 	}
@@ -199,7 +199,7 @@ func (m *Manager) ImportTemplate(ctx context.Context, p *PortableTemplate) (*Tem
 	if len(tpl.Lowers) == 0 {
 		tpl.Lowers = nil
 	}
-	image := filepath.Join(m.cfg.DataDir, remoteDir, "images", p.ImageID)
+	image := filepath.Join(datadir.RemoteImages(m.cfg.DataDir), p.ImageID)
 	if err := os.MkdirAll(filepath.Dir(image), 0o700); err != nil {
 		return nil, err
 	}
@@ -235,9 +235,9 @@ func (m *Manager) importLayer(ctx context.Context, tp TreePorter, name string, m
 	if ok, err := realDirs(m.cfg.DataDir, name); err != nil {
 		return "", err
 	} else if ok {
-		return filepath.Join(m.cfg.DataDir, filepath.FromSlash(name)), nil
+		return datadir.Named(m.cfg.DataDir, name), nil
 	}
-	dest := filepath.Join(m.cfg.DataDir, remoteDir, base64.RawURLEncoding.EncodeToString([]byte(name)))
+	dest := filepath.Join(datadir.Remote(m.cfg.DataDir), base64.RawURLEncoding.EncodeToString([]byte(name)))
 	if err := os.MkdirAll(filepath.Dir(dest), 0o700); err != nil {
 		return "", err
 	}
@@ -443,22 +443,12 @@ func (m *Manager) ExportFork(ctx context.Context, id string) (*PortableFork, err
 		return nil, err
 	}
 	defer done()
-	e, err := m.entry(id)
+	image := datadir.Image(m.cfg.DataDir, "fork-"+randomHex(6))
+	e, parent, err := m.lockRunning(id, image)
 	if err != nil {
 		return nil, err
 	}
-	e.mu.Lock()
-	if err := runningLocked(e); err != nil {
-		e.mu.Unlock()
-		return nil, err
-	}
-	parent := m.snapshotOf(e)
-	image := filepath.Join(m.cfg.DataDir, "images", "fork-"+randomHex(6))
-	if err := os.MkdirAll(image, 0o700); err != nil {
-		e.mu.Unlock()
-		return nil, err
-	}
-	defer overlayfs.RemoveTree(image)
+	defer overlayfs.RemoveTree(image, overlayfs.DetachMounts)
 	tpl, err := m.templateOf(ctx, parent)
 	if err != nil {
 		e.mu.Unlock()
@@ -510,16 +500,16 @@ func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, tim
 	if parent.RootFS, parent.Lowers, err = m.importStack(ctx, tp, parent.RootFS, parent.Lowers); err != nil {
 		return nil, fmt.Errorf("fork of %q: %w", parent.ID, err)
 	}
-	if err := os.MkdirAll(filepath.Join(m.cfg.DataDir, "images"), 0o700); err != nil {
+	if err := os.MkdirAll(datadir.Images(m.cfg.DataDir), 0o700); err != nil {
 		return nil, err
 	}
-	image := filepath.Join(m.cfg.DataDir, "images", "in-"+randomHex(6))
+	image := datadir.Image(m.cfg.DataDir, "in-"+randomHex(6))
 	max := int64(4*(orDefault(parent.DiskSizeMB, m.cfg.DiskMB)+orDefault(parent.MemoryMB, m.cfg.MemoryMB))) << 20
 	start := time.Now()
 	err = m.cfg.Images.Fetch(ctx, pf.ImageID, image, func(ctx context.Context, src, dst string) error {
 		return m.cfg.Driver.ImportImage(ctx, src, dst, runtime.ImportOptions{MaxBytes: max})
 	})
-	defer overlayfs.RemoveTree(image)
+	defer overlayfs.RemoveTree(image, overlayfs.DetachMounts)
 	if err != nil {
 		return nil, fmt.Errorf("fork of %q: load image: %w", parent.ID, err)
 	}

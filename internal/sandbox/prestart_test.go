@@ -3,8 +3,8 @@ package sandbox_test
 import (
 	"context"
 	"errors"
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/testutil"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -45,7 +45,7 @@ func TestPrestartedInstancesServePoolMisses(t *testing.T) {
 		if !slices.Contains(pre, sb.Runtime.InstanceID) {
 			t.Fatalf("sandbox %s runs on %s, not on a pre-started instance %v", sb.ID, sb.Runtime.InstanceID, pre)
 		}
-		if !strings.HasPrefix(sb.Runtime.StateDir, filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID)+"/") {
+		if !strings.HasPrefix(sb.Runtime.StateDir, datadir.Sandbox(n.cfg.DataDir, sb.ID)+"/") {
 			t.Fatalf("state dir %s is not under the sandbox's directory", sb.Runtime.StateDir)
 		}
 		if got := n.rig.Driver.Token(sb.Runtime.InstanceID); got != sb.AccessToken {

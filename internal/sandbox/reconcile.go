@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
@@ -194,7 +195,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 	}
 	// Directories: whole sandbox directories nobody owns, and inside kept ones every instance
 	// directory but the adopted instance's (a pause or resume interrupted by a crash).
-	root := filepath.Join(m.cfg.DataDir, "sandboxes")
+	root := datadir.Sandboxes(m.cfg.DataDir)
 	entries, _ := os.ReadDir(root)
 	for _, d := range entries {
 		dir := filepath.Join(root, d.Name())
@@ -207,12 +208,12 @@ func (m *Manager) reconcile(ctx context.Context) error {
 					return fmt.Errorf("release %s: %w", r, err)
 				}
 				m.log.Info("reconcile: removed stale instance directory", "dir", r)
-				overlayfs.RemoveTree(r)
+				overlayfs.RemoveTree(r, overlayfs.DetachMounts)
 			}
 		}
 		if !keepDirs[d.Name()] {
 			m.log.Info("reconcile: removed orphan directory", "dir", dir)
-			overlayfs.RemoveTree(dir)
+			overlayfs.RemoveTree(dir, overlayfs.DetachMounts)
 			continue
 		}
 		// Pause images but the one a paused sandbox resumes from (a resume recorded before
@@ -225,7 +226,7 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		for _, img := range images {
 			if img != keepImage {
 				m.log.Info("reconcile: removed stale pause image", "image", img)
-				overlayfs.RemoveTree(img)
+				overlayfs.RemoveTree(img, overlayfs.DetachMounts)
 			}
 		}
 		// Stage directories of exports and imports interrupted by a crash.
@@ -234,14 +235,14 @@ func (m *Manager) reconcile(ctx context.Context) error {
 			if filepath.Base(s) == tokenSwapName {
 				continue // undone below (snaptoken.go)
 			}
-			overlayfs.RemoveTree(s)
+			overlayfs.RemoveTree(s, overlayfs.DetachMounts)
 		}
 	}
 	// Leftovers of earlier layouts and of work a crash interrupted.
-	for _, dir := range []string{filepath.Join(m.cfg.DataDir, "pool")} {
+	for _, dir := range []string{datadir.Pool(m.cfg.DataDir)} {
 		if _, err := os.Stat(dir); err == nil {
 			m.log.Info("reconcile: removed orphan directory", "dir", dir)
-			overlayfs.RemoveTree(dir)
+			overlayfs.RemoveTree(dir, overlayfs.DetachMounts)
 		}
 	}
 	uploads, _ := filepath.Glob(filepath.Join(m.importDir(), ".upload-*"))
@@ -249,10 +250,10 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		m.log.Info("reconcile: removed unfinished upload", "file", u)
 		os.Remove(u)
 	}
-	builds, _ := filepath.Glob(filepath.Join(m.cfg.DataDir, "templates", "*", "build-*"))
+	builds, _ := filepath.Glob(filepath.Join(datadir.Templates(m.cfg.DataDir), "*", "build-*"))
 	for _, b := range builds {
 		m.log.Info("reconcile: removed orphan directory", "dir", b)
-		overlayfs.RemoveTree(b)
+		overlayfs.RemoveTree(b, overlayfs.DetachMounts)
 	}
 	// Fork images, export stages, and snapshot captures whose record was never written.
 	tpls, err := m.cfg.Store.ListTemplates(ctx)
@@ -260,11 +261,11 @@ func (m *Manager) reconcile(ctx context.Context) error {
 		return err
 	}
 	captures := snapshotCaptures(m.cfg.DataDir, tpls)
-	imgs, _ := os.ReadDir(filepath.Join(m.cfg.DataDir, "images"))
+	imgs, _ := os.ReadDir(datadir.Images(m.cfg.DataDir))
 	for _, e := range imgs {
 		if strings.HasPrefix(e.Name(), "fork-") || strings.HasPrefix(e.Name(), ".") || !captures[e.Name()] {
 			m.log.Info("reconcile: removed unfinished image", "image", e.Name())
-			overlayfs.RemoveTree(filepath.Join(m.cfg.DataDir, "images", e.Name()))
+			overlayfs.RemoveTree(datadir.Image(m.cfg.DataDir, e.Name()), overlayfs.DetachMounts)
 		}
 	}
 	if err := m.resumeUploads(ctx, tpls); err != nil {
@@ -382,7 +383,7 @@ func (m *Manager) unmountOrphans(keepRun map[string]bool) error {
 			}
 		}
 		// runsc keeps a namespace bind mount in its root for its own use.
-		if owned || strings.HasPrefix(p, filepath.Join(m.cfg.DataDir, "runsc")+"/") {
+		if owned || strings.HasPrefix(p, datadir.Runsc(m.cfg.DataDir)+"/") {
 			continue
 		}
 		if err := unix.Unmount(p, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {

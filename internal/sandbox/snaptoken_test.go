@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/envdclient"
 
 	"github.com/ember-sandbox/ember/internal/sandbox"
@@ -86,12 +87,12 @@ func TestTokenSwapCutByCrashIsUndone(t *testing.T) {
 	}
 	n.m.Close()
 	n.m = nil
-	os.WriteFile(filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID, ".ember-token-swap"), []byte(snapToken), 0o600)
+	os.WriteFile(filepath.Join(datadir.Sandbox(n.cfg.DataDir, sb.ID), ".ember-token-swap"), []byte(snapToken), 0o600)
 	n.start()
 	if v, err := n.read(sb.ID, "/x"); err != nil || v != "kept" {
 		t.Fatalf("after the restart the sandbox answers %q %v, want its file with its own token", v, err)
 	}
-	if _, err := os.Stat(filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID, ".ember-token-swap")); !os.IsNotExist(err) {
+	if _, err := os.Stat(filepath.Join(datadir.Sandbox(n.cfg.DataDir, sb.ID), ".ember-token-swap")); !os.IsNotExist(err) {
 		t.Fatalf("the swap marker is still there: %v", err)
 	}
 }

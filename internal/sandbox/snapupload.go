@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
 
@@ -178,7 +179,7 @@ func (m *Manager) resumeUploads(ctx context.Context, tpls []*Template) error {
 func snapshotCaptures(dataDir string, tpls []*Template) map[string]bool {
 	own := map[string]bool{}
 	for _, t := range tpls {
-		if t.Kind == "snapshot" && filepath.Dir(t.Image) == filepath.Join(dataDir, "images") {
+		if t.Kind == "snapshot" && filepath.Dir(t.Image) == datadir.Images(dataDir) {
 			own[filepath.Base(t.Image)] = true
 		}
 	}

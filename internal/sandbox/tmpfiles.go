@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"path/filepath"
 )
@@ -13,18 +14,19 @@ import (
 func (m *Manager) sweepTemporaries() {
 	d := m.cfg.DataDir
 	var found []string
-	add := func(pattern string) {
-		ms, _ := filepath.Glob(filepath.Join(d, pattern))
+	add := func(parts ...string) {
+		ms, _ := filepath.Glob(filepath.Join(parts...))
 		found = append(found, ms...)
 	}
-	add("build-files/.tmp-*")
-	for _, parent := range []string{"remote", "remote/images", "images", "sandboxes/*", "templates/*"} {
-		add(parent + "/.export-*")
-		add(parent + "/.*.export-*")
-		add(parent + "/.*.fetching-*")
+	add(datadir.BuildFiles(d), ".tmp-*")
+	for _, parent := range []string{datadir.Remote(d), datadir.RemoteImages(d), datadir.Images(d),
+		filepath.Join(datadir.Sandboxes(d), "*"), filepath.Join(datadir.Templates(d), "*")} {
+		add(parent, ".export-*")
+		add(parent, ".*.export-*")
+		add(parent, ".*.fetching-*")
 	}
 	for _, p := range found {
 		m.log.Info("removed a temporary file an interrupted operation left", "path", p)
-		overlayfs.RemoveTree(p)
+		overlayfs.RemoveTree(p, overlayfs.DetachMounts)
 	}
 }

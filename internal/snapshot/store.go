@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 )
 
 // DefaultChunkSize is the fixed chunk size Save uses unless WithChunkSize says otherwise.
@@ -875,39 +876,9 @@ func checkEmptyOrMissing(dir string) error {
 	return nil
 }
 
-// removeTree removes dir and everything under it, first undoing restrictive directory modes
-// (a failed load may have applied the snapshot's) so that it can. It follows no symlink, and
-// removes nothing if something under dir is on another filesystem (a mount).
-func removeTree(dir string) error {
-	root, err := os.Lstat(dir)
-	if err != nil {
-		if errors.Is(err, fs.ErrNotExist) {
-			return nil
-		}
-		return err
-	}
-	dev := func(fi fs.FileInfo) uint64 {
-		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-			return uint64(st.Dev)
-		}
-		return 0
-	}
-	rootDev := dev(root)
-	err = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-		if err != nil || !d.IsDir() {
-			return nil
-		}
-		if fi, err := d.Info(); err == nil && dev(fi) != rootDev {
-			return fmt.Errorf("%s is a mount point: %w", p, errdefs.ErrConflict)
-		}
-		os.Chmod(p, 0o700) // before WalkDir reads it
-		return nil
-	})
-	if err != nil {
-		return err
-	}
-	return os.RemoveAll(dir)
-}
+// removeTree removes dir and everything under it (overlayfs.RemoveTree): a snapshot's tree
+// holds no mount of ember's, so it removes nothing if something under dir is mounted.
+func removeTree(dir string) error { return overlayfs.RemoveTree(dir, overlayfs.RefuseMounts) }
 
 func syncPath(p string) error {
 	f, err := os.Open(p)

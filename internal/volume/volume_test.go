@@ -15,6 +15,7 @@ import (
 	"testing"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"github.com/ember-sandbox/ember/internal/volume"
 )
 
@@ -61,8 +62,8 @@ func (s *memStore) ListVolumes(_ context.Context) ([]*volume.Volume, error) {
 // open makes a Manager; with a disk limit (ext4 images) only as root.
 func open(t *testing.T, limit bool, sizeMB int) (*volume.Manager, *memStore, string) {
 	t.Helper()
-	if limit && os.Geteuid() != 0 {
-		t.Skip("disk-limited volumes need root (loop mounts)")
+	if limit {
+		testutil.Need(t, os.Geteuid() == 0, "disk-limited volumes need root (loop mounts)")
 	}
 	dir := t.TempDir()
 	st := &memStore{vols: map[string]volume.Volume{}}

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -93,7 +94,7 @@ func (d *Driver) OpenCapturedLayer(ctx context.Context, layerDir string) (string
 // returns the layer's top.
 func openCaptured(layerDir string) (string, error) {
 	layer := filepath.Join(layerDir, layerDirName)
-	if hasDiskImage(layer) && !isMountPoint(layer) {
+	if hasDiskImage(layer) && !overlayfs.IsMountPoint(layer) {
 		dev, lfd, err := attachLoop(filepath.Join(layer, diskImageName))
 		if err != nil {
 			return "", err
@@ -114,7 +115,7 @@ func openCaptured(layerDir string) (string, error) {
 // CloseCapturedLayer implements runtime.LayerCapturer.
 func (d *Driver) CloseCapturedLayer(ctx context.Context, layerDir string) error {
 	layer := filepath.Join(layerDir, layerDirName)
-	if !isMountPoint(layer) {
+	if !overlayfs.IsMountPoint(layer) {
 		return nil
 	}
 	return unmountStrict(layer, 15*time.Second)

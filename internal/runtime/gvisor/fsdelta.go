@@ -21,7 +21,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -168,7 +167,7 @@ func cloneUpper(srcSandboxDir, dstSandboxDir string, frozen func()) (method stri
 	if err := os.MkdirAll(dstSandboxDir, 0o700); err != nil {
 		return "", fmt.Errorf("gvisor: fsdelta: clone: %w", err)
 	}
-	if isSubvolume(src) && isBtrfs(dstSandboxDir) {
+	if overlayfs.IsSubvolume(src) && overlayfs.IsBtrfs(dstSandboxDir) {
 		err := btrfsSnapshot(src, dst)
 		if err == nil {
 			return CloneBtrfsSnapshot, nil
@@ -201,18 +200,12 @@ func cloneUpper(srcSandboxDir, dstSandboxDir string, frozen func()) (method stri
 func RemoveLayer(sandboxDir string) error {
 	layer := filepath.Join(sandboxDir, layerDirName)
 	// Its data is discarded: a lazy detach (when still busy) is fine here.
-	if isMountPoint(layer) {
+	if overlayfs.IsMountPoint(layer) {
 		if err := unmount(layer); err != nil {
 			return err
 		}
 	}
-	if isSubvolume(layer) {
-		if err := btrfsVolIoctl(filepath.Dir(layer), btrfsIocSnapDestroy, -1, filepath.Base(layer)); err == nil {
-			return nil
-		}
-		// Not allowed (unprivileged without user_subvol_rm_allowed): fall back to rm.
-	}
-	if err := os.RemoveAll(layer); err != nil {
+	if err := overlayfs.RemoveTree(layer, overlayfs.DetachMounts); err != nil {
 		return fmt.Errorf("gvisor: fsdelta: remove layer: %w", err)
 	}
 	return nil
@@ -221,8 +214,8 @@ func RemoveLayer(sandboxDir string) error {
 // createLayer makes an empty layer directory: a subvolume on btrfs, a directory elsewhere.
 func createLayer(layer string) error {
 	parent := filepath.Dir(layer)
-	if isBtrfs(parent) {
-		if err := btrfsVolIoctl(parent, btrfsIocSubvolCreate, -1, filepath.Base(layer)); err == nil {
+	if overlayfs.IsBtrfs(parent) {
+		if err := overlayfs.BtrfsVolIoctl(parent, overlayfs.BtrfsIocSubvolCreate, -1, filepath.Base(layer)); err == nil {
 			if err := os.Chmod(layer, 0o700); err != nil {
 				return fmt.Errorf("gvisor: fsdelta: layer: %w", err)
 			}
@@ -254,37 +247,6 @@ func checkLayerDir(p string) error {
 	return nil
 }
 
-// btrfs ioctls (linux/btrfs.h): all take struct btrfs_ioctl_vol_args {s64 fd; char name[4088]}.
-const (
-	btrfsIocSnapCreate   = 0x50009401 // _IOW(0x94, 1, vol_args)
-	btrfsIocSubvolCreate = 0x5000940e // _IOW(0x94, 14, vol_args)
-	btrfsIocSnapDestroy  = 0x5000940f // _IOW(0x94, 15, vol_args)
-	btrfsFirstFreeObjID  = 256        // inode number of every subvolume's root directory
-)
-
-type btrfsVolArgs struct {
-	Fd   int64
-	Name [4088]byte
-}
-
-// btrfsVolIoctl runs a vol_args ioctl on the directory dir with fd and name.
-func btrfsVolIoctl(dir string, req uintptr, fd int, name string) error {
-	if len(name) >= 4088 || strings.Contains(name, "/") {
-		return fmt.Errorf("gvisor: fsdelta: btrfs name %q: %w", name, errdefs.ErrInvalid)
-	}
-	d, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return fmt.Errorf("gvisor: fsdelta: open %s: %w", dir, err)
-	}
-	defer unix.Close(d)
-	args := btrfsVolArgs{Fd: int64(fd)}
-	copy(args.Name[:], name)
-	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(d), req, uintptr(unsafe.Pointer(&args))); errno != 0 {
-		return fmt.Errorf("gvisor: fsdelta: btrfs ioctl %#x %s/%s: %w", req, dir, name, errno)
-	}
-	return nil
-}
-
 // btrfsSnapshot makes dst a writable snapshot of the subvolume src.
 func btrfsSnapshot(src, dst string) error {
 	s, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
@@ -292,23 +254,13 @@ func btrfsSnapshot(src, dst string) error {
 		return fmt.Errorf("gvisor: fsdelta: open %s: %w", src, err)
 	}
 	defer unix.Close(s)
-	return btrfsVolIoctl(filepath.Dir(dst), btrfsIocSnapCreate, s, filepath.Base(dst))
-}
-
-func isBtrfs(path string) bool {
-	var st unix.Statfs_t
-	return unix.Statfs(path, &st) == nil && uint32(st.Type) == uint32(unix.BTRFS_SUPER_MAGIC)
-}
-
-func isSubvolume(path string) bool {
-	var st unix.Stat_t
-	return isBtrfs(path) && unix.Stat(path, &st) == nil && st.Ino == btrfsFirstFreeObjID
+	return overlayfs.BtrfsVolIoctl(filepath.Dir(dst), overlayfs.BtrfsIocSnapCreate, s, filepath.Base(dst))
 }
 
 // sameFS reports whether a and b are on the same filesystem. btrfs subvolumes differ in st_dev
 // (and statfs fsid), so two btrfs paths count as the same: cp falls back to copying if not.
 func sameFS(a, b string) bool {
-	if isBtrfs(a) && isBtrfs(b) {
+	if overlayfs.IsBtrfs(a) && overlayfs.IsBtrfs(b) {
 		return true
 	}
 	var sa, sb unix.Stat_t

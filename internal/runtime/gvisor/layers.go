@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -152,7 +153,7 @@ func releaseLayer(stateDir string) error {
 			if err := unmountStrict(filepath.Join(stateDir, mergedDirName), 15*time.Second); err != nil {
 				return err
 			}
-			if isMountPoint(layer) {
+			if overlayfs.IsMountPoint(layer) {
 				if err := syncFS(layer); err != nil {
 					return err
 				}
@@ -260,7 +261,7 @@ func (d *Driver) checkpointLayer(stateDir, imageDir string, leaveRunning bool, r
 		return err
 	}
 	layer := filepath.Join(stateDir, layerDirName)
-	if isMountPoint(layer) {
+	if overlayfs.IsMountPoint(layer) {
 		// A disk-limited layer is an ext4 filesystem: its data must be on its image before the
 		// image moves, or a later mount of it would see stale data (and the filesystem may
 		// live on a moment in a namespace of the exiting gofer's, beyond our unmount): flush

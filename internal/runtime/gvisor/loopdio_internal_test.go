@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/layerfs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
@@ -47,7 +48,7 @@ func TestDiskImageLoopIsBufferedOnBtrfs(t *testing.T) {
 	if got := dio(btrfs); got != "0" {
 		t.Errorf("image on btrfs: dio %s, want 0 (buffered)", got)
 	}
-	if !isBtrfs(host) {
+	if !overlayfs.IsBtrfs(host) {
 		// ext4 and xfs take direct I/O; tmpfs has none (the driver falls back to buffered).
 		var st unix.Statfs_t
 		if unix.Statfs(host, &st) == nil && uint32(st.Type) == uint32(unix.EXT4_SUPER_MAGIC) {

@@ -32,14 +32,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
-	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -94,7 +93,7 @@ func (d *Driver) applyDiskLimit(spec runtime.Spec) error {
 	layer := filepath.Join(spec.StateDir, layerDirName)
 	img := filepath.Join(layer, diskImageName)
 	if _, err := os.Stat(img); err == nil {
-		if isMountPoint(layer) {
+		if overlayfs.IsMountPoint(layer) {
 			return nil
 		}
 		if err := growImage(img, spec.DiskMB); err != nil {
@@ -147,20 +146,10 @@ func (d *Driver) applyDiskLimit(spec runtime.Spec) error {
 			return fmt.Errorf("gvisor: disk limit: copy layer in: %v: %s", err, msg)
 		}
 	}
-	if err := removeTree(plain); err != nil {
+	if err := overlayfs.RemoveTree(plain, overlayfs.DetachMounts); err != nil {
 		d.log.Warn("disk limit: remove old layer", "path", plain, "err", err)
 	}
 	return nil
-}
-
-// removeTree deletes a directory tree that may be a btrfs subvolume.
-func removeTree(p string) error {
-	if isSubvolume(p) {
-		if btrfsVolIoctl(filepath.Dir(p), btrfsIocSnapDestroy, -1, filepath.Base(p)) == nil {
-			return nil
-		}
-	}
-	return os.RemoveAll(p)
 }
 
 // newDiskLayer creates layer as a directory holding a fresh image of sizeMB and mounts it there.
@@ -260,82 +249,30 @@ func mountDiskLayer(layer string) error {
 	return nil
 }
 
-// attachLoop binds file to a free loop device with LO_FLAGS_AUTOCLEAR (and direct I/O where the
-// backing filesystem allows it, so data is not cached twice). It returns the device and an open
+// attachLoop binds file to a free loop device (overlayfs.AttachLoop) with direct I/O where the
+// backing filesystem allows it, so data is not cached twice. It returns the device and an open
 // descriptor on it: close it once the device is mounted.
 // On btrfs, where a capture clones the image (FICLONE, whose cost grows with the file's extent
 // items), the device is buffered instead: direct I/O makes an extent item of every write
 // (~70 ms to clone 1 GiB written), writeback makes few large ones (~1 ms).
 func attachLoop(file string) (string, int, error) {
-	ctl, err := unix.Open("/dev/loop-control", unix.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return "", -1, fmt.Errorf("gvisor: disk limit: %w: %v", errNoDiskSupport, err)
-	}
-	defer unix.Close(ctl)
 	ffd, err := unix.Open(file, unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return "", -1, fmt.Errorf("gvisor: disk limit: %w", err)
 	}
 	defer unix.Close(ffd)
-	for attempt := 0; attempt < 20; attempt++ {
-		n, err := unix.IoctlRetInt(ctl, unix.LOOP_CTL_GET_FREE)
-		if err != nil {
-			return "", -1, fmt.Errorf("gvisor: disk limit: loop-control: %w", err)
-		}
-		dev := "/dev/loop" + strconv.Itoa(n)
-		var lfd int
-		for i := 0; i < 50; i++ { // devtmpfs may add the node a moment later
-			lfd, err = unix.Open(dev, unix.O_RDWR|unix.O_CLOEXEC, 0)
-			if !errors.Is(err, unix.ENOENT) {
-				break
-			}
-			time.Sleep(2 * time.Millisecond)
-		}
-		if errors.Is(err, unix.EACCES) || errors.Is(err, unix.EPERM) {
-			return "", -1, fmt.Errorf("gvisor: disk limit: open %s: %w: %v", dev, errNoDiskSupport, err)
-		} else if err != nil {
-			return "", -1, fmt.Errorf("gvisor: disk limit: open %s: %w", dev, err)
-		}
-		cfg := unix.LoopConfig{Fd: uint32(ffd), Size: 4096}
-		cfg.Info.Flags = unix.LO_FLAGS_AUTOCLEAR | unix.LO_FLAGS_DIRECT_IO
-		if isBtrfs(filepath.Dir(file)) {
-			cfg.Info.Flags, cfg.Size = unix.LO_FLAGS_AUTOCLEAR, 0
-		}
-		err = unix.IoctlLoopConfigure(lfd, &cfg)
-		if errors.Is(err, unix.EINVAL) { // no direct I/O on this backing filesystem
-			cfg.Info.Flags = unix.LO_FLAGS_AUTOCLEAR
-			cfg.Size = 0
-			err = unix.IoctlLoopConfigure(lfd, &cfg)
-		}
-		if err == nil {
-			return dev, lfd, nil
-		}
-		unix.Close(lfd)
-		if !errors.Is(err, unix.EBUSY) { // EBUSY: another process took it first
-			return "", -1, fmt.Errorf("gvisor: disk limit: configure %s: %w", dev, err)
-		}
+	dev, lfd, err := overlayfs.AttachLoop(ffd, !overlayfs.IsBtrfs(filepath.Dir(file)))
+	if errors.Is(err, overlayfs.ErrNoLoop) {
+		return "", -1, fmt.Errorf("gvisor: disk limit: %w: %v", errNoDiskSupport, err)
+	} else if err != nil {
+		return "", -1, fmt.Errorf("gvisor: disk limit: %w", err)
 	}
-	return "", -1, fmt.Errorf("gvisor: disk limit: no free loop device: %w", errdefs.ErrUnavailable)
-}
-
-// isMountPoint reports whether p is the root of a mount (its mount id differs from its
-// parent's; btrfs subvolumes, which differ in st_dev only, are not mount points).
-func isMountPoint(p string) bool {
-	id := func(path string) (uint64, bool) {
-		var stx unix.Statx_t
-		if unix.Statx(unix.AT_FDCWD, path, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_MNT_ID, &stx) != nil {
-			return 0, false
-		}
-		return stx.Mnt_id, stx.Mask&unix.STATX_MNT_ID != 0
-	}
-	a, ok1 := id(p)
-	b, ok2 := id(filepath.Dir(p))
-	return ok1 && ok2 && a != b
+	return dev, lfd, nil
 }
 
 // hasDiskImage reports whether the layer directory carries a disk image (mounted or not).
 func hasDiskImage(layer string) bool {
-	if isMountPoint(layer) {
+	if overlayfs.IsMountPoint(layer) {
 		return true
 	}
 	_, err := os.Stat(filepath.Join(layer, diskImageName))
@@ -361,7 +298,7 @@ func cloneDiskLayerFrozen(srcSandboxDir, dstSandboxDir string, frozen func()) (o
 		return true, fmt.Errorf("gvisor: disk limit: clone: %w", err)
 	}
 	srcImg := filepath.Join(src, diskImageName)
-	if isMountPoint(src) {
+	if overlayfs.IsMountPoint(src) {
 		// The image is hidden under its own mount: reach it through a detached, non-recursive
 		// clone of the parent's mount, where layer is the plain directory.
 		fd, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
@@ -469,7 +406,7 @@ func copyImage(src, dst string) (err error) {
 // one the caller's clean-up after a crash covers (the mount outlives a killed process).
 func DiskLayerFiles(sandboxDir, mountParent string, fn func(upper string) error) error {
 	layer := filepath.Join(sandboxDir, layerDirName)
-	if isMountPoint(layer) || !hasDiskImage(layer) {
+	if overlayfs.IsMountPoint(layer) || !hasDiskImage(layer) {
 		return fn(filepath.Join(layer, upperDirName))
 	}
 	mnt, err := os.MkdirTemp(mountParent, ".ember-disk-*")

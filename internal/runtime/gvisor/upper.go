@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 )
 
@@ -19,7 +20,7 @@ var _ runtime.UpperDirer = (*Driver)(nil)
 // host directory like any layer's, and an image restored from it starts unlimited as before.
 func (d *Driver) UpperDir(imageDir string) (string, error) {
 	layer := filepath.Join(imageDir, layerDirName)
-	if hasDiskImage(layer) && !isMountPoint(layer) {
+	if hasDiskImage(layer) && !overlayfs.IsMountPoint(layer) {
 		if err := plainLayer(imageDir); err != nil {
 			return "", err
 		}
@@ -38,7 +39,7 @@ func (d *Driver) UpperDir(imageDir string) (string, error) {
 func plainLayer(imageDir string) error {
 	layer := filepath.Join(imageDir, layerDirName)
 	plain := filepath.Join(imageDir, ".plain-"+layerDirName)
-	_ = removeTree(plain) // a conversion a crash cut
+	_ = overlayfs.RemoveTree(plain, overlayfs.DetachMounts) // a conversion a crash cut
 	if err := os.Mkdir(plain, 0o700); err != nil {
 		return fmt.Errorf("gvisor: plain layer: %w", err)
 	}
@@ -55,12 +56,12 @@ func plainLayer(imageDir string) error {
 			if err = os.Rename(plain, layer); err != nil {
 				_ = os.Rename(old, layer)
 			} else {
-				_ = removeTree(old)
+				_ = overlayfs.RemoveTree(old, overlayfs.DetachMounts)
 			}
 		}
 	}
 	if err != nil {
-		_ = removeTree(plain)
+		_ = overlayfs.RemoveTree(plain, overlayfs.DetachMounts)
 	}
 	return err
 }

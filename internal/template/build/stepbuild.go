@@ -531,11 +531,11 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 		// removes the layers it committed.
 		mine, err := m.commitStepLayer(l)
 		if err != nil {
-			overlayfs.RemoveTree(l.dir)
+			overlayfs.RemoveTree(l.dir, overlayfs.DetachMounts)
 			return nil, err
 		}
 		if mine {
-			cleanup = append(cleanup, func() { overlayfs.RemoveTree(l.dir) })
+			cleanup = append(cleanup, func() { overlayfs.RemoveTree(l.dir, overlayfs.DetachMounts) })
 		}
 		lowerKeys = append(lowerKeys, l.Key)
 		layers = append(layers, l.layerDir())
@@ -546,7 +546,7 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 	if err := os.MkdirAll(rootfs, 0o755); err != nil {
 		return nil, err
 	}
-	cleanup = append(cleanup, func() { overlayfs.RemoveTree(rootfs) })
+	cleanup = append(cleanup, func() { overlayfs.RemoveTree(rootfs, overlayfs.DetachMounts) })
 	if st := stackOf(layers); m.checkStack(st.Top, st.Lowers) != nil {
 		return nil, &stepError{step: "finalize", err: m.checkStack(st.Top, st.Lowers)}
 	}
@@ -567,7 +567,7 @@ func (m *Manager) runStepBuild(ctx context.Context, spec TemplateBuild, req Step
 		Format: TemplateFormat, BuildKey: tplKey, Tags: mergeTags(oldTags, spec.Tags, bid), Names: []string{name},
 	}
 	imageDir := filepath.Join(dir, "image-"+bid[:8])
-	cleanup = append(cleanup, func() { overlayfs.RemoveTree(imageDir) })
+	cleanup = append(cleanup, func() { overlayfs.RemoveTree(imageDir, overlayfs.DetachMounts) })
 	breq := BuildRequest{StartCmd: req.StartCmd, ReadyCmd: req.ReadyCmd, StartUser: final.User}
 	if err := m.warm(ctx, tpl, breq, imageDir, func(s string) { logf("finalize", "[finalize] %s", s) }); err != nil {
 		return nil, &stepError{step: "finalize", err: fmt.Errorf("start the template: %w", err)}
@@ -595,7 +595,7 @@ func (m *Manager) commitStepLayer(l *stepLayer) (mine bool, err error) {
 	dst := filepath.Join(m.layersDir(), "step-"+l.Key)
 	if err := os.Rename(l.dir, dst); err != nil {
 		if dirExists(dst) {
-			overlayfs.RemoveTree(l.dir)
+			overlayfs.RemoveTree(l.dir, overlayfs.DetachMounts)
 			l.dir = dst
 			return false, nil
 		}
@@ -675,7 +675,7 @@ func (m *Manager) stepParent(ctx context.Context, spec TemplateBuild, req StepBu
 	}
 	ip = imageParent{RootFS: rootfs, Info: info, Built: time.Now().UTC()}
 	data, _ := json.Marshal(ip)
-	undo := func() { overlayfs.RemoveTree(rootfs) }
+	undo := func() { overlayfs.RemoveTree(rootfs, overlayfs.DetachMounts) }
 	if err := writeFileAtomic(filepath.Join(idir, "parent.json"), data); err != nil {
 		undo()
 		return nil, "", nil, err
@@ -733,7 +733,7 @@ func (m *Manager) emptyStepLayer() (*stepLayer, error) {
 		return nil, err
 	}
 	if err := os.Mkdir(filepath.Join(stage, "root"), 0o755); err != nil {
-		overlayfs.RemoveTree(stage)
+		overlayfs.RemoveTree(stage, overlayfs.DetachMounts)
 		return nil, err
 	}
 	return &stepLayer{Root: "root", dir: stage}, nil
@@ -774,7 +774,7 @@ func (m *Manager) runSteps(ctx context.Context, spec TemplateBuild, req StepBuil
 		return nil, err
 	}
 	fail := func(err error) (*stepLayer, error) {
-		overlayfs.RemoveTree(stage)
+		overlayfs.RemoveTree(stage, overlayfs.DetachMounts)
 		return nil, err
 	}
 	img := filepath.Join(stage, "image")

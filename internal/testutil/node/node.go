@@ -8,6 +8,7 @@ package node
 import (
 	"context"
 	"fmt"
+	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/layerfs"
 	"net"
 	"net/http"
@@ -64,7 +65,7 @@ func Build(dir string, ember bool) (Binaries, error) {
 // namespace mount runsc keeps in its root and the btrfs image ember mounts over a data dir that
 // cannot clone (internal/layerfs).
 func RemoveDataDir(dataDir string) {
-	exec.Command("umount", filepath.Join(dataDir, "runsc", "null-netns")).Run()
+	exec.Command("umount", filepath.Join(datadir.Runsc(dataDir), "null-netns")).Run()
 	if err := layerfs.Unmount(dataDir, 10*time.Second); err != nil {
 		fmt.Fprintln(os.Stderr, "testnode:", err)
 	}
@@ -91,7 +92,7 @@ func Start(ctx context.Context, cfg daemon.Config) (*Node, error) {
 		n.Close()
 		return nil, err
 	}
-	key, err := os.ReadFile(filepath.Join(cfg.DataDir, "api-key"))
+	key, err := os.ReadFile(datadir.APIKey(cfg.DataDir))
 	if err != nil {
 		ln.Close()
 		n.Close()
