@@ -18,6 +18,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
 	cedge "github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
 // clusterNode is one edge of a test cluster: the real Manager over test doubles, the real
@@ -40,8 +41,14 @@ func newClusterNode(t *testing.T, e *clustertest.Etcd, id string, mod func(*sand
 
 func newClusterNodeWith(t *testing.T, e *clustertest.Etcd, id string, mod func(*sandbox.Config), cmod func(*cluster.Config), wrap func(http.Handler) http.Handler, amods ...func(*Config, *cluster.Cluster, *service)) *clusterNode {
 	t.Helper()
+	return newClusterNodeBuilds(t, e, id, mod, nil, cmod, wrap, amods...)
+}
+
+// newClusterNodeBuilds is newClusterNodeWith with the node's build Manager configured by bmod.
+func newClusterNodeBuilds(t *testing.T, e *clustertest.Etcd, id string, mod func(*sandbox.Config), bmod func(*build.Config), cmod func(*cluster.Config), wrap func(http.Handler) http.Handler, amods ...func(*Config, *cluster.Cluster, *service)) *clusterNode {
+	t.Helper()
 	g := newGuest(t)
-	svc := newServiceWith(t, g.srv.Listener.Addr().String(), mod)
+	svc := newServiceBuilds(t, g.srv.Listener.Addr().String(), mod, bmod)
 	srv := httptest.NewUnstartedServer(nil)
 	c, err := clientv3.New(clustertest.ClientConfig(e.Endpoints()))
 	if err != nil {

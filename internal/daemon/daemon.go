@@ -320,9 +320,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
+	// Templates built on first use: E2B's Code Interpreter (from base, on this mirror).
+	builtins := map[string]build.BuiltinTemplate{codeinterp.TemplateName: codeinterp.Template(cfg.Mirror, "bookworm")}
 	builds, err := build.New(build.Config{DataDir: cfg.DataDir, Driver: drv, Store: st, Builder: rootfs, Logger: cfg.Logger, MaxBuilds: cfg.MaxBuilds,
-		// Templates built on first use: E2B's Code Interpreter (from base, on this mirror).
-		Builtins: map[string]build.BuiltinTemplate{codeinterp.TemplateName: codeinterp.Template(cfg.Mirror, "bookworm")},
+		Builtins: builtins,
 	}, mgr.BuildHost())
 	if err != nil {
 		mgr.Close()
@@ -372,7 +373,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	var cl *cluster.Cluster
 	var moves *cluster.Moves
 	if len(cfg.EtcdEndpoints) > 0 {
-		if cl, err = openCluster(ctx, cfg, etcd, etcdCounters, seal, mgr, met.PlacementRetry); err != nil {
+		if cl, err = openCluster(ctx, cfg, etcd, etcdCounters, seal, mgr, builtins, met.PlacementRetry); err != nil {
 			mgr.Close()
 			return nil, err
 		}
