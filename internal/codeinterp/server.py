@@ -38,7 +38,8 @@ ENVD_URL = "http://127.0.0.1:49983"
 LANGUAGES = {"python": "python3", "python3": "python3"}
 
 # Run (silently) in every new kernel: the e2b/data formatter for pandas frames (the SDK's
-# Result.data), registered by name so pandas is imported only when a frame is shown.
+# Result.data), registered by name so pandas is imported only when a frame is shown, and the
+# e2b/chart formatter of matplotlib figures (CHARTS, run before it).
 SETUP = r"""
 def __ember_setup():
     import json
@@ -62,8 +63,137 @@ def __ember_setup():
     if disp.active_types and "e2b/data" not in disp.active_types:
         disp.active_types = list(disp.active_types) + ["e2b/data"]
 
+    chart = __ember_chart
+
+    class ChartFormatter(DataFormatter):
+        format_type = Unicode("e2b/chart")
+        print_method = ObjectName("_repr_e2b_chart_")
+
+        def __call__(self, obj):
+            # Not a registered printer: the inline backend drops every formatter's Figure
+            # printer when pyplot is imported.
+            cls = type(obj)
+            if self.enabled and cls.__name__ == "Figure" and cls.__module__ == "matplotlib.figure":
+                return chart(obj)
+            return None
+
+    f = ChartFormatter(parent=disp)
+    disp.formatters["e2b/chart"] = f
+    if disp.active_types and "e2b/chart" not in disp.active_types:
+        disp.active_types = list(disp.active_types) + ["e2b/chart"]
+
 __ember_setup()
-del __ember_setup
+del __ember_setup, __ember_chart
+"""
+
+# The e2b/chart formatter (the SDK's Result.chart): what a matplotlib figure shows, read from its
+# artists. One axes is a line, scatter, bar or pie chart; several are a superchart of them. A
+# figure it cannot read gives no chart (never an error: the PNG is shown all the same).
+CHARTS = r"""
+def __ember_chart(fig):
+    import math, re
+    try:
+        import matplotlib.category as mcat
+        import matplotlib.dates as mdates
+        from matplotlib.container import BarContainer
+        from matplotlib.collections import PathCollection
+        from matplotlib.patches import Wedge
+    except Exception:
+        return None
+
+    def number(v):
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            return str(v)
+        return v if math.isfinite(v) else None
+
+    def unit(label):
+        m = re.search(r"[(\[]([^()\[\]]+)[)\]]\s*$", label or "")
+        return m.group(1) if m else None
+
+    def scale(axis):
+        fmt = axis.get_major_formatter()
+        if isinstance(fmt, (mdates.DateFormatter, mdates.AutoDateFormatter, mdates.ConciseDateFormatter)):
+            return "datetime"
+        if isinstance(fmt, mcat.StrCategoryFormatter):
+            return "categorical"
+        return axis.get_scale()
+
+    def value(axis, kind):
+        # A data coordinate as the user gave it: a date as ISO 8601, a category by its name.
+        if kind == "datetime":
+            return lambda v: mdates.num2date(float(v)).isoformat()
+        if kind == "categorical":
+            names = {v: k for k, v in getattr(axis.units, "_mapping", {}).items()}
+            return lambda v: str(names.get(v, names.get(int(round(float(v))), v)))
+        return number
+
+    def ticks(axis, kind):
+        locs = list(axis.get_ticklocs())
+        try:
+            labels = [str(t) for t in axis.get_major_formatter().format_ticks(locs)]
+        except Exception:
+            labels = [str(t) for t in locs]
+        return [value(axis, kind)(t) for t in locs], labels
+
+    def base(ax, kind, xy=True):
+        out = {"type": kind, "title": ax.get_title(), "elements": []}
+        if xy:
+            out["x_label"], out["y_label"] = ax.get_xlabel(), ax.get_ylabel()
+            out["x_unit"], out["y_unit"] = unit(out["x_label"]), unit(out["y_label"])
+        return out
+
+    def points(ax, kind, series):
+        out = base(ax, kind)
+        xs, ys = scale(ax.xaxis), scale(ax.yaxis)
+        fx, fy = value(ax.xaxis, xs), value(ax.yaxis, ys)
+        out["x_scale"], out["y_scale"] = xs, ys
+        out["x_ticks"], out["x_tick_labels"] = ticks(ax.xaxis, xs)
+        out["y_ticks"], out["y_tick_labels"] = ticks(ax.yaxis, ys)
+        out["elements"] = [{"label": label, "points": [[fx(x), fy(y)] for x, y in xy]} for label, xy in series]
+        return out
+
+    def chart(ax):
+        wedges = [p for p in ax.patches if isinstance(p, Wedge)]
+        if wedges:
+            out = base(ax, "pie", xy=False)
+            out["elements"] = [{"label": w.get_label(), "angle": number(round(abs(w.theta2 - w.theta1), 4)), "radius": number(w.r)}
+                               for w in wedges]
+            return out
+        bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+        if bars:
+            out = base(ax, "bar")
+            for c in bars:
+                horizontal = getattr(c, "orientation", None) == "horizontal"
+                axis = ax.yaxis if horizontal else ax.xaxis
+                kind = scale(axis)
+                locs, labels = ticks(axis, kind)
+                by_loc = dict(zip(axis.get_ticklocs(), labels))
+                for r in c.patches:
+                    at = r.get_y() + r.get_height() / 2 if horizontal else r.get_x() + r.get_width() / 2
+                    label = value(axis, kind)(at) if kind in ("categorical", "datetime") else by_loc.get(at, str(number(at)))
+                    out["elements"].append({"label": str(label), "value": number(r.get_width() if horizontal else r.get_height()),
+                                            "group": c.get_label()})
+            return out
+        dots = [c for c in ax.collections if isinstance(c, PathCollection)]
+        if dots:
+            return points(ax, "scatter", [(c.get_label(), c.get_offsets()) for c in dots])
+        lines = ax.get_lines()
+        if lines:
+            return points(ax, "line", [(l.get_label(), zip(l.get_xdata(orig=False), l.get_ydata(orig=False))) for l in lines])
+        return {"type": "unknown", "title": ax.get_title(), "elements": []}
+
+    try:
+        axes = [ax for ax in fig.axes if ax.get_visible()]
+        if not axes:
+            return None
+        if len(axes) == 1:
+            return chart(axes[0])
+        title = fig._suptitle.get_text() if getattr(fig, "_suptitle", None) is not None else ""
+        return {"type": "superchart", "title": title, "elements": [chart(ax) for ax in axes]}
+    except Exception:
+        return None
 """
 
 # Imported once in the default kernel before the template is checkpointed, so that a sandbox's
@@ -163,7 +293,7 @@ class Context:
             self.stop()
             raise
         self.sandbox_env, self.env_key = {}, None
-        self.silent(SETUP)
+        self.silent(CHARTS + SETUP)
 
     def _send(self, kind, content):
         msg = self.session.msg(kind, content=content)
