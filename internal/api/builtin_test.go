@@ -74,3 +74,37 @@ func TestCreateBuildsABuiltinTemplate(t *testing.T) {
 		}
 	}
 }
+
+// A built-in template is every team's, as base is: a team other than the default one creates
+// it (building it first), and the default team then uses the same template.
+func TestBuiltinTemplateIsEveryTeams(t *testing.T) {
+	def := build.BuiltinTemplate{Build: build.StepBuildRequest{FromTemplate: "base", StartCmd: "start-interpreter",
+		Steps: []build.Step{{Type: "RUN", Args: []string{"install-packages", "root"}}}}}
+	keys := auth.NewKeys(auth.NewMemoryBackend())
+	key, _, err := keys.Create(context.Background(), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := newGuest(t)
+	fake := newServiceBuilds(t, g.srv.Listener.Addr().String(), nil, func(c *build.Config) {
+		c.Builtins = map[string]build.BuiltinTemplate{"interp-v1": def}
+	})
+	api := httptest.NewServer(New(Config{Domain: testDomain, Builds: fake.builds()}, fake, keys, testLogger(t)))
+	t.Cleanup(api.Close)
+	e := &env{t: t, fake: fake, keys: keys, key: key, api: api, guest: g}
+	var tj teamJSON
+	r := e.ctl("POST", "/ember/teams", `{"name":"b"}`)
+	if r.status != http.StatusCreated {
+		t.Fatalf("create team: %d %s", r.status, r.body)
+	}
+	r.json(t, &tj)
+	if r := e.as(tj.Key.Key, "POST", "/sandboxes", `{"templateID":"interp-v1"}`); r.status != http.StatusCreated {
+		t.Fatalf("team b's create of the built-in template: %d %s", r.status, r.body)
+	}
+	if r := e.as(tj.Key.Key, "POST", "/sandboxes", `{"templateID":"interp-v1"}`); r.status != http.StatusCreated {
+		t.Fatalf("team b's second create of the built-in template: %d %s", r.status, r.body)
+	}
+	if r := e.ctl("POST", "/sandboxes", `{"templateID":"interp-v1"}`); r.status != http.StatusCreated {
+		t.Fatalf("the default team's create of the built-in template: %d %s", r.status, r.body)
+	}
+}
