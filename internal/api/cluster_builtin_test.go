@@ -2,8 +2,6 @@ package api
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"net/http"
 	"strings"
@@ -23,17 +21,8 @@ import (
 // each edge built it itself); the sandboxes are created as on a single node, and the next
 // creates, through any edge, go to the node that has it and build nothing again.
 func TestClusterCreateBuildsABuiltinTemplate(t *testing.T) {
-	files := gzTar(t, "server.py", "print('hi')")
-	sum := sha256.Sum256(files)
-	hash := hex.EncodeToString(sum[:])
-	def := build.BuiltinTemplate{
-		Files: map[string][]byte{hash: files},
-		Build: build.StepBuildRequest{FromTemplate: "base", StartCmd: "start-interpreter", Steps: []build.Step{
-			// "block": the step runs until the test releases the guest (templatebuild_test.go).
-			{Type: "RUN", Args: []string{"install-packages block", "root"}},
-			{Type: "COPY", Args: []string{"server.py", "/opt/x/server.py", "root", "0644"}, FilesHash: hash},
-		}},
-	}
+	// "block": the RUN step runs until the test releases the guest (templatebuild_test.go).
+	def := interpDef(t, "install-packages block")
 	e := clustertest.Start(t, 1)
 	bmod := func(c *build.Config) { c.Builtins = map[string]build.BuiltinTemplate{"interp-v1": def} }
 	cmod := func(c *cluster.Config) { c.Builtins = map[string]cluster.TemplateSize{"interp-v1": {}} }
@@ -41,16 +30,7 @@ func TestClusterCreateBuildsABuiltinTemplate(t *testing.T) {
 	for _, id := range []string{"a", "b"} {
 		nodes = append(nodes, newClusterNodeBuilds(t, e, id, nil, bmod, cmod, nil))
 	}
-	key, _, err := nodes[0].env.keys.Create(context.Background(), "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, nd := range nodes {
-		nd.env.key = key
-	}
-	testutil.Eventually(t, 5*time.Second, "every node sees every node", func() bool {
-		return len(nodes[0].cl.Live()) == 2 && len(nodes[1].cl.Live()) == 2
-	})
+	shareKey(t, nodes)
 	builds := func() int {
 		n := 0
 		for _, nd := range nodes {

@@ -200,8 +200,29 @@ plt.show()`)
     assert.equal((await sbx.runCode('x')).text, '42', 'the default context is untouched')
   })
 
+  test('bash: state kept between runs, output streamed, exit status as the error, env vars, contexts', { timeout: TEST_TIMEOUT }, async () => {
+    const seen = []
+    const a = await sbx.runCode('n=41; cd /tmp; echo start; echo warn >&2', { language: 'bash', onStdout: (m) => seen.push(m.line) })
+    assert.deepEqual(a.logs.stdout, ['start\n'])
+    assert.deepEqual(a.logs.stderr, ['warn\n'])
+    assert.deepEqual(seen, ['start\n'])
+    assert.equal(a.error, undefined)
+    const b = await sbx.runCode('n=$((n+1)); echo "$n $(pwd) $SUITE_VAR $CALL_VAR"', { language: 'bash', envs: { CALL_VAR: 'per-call' } })
+    assert.deepEqual(b.logs.stdout, ['42 /tmp hello-env per-call\n'])
+    assert.deepEqual((await sbx.runCode('echo "[$CALL_VAR]"', { language: 'bash' })).logs.stdout, ['[]\n'])
+    const c = await sbx.runCode('ls /nonexistent', { language: 'bash' })
+    assert.equal(c.error?.name, 'Error')
+    assert.equal(c.error?.value, '2')
+    // A bash context of its own, with its cwd; the Python context is untouched.
+    const ctx = await sbx.createCodeContext({ language: 'bash', cwd: '/usr' })
+    assert.equal(ctx.language, 'bash')
+    assert.deepEqual((await sbx.runCode('pwd; echo "[$n]"', { context: ctx })).logs.stdout, ['/usr\n', '[]\n'])
+    await sbx.removeCodeContext(ctx)
+    assert.equal((await sbx.runCode('x')).text, '42')
+  })
+
   test('a language without a kernel here is refused', { timeout: TEST_TIMEOUT }, async () => {
-    await assert.rejects(sbx.runCode('echo hi', { language: 'bash', requestTimeoutMs: 5_000 }), /400/)
+    await assert.rejects(sbx.runCode('1', { language: 'r', requestTimeoutMs: 5_000 }), /400/)
   })
 })
 
