@@ -351,7 +351,7 @@ func open(ctx context.Context, cfg Config) (*Node, error) {
 	envdSum := envdDigest(cfg.Envd)
 	// The start-up templates (cluster mode with a shared image store: after joining, the
 	// cluster's build if it has one; startTemplates) are built once the node is open
-	// (Node.BuildTemplates), while its API already serves.
+	// (n.startup: by Open, or by Serve while the API already serves).
 	var starting *startup
 	if !shareTemplates {
 		starting = newStartup(withBase(cfg.Templates, builds.IsBuiltin))
