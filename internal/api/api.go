@@ -8,6 +8,7 @@
 package api
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -72,6 +73,19 @@ type Config struct {
 	// Builds, when set, serves template builds (internal/template/build; templatebuild.go,
 	// build.go).
 	Builds build.TemplateBuilder
+	// Startup, when set, is the daemon's start-up: while it builds its start-up templates the
+	// API serves every request, a create of one of them waits for its build, and /health
+	// answers 503 (a readiness probe waits for the templates).
+	Startup Startup
+}
+
+// Startup tells which of the daemon's start-up templates are still being built.
+type Startup interface {
+	// Building lists the start-up templates still being built (empty: ready).
+	Building() []string
+	// Wait waits until template name is built if it is a start-up template still being built:
+	// nil then, or the error of its build; nil at once for any other name.
+	Wait(ctx context.Context, name string) error
 }
 
 func (c Config) withDefaults() Config {
@@ -239,6 +253,12 @@ func (s *server) serveControl(w http.ResponseWriter, r *http.Request) {
 		s.log.Debug("api request", "method", r.Method, "path", r.URL.Path, "status", sw.status, "duration", time.Since(start))
 	}()
 	if r.URL.Path == "/health" && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
+		if s.cfg.Startup != nil {
+			if b := s.cfg.Startup.Building(); len(b) > 0 {
+				writeJSON(sw, http.StatusServiceUnavailable, map[string]any{"status": "starting", "building": b})
+				return
+			}
+		}
 		writeJSON(sw, http.StatusOK, map[string]string{"status": "ok"})
 		return
 	}

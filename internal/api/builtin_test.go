@@ -13,21 +13,23 @@ import (
 	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
-// TestCreateBuildsABuiltinTemplate: a create that names a built-in template the node lacks
-// (E2B's code-interpreter-v1 is one) builds it first, as a step build with its COPY files, and
-// then creates the sandbox; the template is then an ordinary one (listed; the next create does
-// not build again).
-func TestCreateBuildsABuiltinTemplate(t *testing.T) {
+// interpDef is a built-in template shaped like code-interpreter-v1: from base, a RUN step
+// (run, as root), a COPY of server.py, and a start command.
+func interpDef(t *testing.T, run string) build.BuiltinTemplate {
 	files := gzTar(t, "server.py", "print('hi')")
 	sum := sha256.Sum256(files)
 	hash := hex.EncodeToString(sum[:])
-	def := build.BuiltinTemplate{
+	return build.BuiltinTemplate{
 		Files: map[string][]byte{hash: files},
 		Build: build.StepBuildRequest{FromTemplate: "base", StartCmd: "start-interpreter", Steps: []build.Step{
-			{Type: "RUN", Args: []string{"install-packages", "root"}},
+			{Type: "RUN", Args: []string{run, "root"}},
 			{Type: "COPY", Args: []string{"server.py", "/opt/x/server.py", "root", "0644"}, FilesHash: hash},
 		}},
 	}
+}
+
+// builtinEnv is newEnv on a node that builds def as its built-in template interp-v1.
+func builtinEnv(t *testing.T, def build.BuiltinTemplate) (*env, *guest) {
 	keys := auth.NewKeys(auth.NewMemoryBackend())
 	key, _, err := keys.Create(context.Background(), "test")
 	if err != nil {
@@ -39,7 +41,15 @@ func TestCreateBuildsABuiltinTemplate(t *testing.T) {
 	})
 	api := httptest.NewServer(New(Config{Domain: testDomain, Builds: fake.builds()}, fake, keys, testLogger(t)))
 	t.Cleanup(api.Close)
-	e := &env{t: t, fake: fake, keys: keys, key: key, api: api, guest: g}
+	return &env{t: t, fake: fake, keys: keys, key: key, api: api, guest: g}, g
+}
+
+// TestCreateBuildsABuiltinTemplate: a create that names a built-in template the node lacks
+// (E2B's code-interpreter-v1 is one) builds it first, as a step build with its COPY files, and
+// then creates the sandbox; the template is then an ordinary one (listed; the next create does
+// not build again).
+func TestCreateBuildsABuiltinTemplate(t *testing.T) {
+	e, g := builtinEnv(t, interpDef(t, "install-packages"))
 
 	e.ctl("POST", "/sandboxes", `{"templateID":"nosuch"}`).wantError(t, http.StatusNotFound)
 	r := e.ctl("POST", "/sandboxes", `{"templateID":"interp-v1"}`)
@@ -72,5 +82,26 @@ func TestCreateBuildsABuiltinTemplate(t *testing.T) {
 		if strings.Contains(l, "install-packages") {
 			t.Fatal("the second create built the template again")
 		}
+	}
+}
+
+// A built-in template is every team's, as base is: a team other than the default one creates
+// it (building it first), and the default team then uses the same template.
+func TestBuiltinTemplateIsEveryTeams(t *testing.T) {
+	e, _ := builtinEnv(t, interpDef(t, "install-packages"))
+	var tj teamJSON
+	r := e.ctl("POST", "/ember/teams", `{"name":"b"}`)
+	if r.status != http.StatusCreated {
+		t.Fatalf("create team: %d %s", r.status, r.body)
+	}
+	r.json(t, &tj)
+	if r := e.as(tj.Key.Key, "POST", "/sandboxes", `{"templateID":"interp-v1"}`); r.status != http.StatusCreated {
+		t.Fatalf("team b's create of the built-in template: %d %s", r.status, r.body)
+	}
+	if r := e.as(tj.Key.Key, "POST", "/sandboxes", `{"templateID":"interp-v1"}`); r.status != http.StatusCreated {
+		t.Fatalf("team b's second create of the built-in template: %d %s", r.status, r.body)
+	}
+	if r := e.ctl("POST", "/sandboxes", `{"templateID":"interp-v1"}`); r.status != http.StatusCreated {
+		t.Fatalf("the default team's create of the built-in template: %d %s", r.status, r.body)
 	}
 }

@@ -56,21 +56,7 @@ func TestClusterListsStoredSandboxOfDeadNode(t *testing.T) {
 	for _, id := range []string{"a", "b", "c"} {
 		nodes = append(nodes, newClusterNodeWith(t, e, id, nil, nil, nil, withMover))
 	}
-	key, _, err := nodes[0].env.keys.Create(context.Background(), "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, nd := range nodes {
-		nd.env.key = key
-	}
-	testutil.Eventually(t, 5*time.Second, "every node sees every node", func() bool {
-		for _, nd := range nodes {
-			if len(nd.cl.Live()) != 3 {
-				return false
-			}
-		}
-		return true
-	})
+	shareKey(t, nodes)
 	a, b, c := nodes[0], nodes[1], nodes[2]
 	// One sandbox on c to pause and store, one running elsewhere.
 	var onC, running string

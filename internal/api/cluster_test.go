@@ -18,6 +18,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
 	cedge "github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/template/build"
 )
 
 // clusterNode is one edge of a test cluster: the real Manager over test doubles, the real
@@ -40,8 +41,14 @@ func newClusterNode(t *testing.T, e *clustertest.Etcd, id string, mod func(*sand
 
 func newClusterNodeWith(t *testing.T, e *clustertest.Etcd, id string, mod func(*sandbox.Config), cmod func(*cluster.Config), wrap func(http.Handler) http.Handler, amods ...func(*Config, *cluster.Cluster, *service)) *clusterNode {
 	t.Helper()
+	return newClusterNodeBuilds(t, e, id, mod, nil, cmod, wrap, amods...)
+}
+
+// newClusterNodeBuilds is newClusterNodeWith with the node's build Manager configured by bmod.
+func newClusterNodeBuilds(t *testing.T, e *clustertest.Etcd, id string, mod func(*sandbox.Config), bmod func(*build.Config), cmod func(*cluster.Config), wrap func(http.Handler) http.Handler, amods ...func(*Config, *cluster.Cluster, *service)) *clusterNode {
+	t.Helper()
 	g := newGuest(t)
-	svc := newServiceWith(t, g.srv.Listener.Addr().String(), mod)
+	svc := newServiceBuilds(t, g.srv.Listener.Addr().String(), mod, bmod)
 	srv := httptest.NewUnstartedServer(nil)
 	c, err := clientv3.New(clustertest.ClientConfig(e.Endpoints()))
 	if err != nil {
@@ -86,6 +93,27 @@ func newClusterNodeWith(t *testing.T, e *clustertest.Etcd, id string, mod func(*
 	return n
 }
 
+// shareKey gives every node's env one API key of the cluster's (made through the first edge,
+// it works through all) once every node sees every other.
+func shareKey(t *testing.T, nodes []*clusterNode) {
+	t.Helper()
+	key, _, err := nodes[0].env.keys.Create(context.Background(), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, nd := range nodes {
+		nd.env.key = key
+	}
+	testutil.Eventually(t, 5*time.Second, "every node sees every node", func() bool {
+		for _, nd := range nodes {
+			if len(nd.cl.Live()) != len(nodes) {
+				return false
+			}
+		}
+		return true
+	})
+}
+
 func newTestCluster(t *testing.T, n int) []*clusterNode {
 	t.Helper()
 	e := clustertest.Start(t, 3)
@@ -94,20 +122,10 @@ func newTestCluster(t *testing.T, n int) []*clusterNode {
 		nodes = append(nodes, newClusterNode(t, e, string(rune('a'+i)), nil))
 	}
 	// An API key made through one edge works through all.
-	key, _, err := nodes[0].env.keys.Create(context.Background(), "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, nd := range nodes {
-		nd.env.key = key
-	}
+	shareKey(t, nodes)
 	testutil.Eventually(t, 5*time.Second, "every node sees every node with its template", func() bool {
 		for _, nd := range nodes {
-			live := nd.cl.Live()
-			if len(live) != n {
-				return false
-			}
-			for _, l := range live {
+			for _, l := range nd.cl.Live() {
 				if _, ok := l.Templates["base"]; !ok {
 					return false
 				}

@@ -106,6 +106,14 @@ func (s *server) createFrom(w http.ResponseWriter, r *http.Request, reservation 
 	if err != nil {
 		return nil, err
 	}
+	if s.cfg.Startup != nil {
+		// A template the daemon is still building at start-up: the create waits for it, as a
+		// create of a built-in template waits for its build.
+		name, _ := sandbox.SplitTemplateName(req.TemplateID)
+		if err := s.cfg.Startup.Wait(ctx, name); err != nil {
+			return nil, err
+		}
+	}
 	sbx, err := s.svc.Create(ctx, sandbox.CreateRequest{
 		TemplateID:      req.TemplateID,
 		Timeout:         timeout,

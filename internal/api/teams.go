@@ -59,8 +59,13 @@ func (s *server) publicTemplate(t *sandbox.Template) bool {
 	if t.ID == "base" {
 		return true
 	}
-	b, ok := s.node.(interface{ IsBuiltin(string) bool })
-	return ok && b.IsBuiltin(t.ID)
+	// The build manager knows the built-in templates (the Manager only builds them through it).
+	for _, x := range []any{s.cfg.Builds, s.node} {
+		if b, ok := x.(interface{ IsBuiltin(string) bool }); ok && b.IsBuiltin(t.ID) {
+			return true
+		}
+	}
+	return false
 }
 
 // visibleTemplate reports whether the caller of ctx may read and use t.

@@ -42,6 +42,8 @@ type Config struct {
 	Runsc    string
 	CPUClass string
 	Local    Local
+	// Builtins are the built-in templates this node builds on first use (NodeInfo.Builtins).
+	Builtins map[string]TemplateSize
 	// SyncInterval is how often the node reconciles its routes and allocation with what it
 	// holds (default 2 s).
 	SyncInterval time.Duration
@@ -291,7 +293,7 @@ func (cl *Cluster) info(ctx context.Context) (*NodeInfo, error) {
 		return nil, err
 	}
 	return &NodeInfo{ID: cl.cfg.NodeID, URL: cl.cfg.URL, Capacity: cl.cfg.Capacity, Runsc: cl.cfg.Runsc,
-		CPUClass: cl.cfg.CPUClass, Templates: tpls, Started: time.Now().UTC()}, nil
+		CPUClass: cl.cfg.CPUClass, Templates: tpls, Builtins: cl.cfg.Builtins, Started: time.Now().UTC()}, nil
 }
 
 // renew keeps the lease alive. The fencing deadline is a TTL after the moment the last

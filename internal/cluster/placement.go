@@ -114,6 +114,10 @@ func (cl *Cluster) Place(ctx context.Context, req PlaceRequest) (*Reservation, e
 // grant reserves a new block and takes its first unit.
 func (cl *Cluster) grant(ctx context.Context, req PlaceRequest, edge int64) (*Reservation, error) {
 	cands, haveTpl := cl.candidates(req)
+	build := false // no node has the template: nodes that build it (candidates)
+	if len(cands) > 0 && cands[0].build {
+		build = true
+	}
 	if len(cands) == 0 {
 		if !haveTpl {
 			return nil, fmt.Errorf("template %q: %w", req.TemplateID, errdefs.ErrNotFound)
@@ -153,6 +157,11 @@ func (cl *Cluster) grant(ctx context.Context, req PlaceRequest, edge int64) (*Re
 				if p := preferred(cands, req.Prefer, -1); p >= 0 {
 					pick = []int{p}
 				}
+			}
+			if build {
+				// Every edge picks the same node: the creates that arrive while it builds
+				// join its one build instead of starting one on each node.
+				pick = []int{0}
 			}
 			ops := make([]clientv3.Op, len(pick))
 			for k, p := range pick {
@@ -335,7 +344,26 @@ func (cl *Cluster) eligibleBlock(b *block, req PlaceRequest) bool {
 	if !ok {
 		size, ok = cl.sharedSize(req.TemplateID)
 	}
+	if !ok {
+		// A node that builds it, while no node has it.
+		size, ok = n.Builtins[req.TemplateID]
+		ok = ok && !cl.anyHasLocked(req.TemplateID)
+	}
 	return ok && size == b.size
+}
+
+// anyHasLocked reports whether a node has template id (or the cluster does); the caller holds
+// mu.
+func (cl *Cluster) anyHasLocked(id string) bool {
+	if _, ok := cl.sharedSize(id); ok {
+		return true
+	}
+	for _, n := range cl.nodes {
+		if _, ok := n.Templates[id]; ok {
+			return true
+		}
+	}
+	return false
 }
 
 // resvRecord is the value of resv/<node>/<block>.
@@ -367,6 +395,7 @@ type candidate struct {
 	modRev int64
 	size   TemplateSize
 	score  float64
+	build  bool // the node has not the template but builds it (a built-in: NodeInfo.Builtins)
 }
 
 // Room is how many sandboxes of templateID the live, undrained nodes have room for (slots
@@ -385,16 +414,36 @@ func (cl *Cluster) Room(templateID string) int {
 	return n
 }
 
+// candidates are the nodes with room for a sandbox of req.TemplateID, roomiest first; haveTpl
+// says whether any node has (or, a built-in one, can build) the template. When no node has it
+// and it is a built-in template, the nodes that build it, in the order of their ids (every
+// edge then prefers the same one).
 func (cl *Cluster) candidates(req PlaceRequest) (out []candidate, haveTpl bool) {
 	cl.mu.RLock()
 	defer cl.mu.RUnlock()
+	out, haveTpl = cl.candidatesLocked(req, false)
+	if !haveTpl {
+		out, haveTpl = cl.candidatesLocked(req, true)
+		sort.Slice(out, func(i, j int) bool { return out[i].n.ID < out[j].n.ID })
+	}
+	return out, haveTpl
+}
+
+// candidatesLocked: build = the nodes that build the template rather than the ones that have
+// it. The caller holds mu.
+func (cl *Cluster) candidatesLocked(req PlaceRequest, build bool) (out []candidate, haveTpl bool) {
 	for id, n := range cl.nodes {
 		size, ok := n.Templates[req.TemplateID]
-		if !ok {
+		if build {
+			size, ok = n.Builtins[req.TemplateID]
+		} else if !ok {
 			// A template of the cluster's: the node loads it from the image store.
 			if size, ok = cl.sharedSize(req.TemplateID); !ok {
 				continue
 			}
+		}
+		if !ok {
+			continue
 		}
 		haveTpl = true
 		if cl.drains[id] || slices.Contains(req.Exclude, id) ||
@@ -405,7 +454,7 @@ func (cl *Cluster) candidates(req PlaceRequest) (out []candidate, haveTpl bool) 
 		if !ok || !cl.fits(n, ae.a, size) {
 			continue
 		}
-		out = append(out, candidate{n: n, alloc: ae.a, modRev: ae.modRev, size: size, score: room(n.Capacity, ae.a)})
+		out = append(out, candidate{n: n, alloc: ae.a, modRev: ae.modRev, size: size, score: room(n.Capacity, ae.a), build: build})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].score > out[j].score })
 	return out, haveTpl

@@ -167,3 +167,60 @@ func TestPlacementNeverOvercommits(t *testing.T) {
 	t.Logf("%d placements (%d claimed) from %d edges × %d: %v; %d lost races (%.3f a placement); %d reservation records for %d units left",
 		placed.Load(), claimed.Load(), edges, perEdge, held, retries, float64(retries)/float64(placed.Load()), len(resv.Kvs), units)
 }
+
+// A create of a built-in template (E2B's code-interpreter-v1) that no node has yet is placed
+// on a node that builds it, the same one from every edge (the creates that arrive while it
+// builds join its one build), never on a node that cannot build it; once a node has the
+// template, creates go to the nodes that have it; an unknown template is still not found.
+func TestPlacementOfABuiltinTemplate(t *testing.T) {
+	e := clustertest.Start(t, 1)
+	builtin := func(c *cluster.Config) {
+		c.Builtins = map[string]cluster.TemplateSize{"interp-v1": {CPU: 1, MemoryMB: 512}}
+	}
+	join(t, e.Endpoints(), "a", 8, newLocal("base"))
+	join(t, e.Endpoints(), "b", 8, newLocal("base"), builtin)
+	cLocal := newLocal("base")
+	join(t, e.Endpoints(), "c", 8, cLocal, builtin)
+	var edges []*cluster.Cluster
+	for i := 0; i < 3; i++ {
+		edges = append(edges, join(t, e.Endpoints(), fmt.Sprintf("e%d", i), 0, newLocal()))
+	}
+	for _, en := range edges {
+		testutil.Eventually(t, 5*time.Second, "edge sees all nodes", func() bool { return len(en.Live()) == 6 })
+	}
+	ctx := context.Background()
+	for i := 0; i < 6; i++ {
+		r, err := edges[i%3].Place(ctx, cluster.PlaceRequest{TemplateID: "interp-v1"})
+		if err != nil {
+			t.Fatalf("place %d of a built-in template no node has: %v", i, err)
+		}
+		if r.Node != "b" {
+			t.Fatalf("place %d went to %s, not to b (the first node that builds it)", i, r.Node)
+		}
+	}
+	if _, err := edges[0].Place(ctx, cluster.PlaceRequest{TemplateID: "nosuch"}); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("an unknown template: %v", err)
+	}
+	// c has built it: creates go there (b, building it meanwhile, is no longer asked).
+	cLocal.mu.Lock()
+	cLocal.tpls["interp-v1"] = cluster.TemplateSize{CPU: 1, MemoryMB: 512}
+	cLocal.mu.Unlock()
+	late := join(t, e.Endpoints(), "e9", 0, newLocal())
+	testutil.Eventually(t, 5*time.Second, "the edge sees c with the template", func() bool {
+		for _, n := range late.Live() {
+			if _, ok := n.Templates["interp-v1"]; ok && n.ID == "c" {
+				return true
+			}
+		}
+		return false
+	})
+	for i := 0; i < 3; i++ {
+		r, err := late.Place(ctx, cluster.PlaceRequest{TemplateID: "interp-v1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Node != "c" {
+			t.Fatalf("placed on %s, not on c (which has the template)", r.Node)
+		}
+	}
+}

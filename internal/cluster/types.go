@@ -45,7 +45,11 @@ type NodeInfo struct {
 	Runsc     string                  `json:"runscVersion"`
 	CPUClass  string                  `json:"cpuClass"`
 	Templates map[string]TemplateSize `json:"templates,omitempty"`
-	Started   time.Time               `json:"startedAt"`
+	// Builtins are the built-in templates the node builds itself on first use (E2B's
+	// code-interpreter-v1), with the size of a sandbox of each: placement sends a create of
+	// one that no node has yet to a node that can build it.
+	Builtins map[string]TemplateSize `json:"builtins,omitempty"`
+	Started  time.Time               `json:"startedAt"`
 	// Epoch is the lease the record is under (not stored: from etcd).
 	Epoch int64 `json:"-"`
 }

@@ -35,8 +35,9 @@ var server []byte
 func Server() []byte { return server }
 
 // Packages are the Debian packages the template adds to base: the kernel and its client, and
-// the data stack of E2B's image that Debian bookworm has (no bash or JavaScript Jupyter kernel
-// is packaged there, so Python is the only language).
+// the data stack of E2B's image that Debian bookworm has. No bash or JavaScript Jupyter kernel
+// is packaged there: Python runs on a Jupyter kernel, bash on a shell of server.py's own, and
+// JavaScript is not offered.
 var Packages = []string{
 	"python3-ipykernel", "python3-jupyter-client",
 	"python3-numpy", "python3-pandas", "python3-matplotlib", "python3-scipy", "python3-seaborn",

@@ -13,7 +13,8 @@ jupyter_client (Debian's python3-jupyter-client and python3-ipykernel):
   POST   /contexts/<id>/restart  a fresh kernel in the same context
   DELETE /contexts/<id>          the context's kernel is shut down
 
-A context is one kernel; its executions run one at a time. An execution whose client goes away
+A context is one kernel (Python) or one bash process (bash: Debian packages no bash kernel);
+its executions run one at a time. An execution whose client goes away
 (the SDK's timeoutMs aborts the request) interrupts the kernel, which stays usable. Only the
 standard library and jupyter_client are used (no web framework).
 """
@@ -22,7 +23,10 @@ import json
 import os
 import queue
 import select
+import shlex
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -35,10 +39,13 @@ from jupyter_client import KernelManager
 PORT = int(os.environ.get("EMBER_CODE_INTERPRETER_PORT", "49999"))
 DEFAULT_CWD = os.environ.get("EMBER_CODE_INTERPRETER_CWD", "/home/user")
 ENVD_URL = "http://127.0.0.1:49983"
-LANGUAGES = {"python": "python3", "python3": "python3"}
+# Languages and their canonical names: Python on a Jupyter kernel; bash on a shell of ember's
+# own (BashContext: Debian has no bash Jupyter kernel).
+LANGUAGES = {"python": "python", "python3": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
 
 # Run (silently) in every new kernel: the e2b/data formatter for pandas frames (the SDK's
-# Result.data), registered by name so pandas is imported only when a frame is shown.
+# Result.data), registered by name so pandas is imported only when a frame is shown, and the
+# e2b/chart formatter of matplotlib figures (CHARTS, run before it).
 SETUP = r"""
 def __ember_setup():
     import json
@@ -62,8 +69,137 @@ def __ember_setup():
     if disp.active_types and "e2b/data" not in disp.active_types:
         disp.active_types = list(disp.active_types) + ["e2b/data"]
 
+    chart = __ember_chart
+
+    class ChartFormatter(DataFormatter):
+        format_type = Unicode("e2b/chart")
+        print_method = ObjectName("_repr_e2b_chart_")
+
+        def __call__(self, obj):
+            # Not a registered printer: the inline backend drops every formatter's Figure
+            # printer when pyplot is imported.
+            cls = type(obj)
+            if self.enabled and cls.__name__ == "Figure" and cls.__module__ == "matplotlib.figure":
+                return chart(obj)
+            return None
+
+    f = ChartFormatter(parent=disp)
+    disp.formatters["e2b/chart"] = f
+    if disp.active_types and "e2b/chart" not in disp.active_types:
+        disp.active_types = list(disp.active_types) + ["e2b/chart"]
+
 __ember_setup()
-del __ember_setup
+del __ember_setup, __ember_chart
+"""
+
+# The e2b/chart formatter (the SDK's Result.chart): what a matplotlib figure shows, read from its
+# artists. One axes is a line, scatter, bar or pie chart; several are a superchart of them. A
+# figure it cannot read gives no chart (never an error: the PNG is shown all the same).
+CHARTS = r"""
+def __ember_chart(fig):
+    import math, re
+    try:
+        import matplotlib.category as mcat
+        import matplotlib.dates as mdates
+        from matplotlib.container import BarContainer
+        from matplotlib.collections import PathCollection
+        from matplotlib.patches import Wedge
+    except Exception:
+        return None
+
+    def number(v):
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            return str(v)
+        return v if math.isfinite(v) else None
+
+    def unit(label):
+        m = re.search(r"[(\[]([^()\[\]]+)[)\]]\s*$", label or "")
+        return m.group(1) if m else None
+
+    def scale(axis):
+        fmt = axis.get_major_formatter()
+        if isinstance(fmt, (mdates.DateFormatter, mdates.AutoDateFormatter, mdates.ConciseDateFormatter)):
+            return "datetime"
+        if isinstance(fmt, mcat.StrCategoryFormatter):
+            return "categorical"
+        return axis.get_scale()
+
+    def value(axis, kind):
+        # A data coordinate as the user gave it: a date as ISO 8601, a category by its name.
+        if kind == "datetime":
+            return lambda v: mdates.num2date(float(v)).isoformat()
+        if kind == "categorical":
+            names = {v: k for k, v in getattr(axis.units, "_mapping", {}).items()}
+            return lambda v: str(names.get(v, names.get(int(round(float(v))), v)))
+        return number
+
+    def ticks(axis, kind):
+        locs = list(axis.get_ticklocs())
+        try:
+            labels = [str(t) for t in axis.get_major_formatter().format_ticks(locs)]
+        except Exception:
+            labels = [str(t) for t in locs]
+        return [value(axis, kind)(t) for t in locs], labels
+
+    def base(ax, kind, xy=True):
+        out = {"type": kind, "title": ax.get_title(), "elements": []}
+        if xy:
+            out["x_label"], out["y_label"] = ax.get_xlabel(), ax.get_ylabel()
+            out["x_unit"], out["y_unit"] = unit(out["x_label"]), unit(out["y_label"])
+        return out
+
+    def points(ax, kind, series):
+        out = base(ax, kind)
+        xs, ys = scale(ax.xaxis), scale(ax.yaxis)
+        fx, fy = value(ax.xaxis, xs), value(ax.yaxis, ys)
+        out["x_scale"], out["y_scale"] = xs, ys
+        out["x_ticks"], out["x_tick_labels"] = ticks(ax.xaxis, xs)
+        out["y_ticks"], out["y_tick_labels"] = ticks(ax.yaxis, ys)
+        out["elements"] = [{"label": label, "points": [[fx(x), fy(y)] for x, y in xy]} for label, xy in series]
+        return out
+
+    def chart(ax):
+        wedges = [p for p in ax.patches if isinstance(p, Wedge)]
+        if wedges:
+            out = base(ax, "pie", xy=False)
+            out["elements"] = [{"label": w.get_label(), "angle": number(round(abs(w.theta2 - w.theta1), 4)), "radius": number(w.r)}
+                               for w in wedges]
+            return out
+        bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+        if bars:
+            out = base(ax, "bar")
+            for c in bars:
+                horizontal = getattr(c, "orientation", None) == "horizontal"
+                axis = ax.yaxis if horizontal else ax.xaxis
+                kind = scale(axis)
+                locs, labels = ticks(axis, kind)
+                by_loc = dict(zip(axis.get_ticklocs(), labels))
+                for r in c.patches:
+                    at = r.get_y() + r.get_height() / 2 if horizontal else r.get_x() + r.get_width() / 2
+                    label = value(axis, kind)(at) if kind in ("categorical", "datetime") else by_loc.get(at, str(number(at)))
+                    out["elements"].append({"label": str(label), "value": number(r.get_width() if horizontal else r.get_height()),
+                                            "group": c.get_label()})
+            return out
+        dots = [c for c in ax.collections if isinstance(c, PathCollection)]
+        if dots:
+            return points(ax, "scatter", [(c.get_label(), c.get_offsets()) for c in dots])
+        lines = ax.get_lines()
+        if lines:
+            return points(ax, "line", [(l.get_label(), zip(l.get_xdata(orig=False), l.get_ydata(orig=False))) for l in lines])
+        return {"type": "unknown", "title": ax.get_title(), "elements": []}
+
+    try:
+        axes = [ax for ax in fig.axes if ax.get_visible()]
+        if not axes:
+            return None
+        if len(axes) == 1:
+            return chart(axes[0])
+        title = fig._suptitle.get_text() if getattr(fig, "_suptitle", None) is not None else ""
+        return {"type": "superchart", "title": title, "elements": [chart(ax) for ax in axes]}
+    except Exception:
+        return None
 """
 
 # Imported once in the default kernel before the template is checkpointed, so that a sandbox's
@@ -128,27 +264,32 @@ def result_message(data, main):
     return out
 
 
-class Context:
-    """One execution context: a kernel, its client, and the environment applied to it."""
+class BaseContext:
+    """What every execution context has: an id, a language, a working directory, and a lock
+    its executions take (one at a time). A subclass starts its interpreter in _start."""
 
     def __init__(self, language, cwd, cid=None):
         self.id = cid or str(uuid.uuid4())
         self.language = language
         self.cwd = cwd
         self.lock = threading.Lock()
-        self.km = None
-        self.sandbox_env = {}
-        self.env_key = None
+        self.env_key = None  # the sandbox whose environment the interpreter has
         self._start()
 
     def info(self):
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
+
+class Context(BaseContext):
+    """One Python execution context: a kernel, its client, and the environment applied to it."""
+
+    km = None
+
     def _start(self):
         env = dict(os.environ)
         env.pop("EMBER_CODE_INTERPRETER_PORT", None)
         env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # the debugger's warning on every start
-        km = KernelManager(kernel_name=LANGUAGES[self.language])
+        km = KernelManager(kernel_name="python3")
         # IPython's input history in memory (In, Out and %history work as before): in its
         # history.sqlite every execution was a committed, fsynced write, which doubled the
         # time of a runCode('1+1') under gVisor.
@@ -163,7 +304,7 @@ class Context:
             self.stop()
             raise
         self.sandbox_env, self.env_key = {}, None
-        self.silent(SETUP)
+        self.silent(CHARTS + SETUP)
 
     def _send(self, kind, content):
         msg = self.session.msg(kind, content=content)
@@ -268,14 +409,8 @@ class Context:
         key = (socket.gethostname(), token)
         if key == self.env_key:
             return
-        req = urllib.request.Request(ENVD_URL + "/envs")
-        if token:
-            req.add_header("X-Access-Token", token)
-        try:
-            with urllib.request.urlopen(req, timeout=2) as r:
-                envs = json.load(r) or {}
-        except Exception as e:
-            log("envd /envs:", e)
+        envs = sandbox_envs(token)
+        if envs is None:
             return
         # The kernel started with this server's environment: only what differs is sent.
         changed = {k: v for k, v in envs.items() if self.sandbox_env.get(k, os.environ.get(k)) != v}
@@ -316,6 +451,128 @@ class Context:
             emit({"type": "end_of_execution"})
 
 
+def sandbox_envs(token):
+    """The sandbox's environment (envd's /envs: the envs given at create), or None."""
+    req = urllib.request.Request(ENVD_URL + "/envs")
+    if token:
+        req.add_header("X-Access-Token", token)
+    try:
+        with urllib.request.urlopen(req, timeout=2) as r:
+            return json.load(r) or {}
+    except Exception as e:
+        log("envd /envs:", e)
+        return None
+
+
+class BashContext(BaseContext):
+    """A bash context: one long-lived bash whose state (variables, functions, cwd) carries from
+    one execution to the next. A cell is sourced from a file (its stdin is /dev/null); its output
+    is streamed line by line; a non-zero exit status is an error (name "Error", the status as
+    value, as Jupyter's bash kernel reports it). An interrupted cell (timeout) or one that exits
+    the shell leaves a fresh shell: the context stays usable, its state is lost."""
+
+    count = 0
+    proc = None
+
+    def _start(self):
+        env = dict(os.environ)
+        env.pop("EMBER_CODE_INTERPRETER_PORT", None)
+        self.proc = subprocess.Popen(["bash", "--noprofile", "--norc"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, cwd=self.cwd, env=env, start_new_session=True)
+        self.env_key = None
+
+    def stop(self):
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.proc.wait()
+            for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+                f.close()
+            self.proc = None
+
+    def restart(self):
+        with self.lock:
+            self.stop()
+            self._start()
+
+    def execute(self, code, env_vars, token, emit, gone):
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self.stop()
+                self._start()
+            script = []
+            key = (socket.gethostname(), token)
+            if key != self.env_key:
+                envs = sandbox_envs(token)
+                if envs is not None:
+                    script += ["export %s=%s" % (k, shlex.quote(v)) for k, v in envs.items() if k.isidentifier()]
+                    self.env_key = key
+            # Env vars for this call only: set, then restored (or unset) after the cell.
+            names = [k for k in env_vars if k.isidentifier()]
+            for k in names:
+                script.append('__ember_saved_%s="${%s+x}${%s-}"; export %s=%s' % (k, k, k, k, shlex.quote(env_vars[k])))
+            cell = "/tmp/.ember-bash-%s.sh" % self.id
+            fd = os.open(cell, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(code + "\n")
+            marker = "__ember_end_%s" % uuid.uuid4().hex
+            script.append("source %s </dev/null; __ember_rc=$?" % shlex.quote(cell))
+            for k in names:
+                script.append('if [ -n "$__ember_saved_%s" ]; then export %s="${__ember_saved_%s#x}"; else unset %s; fi; unset __ember_saved_%s'
+                              % (k, k, k, k, k))
+            script.append("printf '%s %%d\\n' \"$__ember_rc\"; printf '%s\\n' >&2" % (marker, marker))
+            self.proc.stdin.write(("\n".join(script) + "\n").encode())
+            self.proc.stdin.flush()
+            self.count += 1
+            rc = self._stream(marker, emit, gone)
+            if rc is None:  # interrupted, or the cell ended the shell: a fresh one
+                self.stop()
+                self._start()
+                emit({"type": "error", "name": "Error", "value": "the shell ended", "traceback": ""})
+            elif rc != 0:
+                emit({"type": "error", "name": "Error", "value": str(rc), "traceback": ""})
+            emit({"type": "number_of_executions", "execution_count": self.count})
+            emit({"type": "end_of_execution"})
+
+    def _stream(self, marker, emit, gone):
+        """Streams the cell's output until both end markers; returns the cell's exit status,
+        or None when the client left (the shell is then killed) or the shell ended."""
+        out, err = self.proc.stdout.fileno(), self.proc.stderr.fileno()
+        bufs = {out: b"", err: b""}
+        names = {out: "stdout", err: "stderr"}
+        mark = marker.encode()
+        rc, open_fds = None, [out, err]
+        while open_fds:
+            ready, _, _ = select.select(open_fds, [], [], 0.1)
+            if not ready:
+                if gone():
+                    return None
+                continue
+            for fd in ready:
+                data = os.read(fd, 65536)
+                if not data:
+                    return None
+                bufs[fd] += data
+                *lines, bufs[fd] = bufs[fd].split(b"\n")
+                for line in lines:
+                    i = line.find(mark)
+                    if i >= 0:
+                        if i > 0:  # the cell's last line, without its newline
+                            emit({"type": names[fd], "text": line[:i].decode(errors="replace"), "timestamp": time.time_ns() // 1000})
+                        if fd == out:
+                            rc = int(line[i + len(mark):].strip() or b"0")
+                        open_fds.remove(fd)
+                        break
+                    emit({"type": names[fd], "text": line.decode(errors="replace") + "\n", "timestamp": time.time_ns() // 1000})
+        return rc
+
+
+def new_context(language, cwd):
+    return BashContext(language, cwd) if language == "bash" else Context(language, cwd)
+
+
 class Contexts:
     def __init__(self):
         self.lock = threading.Lock()
@@ -323,7 +580,7 @@ class Contexts:
         self.default = {}  # language -> context
 
     def create(self, language, cwd):
-        ctx = Context(language, cwd)
+        ctx = new_context(language, cwd)
         with self.lock:
             self.by_id[ctx.id] = ctx
         return ctx
@@ -333,7 +590,7 @@ class Contexts:
             ctx = self.default.get(language)
         if ctx is not None:
             return ctx
-        ctx = Context(language, DEFAULT_CWD)
+        ctx = new_context(language, DEFAULT_CWD)
         with self.lock:
             if language in self.default:  # made meanwhile by another request
                 ctx.stop()
@@ -369,8 +626,8 @@ READY = threading.Event()
 def language_of(value):
     lang = (value or "python").strip().lower()
     if lang not in LANGUAGES:
-        raise ValueError("language %r is not supported here (supported: python)" % value)
-    return "python"
+        raise ValueError("language %r is not supported here (supported: python, bash)" % value)
+    return LANGUAGES[lang]
 
 
 class Handler(BaseHTTPRequestHandler):

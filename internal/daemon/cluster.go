@@ -23,7 +23,7 @@ import (
 )
 
 // openCluster joins the cluster at cfg.EtcdEndpoints.
-func openCluster(ctx context.Context, cfg Config, c *clientv3.Client, counters *cluster.EtcdCounters, seal *cluster.SealKey, mgr *sandbox.Manager, onRetry func()) (*cluster.Cluster, error) {
+func openCluster(ctx context.Context, cfg Config, c *clientv3.Client, counters *cluster.EtcdCounters, seal *cluster.SealKey, mgr *sandbox.Manager, builtins map[string]build.BuiltinTemplate, onRetry func()) (*cluster.Cluster, error) {
 	if cfg.NodeID == "" {
 		return nil, fmt.Errorf("etcd-endpoints: cluster mode needs --node-id: %w", errdefs.ErrInvalid)
 	}
@@ -45,6 +45,12 @@ func openCluster(ctx context.Context, cfg Config, c *clientv3.Client, counters *
 			return nil, fmt.Errorf("cluster-secret-file: %s holds %d bytes, 16 or more needed: %w", cfg.ClusterSecretFile, len(secret), errdefs.ErrInvalid)
 		}
 	}
+	// The built-in templates this node builds on first use: a create of one that no node has
+	// yet is placed on a node that builds it.
+	sizes := map[string]cluster.TemplateSize{}
+	for name, def := range builtins {
+		sizes[name] = cluster.TemplateSize{CPU: def.CPUCount, MemoryMB: def.MemoryMB}
+	}
 	slots := cfg.MaxSandboxes
 	if slots <= 0 {
 		slots = 500
@@ -54,6 +60,7 @@ func openCluster(ctx context.Context, cfg Config, c *clientv3.Client, counters *
 		Capacity: cluster.Capacity{CPU: goruntime.NumCPU(), MemoryMB: memTotalMB(), Slots: slots, DiskFreeMB: diskFreeMB(cfg.DataDir)},
 		Runsc:    runscVersion(cfg.Runsc), CPUClass: cluster.CPUClass(),
 		Local:            cluster.ManagerLocal(mgr),
+		Builtins:         sizes,
 		LeaseFile:        datadir.ClusterLease(cfg.DataDir),
 		Logger:           cfg.Logger,
 		Secret:           secret,
@@ -111,7 +118,7 @@ func runscVersion(bin string) string {
 // its own build, registered for the others. From then on every template that becomes ready
 // here is shared with the cluster (cluster.Events).
 func startTemplates(ctx context.Context, cfg Config, mgr *sandbox.Manager, builds *build.Manager, tpls *cluster.Templates) error {
-	for _, name := range cfg.Templates {
+	for _, name := range withBase(cfg.Templates, builds.IsBuiltin) {
 		t0 := time.Now()
 		if err := tpls.Ensure(ctx, name); err != nil {
 			return fmt.Errorf("template %q: %w", name, err)
@@ -125,7 +132,14 @@ func startTemplates(ctx context.Context, cfg Config, mgr *sandbox.Manager, build
 			continue
 		}
 		fmt.Fprintf(cfg.Out, "Building template %q (the cluster has none)...\n", name)
-		if _, err := builds.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) }); err != nil {
+		progress := func(line string) { fmt.Fprintln(cfg.Out, "  "+line) }
+		if builds.IsBuiltin(name) {
+			// A built-in template is a step build of its definition, not a rootfs of its name.
+			_, err = builds.EnsureBuiltin(ctx, name, progress)
+		} else {
+			_, err = builds.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, progress)
+		}
+		if err != nil {
 			return fmt.Errorf("build template %q: %w", name, err)
 		}
 		// Registered unless a node starting at the same time registered its build first: then

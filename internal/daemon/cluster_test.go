@@ -16,7 +16,7 @@ func TestClusterFlagsChecked(t *testing.T) {
 		{EtcdEndpoints: []string{"http://127.0.0.1:1"}, Listen: "0.0.0.0:3000", NodeID: "n1"},
 		{EtcdEndpoints: []string{"http://127.0.0.1:1"}, Listen: ":3000", NodeID: "n1"},
 	} {
-		if _, err := openCluster(context.Background(), cfg, nil, nil, nil, nil, nil); !errors.Is(err, errdefs.ErrInvalid) {
+		if _, err := openCluster(context.Background(), cfg, nil, nil, nil, nil, nil, nil); !errors.Is(err, errdefs.ErrInvalid) {
 			t.Errorf("%+v: %v, want invalid", cfg, err)
 		}
 	}

@@ -165,10 +165,27 @@ type Node struct {
 	egress  *egress.Proxy
 
 	moves *cluster.Moves // stored paused sandboxes (cluster mode with S3)
+	// startup builds the start-up templates (nil: none left to build, or built by open).
+	startup func(context.Context) error
 }
 
-// Open assembles a node from cfg: everything but the listener.
+// Open assembles a node from cfg, its start-up templates built: everything but the listener.
 func Open(ctx context.Context, cfg Config) (*Node, error) {
+	n, err := open(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	if n.startup != nil {
+		if err := n.startup(ctx); err != nil {
+			n.Close()
+			return nil, err
+		}
+	}
+	return n, nil
+}
+
+// open assembles a node from cfg; its start-up templates are built by n.startup (startup.go).
+func open(ctx context.Context, cfg Config) (*Node, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -321,9 +338,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
+	// Templates built on first use: E2B's Code Interpreter (from base, on this mirror).
+	builtins := map[string]build.BuiltinTemplate{codeinterp.TemplateName: codeinterp.Template(cfg.Mirror, "bookworm")}
 	builds, err := build.New(build.Config{DataDir: cfg.DataDir, Driver: drv, Store: st, Builder: rootfs, Logger: cfg.Logger, MaxBuilds: cfg.MaxBuilds,
-		// Templates built on first use: E2B's Code Interpreter (from base, on this mirror).
-		Builtins: map[string]build.BuiltinTemplate{codeinterp.TemplateName: codeinterp.Template(cfg.Mirror, "bookworm")},
+		Builtins: builtins,
 	}, mgr.BuildHost())
 	if err != nil {
 		mgr.Close()
@@ -332,48 +350,22 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	mgr.SetBuiltins(builds)
 	shareTemplates := len(cfg.EtcdEndpoints) > 0 && cfg.S3.Endpoint != ""
 	envdSum := envdDigest(cfg.Envd)
-	for _, name := range withBase(cfg.Templates, builds.IsBuiltin) {
-		if shareTemplates {
-			break // after joining: the cluster's build, if it has one (startTemplates)
-		}
-		if builds.IsBuiltin(name) {
-			// A step build: cached by step, so an unchanged template is not built again.
-			fmt.Fprintf(cfg.Out, "Template %q (built in; built when its definition changed)...\n", name)
-			if _, err := builds.EnsureBuiltin(ctx, name, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) }); err != nil {
-				mgr.Close()
-				return nil, fmt.Errorf("build template %q: %w", name, err)
-			}
-			continue
-		}
-		what := "first start only"
-		if t, err := st.GetTemplate(ctx, name); err == nil {
-			switch {
-			case t.Stale():
-				// Its checkpoint would not restore under this version: build it again.
-				what = "it was built by an older ember"
-			case envdChanged(cfg.DataDir, name, t.BuildID, envdSum):
-				// Its checkpoint holds another envd (envdstamp.go).
-				what = "envd changed since it was built"
-			default:
-				continue
-			}
-		}
-		fmt.Fprintf(cfg.Out, "Building template %q (%s)...\n", name, what)
-		tpl, err := builds.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) })
-		if err != nil {
-			mgr.Close()
-			return nil, fmt.Errorf("build template %q: %w", name, err)
-		}
-		if err := stampEnvd(cfg.DataDir, name, tpl.BuildID, envdSum); err != nil {
-			cfg.Logger.Warn("envd stamp", "template", name, "err", err)
-		}
+	// The start-up templates (cluster mode with a shared image store: after joining, the
+	// cluster's build if it has one; startTemplates) are built once the node is open
+	// (n.startup: by Open, or by Serve while the API already serves).
+	var starting *startup
+	if !shareTemplates {
+		starting = newStartup(withBase(cfg.Templates, builds.IsBuiltin))
 	}
 	met.SetSource(mgr)
 	acfg := api.Config{Domain: cfg.Domain, Metrics: met.Handler(), Builds: builds}
+	if starting != nil {
+		acfg.Startup = starting
+	}
 	var cl *cluster.Cluster
 	var moves *cluster.Moves
 	if len(cfg.EtcdEndpoints) > 0 {
-		if cl, err = openCluster(ctx, cfg, etcd, etcdCounters, seal, mgr, met.PlacementRetry); err != nil {
+		if cl, err = openCluster(ctx, cfg, etcd, etcdCounters, seal, mgr, builtins, met.PlacementRetry); err != nil {
 			mgr.Close()
 			return nil, err
 		}
@@ -423,7 +415,49 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	met.SetTeams(acfg.Quotas)
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true
-	return &Node{Manager: mgr, Builds: builds, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: lfs, Cluster: cl, net: nm, egress: px, moves: moves}, nil
+	n := &Node{Manager: mgr, Builds: builds, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: lfs, Cluster: cl, net: nm, egress: px, moves: moves}
+	if starting != nil {
+		n.startup = func(ctx context.Context) error {
+			return starting.run(func(name string) error { return buildStartTemplate(ctx, cfg, n, name, envdSum) })
+		}
+	}
+	return n, nil
+}
+
+// buildStartTemplate builds start-up template name when it is missing, stale, or built with
+// another envd.
+func buildStartTemplate(ctx context.Context, cfg Config, n *Node, name, envdSum string) error {
+	builds, st := n.Builds, n.Store
+	if builds.IsBuiltin(name) {
+		// A step build: cached by step, so an unchanged template is not built again.
+		fmt.Fprintf(cfg.Out, "Template %q (built in; built when its definition changed)...\n", name)
+		if _, err := builds.EnsureBuiltin(ctx, name, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) }); err != nil {
+			return fmt.Errorf("build template %q: %w", name, err)
+		}
+		return nil
+	}
+	what := "first start only"
+	if t, err := st.GetTemplate(ctx, name); err == nil {
+		switch {
+		case t.Stale():
+			// Its checkpoint would not restore under this version: build it again.
+			what = "it was built by an older ember"
+		case envdChanged(cfg.DataDir, name, t.BuildID, envdSum):
+			// Its checkpoint holds another envd (envdstamp.go).
+			what = "envd changed since it was built"
+		default:
+			return nil
+		}
+	}
+	fmt.Fprintf(cfg.Out, "Building template %q (%s)...\n", name, what)
+	tpl, err := builds.BuildTemplate(ctx, sandbox.BuildRequest{Name: name}, func(line string) { fmt.Fprintln(cfg.Out, "  "+line) })
+	if err != nil {
+		return fmt.Errorf("build template %q: %w", name, err)
+	}
+	if err := stampEnvd(cfg.DataDir, name, tpl.BuildID, envdSum); err != nil {
+		cfg.Logger.Warn("envd stamp", "template", name, "err", err)
+	}
+	return nil
 }
 
 // withBase puts base first in names when a built-in template (built from base) is named
@@ -505,11 +539,17 @@ func Serve(ctx context.Context, cfg Config) error {
 			return err
 		}
 	}
-	node, err := Open(ctx, cfg)
+	node, err := open(ctx, cfg)
 	if err != nil {
 		return err
 	}
 	defer node.Close()
+	// The start-up templates build while the API serves: creates of one wait for it, /health
+	// answers 503 until they are built, and a failed build stops the daemon as before.
+	built := make(chan error, 1)
+	if node.startup != nil {
+		go func() { built <- node.startup(ctx) }()
+	}
 	// Bounds for slow or idle clients. No whole-request read or write timeout: sandbox-plane
 	// streams (commands, watches, uploads) legitimately last as long as the sandbox.
 	srv := &http.Server{
@@ -543,6 +583,15 @@ func Serve(ctx context.Context, cfg Config) error {
 	select {
 	case err := <-errc:
 		return err
+	case err := <-built:
+		if err != nil && ctx.Err() == nil {
+			return err
+		}
+		select {
+		case err := <-errc:
+			return err
+		case <-ctx.Done():
+		}
 	case <-ctx.Done():
 	}
 	// Graceful stop: stop accepting, let requests in flight finish (bounded), then the Manager

@@ -40,6 +40,7 @@ type daemon struct {
 	env                                  []string // extra environment of the next start (NAME=value)
 	cmd                                  *exec.Cmd
 	done                                 chan struct{} // closed when cmd has exited
+	exitErr                              error         // cmd's, once done is closed
 	started                              bool          // came up once (templates built)
 	log                                  *bytes.Buffer
 	logMu                                sync.Mutex
@@ -139,6 +140,16 @@ func need(t *testing.T) *daemon {
 // The first start on a fresh data dir builds the base template (about a minute).
 func newDaemonWith(t *testing.T, o daemonOpts) *daemon {
 	t.Helper()
+	d := ownDaemon(t, o)
+	if err := d.start(); err != nil {
+		t.Fatalf("starting ember (node %s): %v\n%s", d.nodeID, err, d.logs())
+	}
+	return d
+}
+
+// ownDaemon is newDaemonWith without the start.
+func ownDaemon(t *testing.T, o daemonOpts) *daemon {
+	t.Helper()
 	testutil.RequireRoot(t)
 	runsc := testutil.Runsc(t)
 	d, err := newDaemonOpts(runsc, o)
@@ -151,9 +162,6 @@ func newDaemonWith(t *testing.T, o daemonOpts) *daemon {
 			t.Errorf("node %s: could not clean up %v", d.nodeID, left)
 		}
 	})
-	if err := d.start(); err != nil {
-		t.Fatalf("starting ember (node %s): %v\n%s", d.nodeID, err, d.logs())
-	}
 	return d
 }
 
@@ -272,9 +280,8 @@ func (d *daemon) running() bool {
 	}
 }
 
-// start runs `ember serve` and waits until its API answers. A restart keeps the data dir, node
-// id, CIDR and port.
-func (d *daemon) start() error {
+// launch runs `ember serve` (start waits for it to be ready).
+func (d *daemon) launch() error {
 	if d.addr == "" {
 		d.addr = freePort()
 	}
@@ -295,8 +302,17 @@ func (d *daemon) start() error {
 	done := make(chan struct{})
 	d.done = done
 	cmd := d.cmd
-	var exitErr error
-	go func() { exitErr = cmd.Wait(); close(done) }()
+	go func() { d.exitErr = cmd.Wait(); close(done) }()
+	return nil
+}
+
+// start runs `ember serve` and waits until its API answers and its start-up templates are
+// built. A restart keeps the data dir, node id, CIDR and port.
+func (d *daemon) start() error {
+	if err := d.launch(); err != nil {
+		return err
+	}
+	done := d.done
 	bound := 15 * time.Minute // the first start on a data dir builds the base template
 	if d.started {
 		bound = 2 * time.Minute
@@ -305,11 +321,11 @@ func (d *daemon) start() error {
 	for time.Now().Before(deadline) {
 		select {
 		case <-done:
-			return fmt.Errorf("ember serve exited: %v", exitErr)
+			return fmt.Errorf("ember serve exited: %v", d.exitErr)
 		default:
 		}
-		if resp, err := httpClient.Get("http://" + d.addr + "/health"); err == nil {
-			resp.Body.Close()
+		// 200 once the start-up templates are built (503 while they build).
+		if resp, err := httpClient.Get("http://" + d.addr + "/health"); err == nil && func() bool { resp.Body.Close(); return resp.StatusCode == http.StatusOK }() {
 			key, err := os.ReadFile(filepath.Join(d.dataDir, "api-key"))
 			if err != nil {
 				return err

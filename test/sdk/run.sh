@@ -248,12 +248,13 @@ log "starting $EMBER_BIN serve --listen 127.0.0.1:$PORT --data-dir $EMBER_DATA_D
 "$EMBER_BIN" serve --listen "127.0.0.1:$PORT" --data-dir "$EMBER_DATA_DIR" "${TLS_FLAGS[@]}" ${EMBER_SERVE_FLAGS:-} >"$DAEMON_LOG" 2>&1 &
 DAEMON_PID=$!
 
-# Ready = the API root answers with any HTTP status, and the API key file exists.
+# Ready = /health answers 200 (503 while the start-up templates build), and the API key file
+# exists.
 ready() {
   node -e '
     const ac = new AbortController(); setTimeout(() => ac.abort(), 2000).unref();
-    fetch(process.argv[1], { signal: ac.signal }).then(r => r.arrayBuffer()).then(() => process.exit(0), () => process.exit(1));
-  ' "$BASE_URL/" 2>/dev/null && [[ -s "$EMBER_DATA_DIR/api-key" ]]
+    fetch(process.argv[1], { signal: ac.signal }).then(r => r.arrayBuffer().then(() => process.exit(r.ok ? 0 : 1)), () => process.exit(1));
+  ' "$BASE_URL/health" 2>/dev/null && [[ -s "$EMBER_DATA_DIR/api-key" ]]
 }
 deadline=$((SECONDS + READY_TIMEOUT))
 until ready; do

@@ -82,6 +82,63 @@ describe('code interpreter', { timeout: HOOK_TIMEOUT * 4 }, () => {
     assert.equal(results.length, ex.results.length, 'onResult for every result')
   })
 
+  // E2B's chart extraction: the figure's data next to its PNG (the SDK's Result.chart).
+  test('a line chart: title, labels, units, datetime and linear scales, ticks, the lines as points', { timeout: TEST_TIMEOUT }, async () => {
+    const ex = await sbx.runCode(`import datetime, matplotlib.pyplot as plt
+days = [datetime.datetime(2023, 9, 1) + datetime.timedelta(days=i) for i in range(10)]
+plt.figure()
+plt.plot(days, [i * i for i in range(10)], label='squares')
+plt.plot(days, [2 * i for i in range(10)], label='doubles')
+plt.xlabel('Day (d)'); plt.ylabel('Amount (kg)'); plt.title('Growth')
+plt.show()`)
+    assert.equal(ex.error, undefined, JSON.stringify(ex.error))
+    const r = ex.results.find((r) => r.chart)
+    assert.ok(r && r.png, `results: ${JSON.stringify(ex.results.map((r) => r.formats()))}`)
+    const c = r.chart
+    assert.equal(c.type, 'line')
+    assert.equal(c.title, 'Growth')
+    assert.deepEqual([c.x_label, c.y_label, c.x_unit, c.y_unit], ['Day (d)', 'Amount (kg)', 'd', 'kg'])
+    assert.deepEqual([c.x_scale, c.y_scale], ['datetime', 'linear'])
+    assert.ok(c.x_ticks.length > 0 && c.x_ticks.every((t) => typeof t === 'string' && !isNaN(new Date(t))), JSON.stringify(c.x_ticks))
+    assert.ok(c.y_ticks.every((t) => typeof t === 'number'), JSON.stringify(c.y_ticks))
+    assert.equal(c.x_tick_labels.length, c.x_ticks.length)
+    assert.deepEqual(c.elements.map((e) => e.label), ['squares', 'doubles'])
+    const sq = c.elements[0].points
+    assert.equal(sq.length, 10)
+    assert.equal(new Date(sq[3][0]).toISOString(), '2023-09-04T00:00:00.000Z')
+    assert.equal(sq[3][1], 9)
+  })
+
+  test('scatter, bar and pie charts, and a superchart of several axes', { timeout: TEST_TIMEOUT }, async () => {
+    const chartOf = async (code) => {
+      const ex = await sbx.runCode(`import matplotlib.pyplot as plt\n${code}\nplt.show()`)
+      assert.equal(ex.error, undefined, JSON.stringify(ex.error))
+      const r = ex.results.find((r) => r.chart)
+      assert.ok(r && r.png, `results: ${JSON.stringify(ex.results.map((r) => r.formats()))}`)
+      return r.chart
+    }
+    const scatter = await chartOf("plt.figure()\nplt.scatter([1, 2, 3], [4, 5, 6], label='a')\nplt.scatter([1, 2], [7, 8], label='b')\nplt.title('Dots')")
+    assert.equal(scatter.type, 'scatter')
+    assert.equal(scatter.title, 'Dots')
+    assert.deepEqual(scatter.elements, [{ label: 'a', points: [[1, 4], [2, 5], [3, 6]] }, { label: 'b', points: [[1, 7], [2, 8]] }])
+
+    const bar = await chartOf("fig, ax = plt.subplots()\nax.bar(['A', 'B', 'C'], [10, 20, 30], label='2024')\nax.set_title('Sales')\nax.set_ylabel('Units')")
+    assert.equal(bar.type, 'bar')
+    assert.equal(bar.title, 'Sales')
+    assert.equal(bar.y_label, 'Units')
+    assert.deepEqual(bar.elements, [{ label: 'A', value: 10, group: '2024' }, { label: 'B', value: 20, group: '2024' }, { label: 'C', value: 30, group: '2024' }])
+
+    const pie = await chartOf("fig, ax = plt.subplots()\nax.pie([90, 10], labels=['No', 'Yes'], autopct='%1.1f%%', startangle=90)\nplt.title('Early?')")
+    assert.equal(pie.type, 'pie')
+    assert.equal(pie.title, 'Early?')
+    assert.deepEqual(pie.elements, [{ label: 'No', angle: 324, radius: 1 }, { label: 'Yes', angle: 36, radius: 1 }])
+
+    const sup = await chartOf("fig, (a, b) = plt.subplots(1, 2)\na.plot([1, 2], [3, 4], label='l')\nb.bar(['x', 'y'], [1, 2])\nfig.suptitle('Both')")
+    assert.equal(sup.type, 'superchart')
+    assert.equal(sup.title, 'Both')
+    assert.deepEqual(sup.elements.map((e) => e.type), ['line', 'bar'])
+  })
+
   test('a pandas DataFrame comes back as text, HTML and data', { timeout: TEST_TIMEOUT }, async () => {
     const ex = await sbx.runCode("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})")
     const r = ex.results.find((r) => r.isMainResult)
@@ -143,8 +200,29 @@ describe('code interpreter', { timeout: HOOK_TIMEOUT * 4 }, () => {
     assert.equal((await sbx.runCode('x')).text, '42', 'the default context is untouched')
   })
 
+  test('bash: state kept between runs, output streamed, exit status as the error, env vars, contexts', { timeout: TEST_TIMEOUT }, async () => {
+    const seen = []
+    const a = await sbx.runCode('n=41; cd /tmp; echo start; echo warn >&2', { language: 'bash', onStdout: (m) => seen.push(m.line) })
+    assert.deepEqual(a.logs.stdout, ['start\n'])
+    assert.deepEqual(a.logs.stderr, ['warn\n'])
+    assert.deepEqual(seen, ['start\n'])
+    assert.equal(a.error, undefined)
+    const b = await sbx.runCode('n=$((n+1)); echo "$n $(pwd) $SUITE_VAR $CALL_VAR"', { language: 'bash', envs: { CALL_VAR: 'per-call' } })
+    assert.deepEqual(b.logs.stdout, ['42 /tmp hello-env per-call\n'])
+    assert.deepEqual((await sbx.runCode('echo "[$CALL_VAR]"', { language: 'bash' })).logs.stdout, ['[]\n'])
+    const c = await sbx.runCode('ls /nonexistent', { language: 'bash' })
+    assert.equal(c.error?.name, 'Error')
+    assert.equal(c.error?.value, '2')
+    // A bash context of its own, with its cwd; the Python context is untouched.
+    const ctx = await sbx.createCodeContext({ language: 'bash', cwd: '/usr' })
+    assert.equal(ctx.language, 'bash')
+    assert.deepEqual((await sbx.runCode('pwd; echo "[$n]"', { context: ctx })).logs.stdout, ['/usr\n', '[]\n'])
+    await sbx.removeCodeContext(ctx)
+    assert.equal((await sbx.runCode('x')).text, '42')
+  })
+
   test('a language without a kernel here is refused', { timeout: TEST_TIMEOUT }, async () => {
-    await assert.rejects(sbx.runCode('echo hi', { language: 'bash', requestTimeoutMs: 5_000 }), /400/)
+    await assert.rejects(sbx.runCode('1', { language: 'r', requestTimeoutMs: 5_000 }), /400/)
   })
 })
 
