@@ -55,6 +55,22 @@ type Store interface {
 	ListVolumes(ctx context.Context) ([]*Volume, error)
 }
 
+// Claims is a Store shared by the nodes of a cluster (etcd), where a mount being set up on one
+// node meets a destroy on another: a sandbox's create claims its volumes before the record that
+// names them (its route) is written and releases them after, and a destroy deletes the volume
+// only if nothing claimed it since it read its users, so that a sandbox whose record the destroy
+// could not see yet is never left mounting a destroyed volume.
+type Claims interface {
+	// ClaimVolume records that a sandbox being made mounts volume id until release is called;
+	// refused (not found) once the volume is deleted.
+	ClaimVolume(ctx context.Context, id string) (release func(), err error)
+	// VolumeVersion is volume id's claim version, read before its users.
+	VolumeVersion(ctx context.Context, id string) (int64, error)
+	// DeleteVolumeIf deletes volume id unless it is claimed or was claimed since version
+	// (errdefs.ErrConflict).
+	DeleteVolumeIf(ctx context.Context, id string, version int64) error
+}
+
 // UsersFunc lists the sandboxes (live or paused) that mount volume id.
 type UsersFunc func(ctx context.Context, id string) ([]string, error)
 
@@ -215,6 +231,13 @@ func (m *Manager) Destroy(ctx context.Context, owner, idOrName string) error {
 	if err != nil {
 		return err
 	}
+	claims, shared := m.cfg.Store.(Claims)
+	var version int64
+	if shared {
+		if version, err = claims.VolumeVersion(ctx, v.ID); err != nil {
+			return err
+		}
+	}
 	m.usersMu.RLock()
 	users := m.users
 	m.usersMu.RUnlock()
@@ -228,9 +251,17 @@ func (m *Manager) Destroy(ctx context.Context, owner, idOrName string) error {
 		ids = []string{"being created"}
 	}
 	if len(ids) > 0 {
-		return errorf(errdefs.ErrConflict, "volume '%s' is in use by sandbox %s and cannot be deleted", v.Name, ids[0])
+		return inUse(v, ids[0])
 	}
-	if err := m.cfg.Store.DeleteVolume(ctx, v.ID); err != nil {
+	if shared {
+		err = claims.DeleteVolumeIf(ctx, v.ID, version)
+	} else {
+		err = m.cfg.Store.DeleteVolume(ctx, v.ID)
+	}
+	if errors.Is(err, errdefs.ErrConflict) {
+		return inUse(v, "being created")
+	}
+	if err != nil {
 		return err
 	}
 	if err := m.remove(v.ID); err != nil {
@@ -240,9 +271,13 @@ func (m *Manager) Destroy(ctx context.Context, owner, idOrName string) error {
 	return nil
 }
 
+func inUse(v *Volume, sandboxID string) error {
+	return errorf(errdefs.ErrConflict, "volume '%s' is in use by sandbox %s and cannot be deleted", v.Name, sandboxID)
+}
+
 // Resolve finds owner's volume by name for a mount: its id and host directory. Until release
 // is called (once the sandbox that mounts it is recorded, or its create failed), a destroy of
-// the volume is refused.
+// the volume is refused, on every node when the Store is a cluster's (Claims).
 func (m *Manager) Resolve(ctx context.Context, owner, name string) (id, hostDir string, release func(), err error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -253,10 +288,19 @@ func (m *Manager) Resolve(ctx context.Context, owner, name string) (id, hostDir 
 	if v == nil {
 		return "", "", nil, errorf(errdefs.ErrNotFound, "volume '%s' not found", name)
 	}
+	unclaim := func() {}
+	if claims, ok := m.cfg.Store.(Claims); ok {
+		if unclaim, err = claims.ClaimVolume(ctx, v.ID); errors.Is(err, errdefs.ErrNotFound) {
+			return "", "", nil, errorf(errdefs.ErrNotFound, "volume '%s' not found", name)
+		} else if err != nil {
+			return "", "", nil, err
+		}
+	}
 	m.pending[v.ID]++
 	var once sync.Once
 	release = func() {
 		once.Do(func() {
+			unclaim()
 			m.mu.Lock()
 			defer m.mu.Unlock()
 			if m.pending[v.ID]--; m.pending[v.ID] <= 0 {
