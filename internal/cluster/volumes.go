@@ -78,7 +78,7 @@ func (s volumeStore) DeleteVolume(ctx context.Context, id string) error {
 	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
 	defer done()
 	nk := s.nameKey(v)
-	if _, err := s.cl.c.Txn(ctx).Then(clientv3.OpDelete(s.cl.key("volumes", id)),
+	if _, err := s.cl.c.Txn(ctx).Then(clientv3.OpDelete(s.cl.key("volumes", id)), clientv3.OpDelete(s.cl.key("vollimited", id)),
 		clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(nk), "=", id)}, []clientv3.Op{clientv3.OpDelete(nk)}, nil)).Commit(); err != nil {
 		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
 	}
@@ -172,7 +172,7 @@ func (s volumeStore) DeleteVolumeIf(ctx context.Context, id string, version int6
 	k, nk := s.cl.key("volumes", id), s.nameKey(v)
 	resp, err := s.cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(k), "=", version),
 		clientv3.Compare(clientv3.CreateRevision(s.claimsKey(id)), "=", 0).WithPrefix()).
-		Then(clientv3.OpDelete(k),
+		Then(clientv3.OpDelete(k), clientv3.OpDelete(s.cl.key("vollimited", id)),
 			clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(nk), "=", id)}, []clientv3.Op{clientv3.OpDelete(nk)}, nil)).Commit()
 	if err != nil {
 		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
@@ -181,6 +181,68 @@ func (s volumeStore) DeleteVolumeIf(ctx context.Context, id string, version int6
 		return fmt.Errorf("volume %q claimed by a sandbox being created: %w", id, errdefs.ErrConflict)
 	}
 	return nil
+}
+
+// Disk limits (volume.LimitStore): volholder is the node that holds them (no lease: while it
+// is down, creates wait for it and fail rather than make a volume without a limit);
+// vollimited/<id> says it has mounted volume id's image.
+
+var _ volume.LimitStore = volumeStore{}
+
+func (s volumeStore) HoldLimits(ctx context.Context) error {
+	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
+	defer done()
+	k, self := s.cl.key("volholder"), s.cl.cfg.NodeID
+	resp, err := s.cl.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(k), "=", 0)).
+		Then(clientv3.OpPut(k, self)).Else(clientv3.OpGet(k)).Commit()
+	if err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	if !resp.Succeeded {
+		if kvs := resp.Responses[0].GetResponseRange().Kvs; len(kvs) == 1 && string(kvs[0].Value) != self {
+			return fmt.Errorf("node %s holds the volumes' disk limits already (one node does, on the S3 server's host): %w", kvs[0].Value, errdefs.ErrConflict)
+		}
+	}
+	return nil
+}
+
+func (s volumeStore) LetGoLimits(ctx context.Context) error {
+	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
+	defer done()
+	k := s.cl.key("volholder")
+	if _, err := s.cl.c.Txn(ctx).If(clientv3.Compare(clientv3.Value(k), "=", s.cl.cfg.NodeID)).Then(clientv3.OpDelete(k)).Commit(); err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	return nil
+}
+
+func (s volumeStore) LimitHeld(ctx context.Context) (bool, error) {
+	return s.exists(ctx, s.cl.key("volholder"))
+}
+
+func (s volumeStore) MarkLimited(ctx context.Context, id string) error {
+	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
+	defer done()
+	// Only while the volume is there: a destroy deletes both.
+	if _, err := s.cl.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(s.cl.key("volumes", id)), ">", 0)).
+		Then(clientv3.OpPut(s.cl.key("vollimited", id), s.cl.cfg.NodeID)).Commit(); err != nil {
+		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	return nil
+}
+
+func (s volumeStore) Limited(ctx context.Context, id string) (bool, error) {
+	return s.exists(ctx, s.cl.key("vollimited", id))
+}
+
+func (s volumeStore) exists(ctx context.Context, k string) (bool, error) {
+	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
+	defer done()
+	r, err := s.cl.c.Get(ctx, k, clientv3.WithCountOnly())
+	if err != nil {
+		return false, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	}
+	return r.Count > 0, nil
 }
 
 // VolumeUsers lists the sandboxes of the cluster, on any node, running or paused, that mount

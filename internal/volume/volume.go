@@ -89,7 +89,11 @@ type Config struct {
 	// cluster's S3 bucket through s3fs: shared.go): each volume is a directory <Shared>/<id>
 	// there, no image, and Store is the cluster's. Open mounts nothing: the caller mounted it.
 	Shared string
-	Logger *slog.Logger
+	// LimitDir, on the one node of a cluster that runs on the S3 server's host, is the directory
+	// of the volumes in the server's posix backend (<bucket>/<prefix>volumes): this node holds
+	// every volume's disk limit there (limit.go). Needs Shared and a LimitStore.
+	LimitDir string
+	Logger   *slog.Logger
 }
 
 // Manager creates, finds and destroys volumes and serves their content.
@@ -104,6 +108,10 @@ type Manager struct {
 	// users is Config.Users; SetUsers sets it later (the sandbox manager is made after).
 	usersMu sync.RWMutex
 	users   UsersFunc
+	// The holder's loop (Config.LimitDir): stop ends it, held is closed when it has, kick
+	// runs it at once.
+	stop, held chan struct{}
+	kick       chan struct{}
 }
 
 var nameRe = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9._-]{0,127}$`)
@@ -119,7 +127,7 @@ func Open(ctx context.Context, cfg Config) (*Manager, error) {
 	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("volumes dir: %w", err)
 	}
-	m := &Manager{cfg: cfg, log: cfg.Logger, users: cfg.Users, pending: map[string]int{}}
+	m := &Manager{cfg: cfg, log: cfg.Logger, users: cfg.Users, pending: map[string]int{}, kick: make(chan struct{}, 1)}
 	vols, err := cfg.Store.ListVolumes(ctx)
 	if err != nil {
 		return nil, err
@@ -129,7 +137,35 @@ func Open(ctx context.Context, cfg Config) (*Manager, error) {
 			m.log.Error("mount volume", "volume", v.ID, "err", err)
 		}
 	}
+	ls, limits := cfg.Store.(LimitStore)
+	switch {
+	case cfg.LimitDir != "" && (cfg.Shared == "" || !limits):
+		return nil, errors.New("volume limit dir: only for a cluster's volumes in S3")
+	case cfg.LimitDir != "":
+		if err := os.MkdirAll(cfg.LimitDir, 0o755); err != nil {
+			return nil, fmt.Errorf("volume limit dir: %w", err)
+		}
+		if err := ls.HoldLimits(ctx); err != nil {
+			return nil, err
+		}
+		m.reconcileLimits(ctx)
+		m.stop, m.held = make(chan struct{}), make(chan struct{})
+		go m.holdLimits(2 * time.Second)
+	case limits && cfg.Shared != "":
+		if err := ls.LetGoLimits(ctx); err != nil {
+			return nil, err
+		}
+	}
 	return m, nil
+}
+
+// Close stops the holder's loop (Config.LimitDir); the images stay mounted.
+func (m *Manager) Close() {
+	if m != nil && m.stop != nil {
+		close(m.stop)
+		<-m.held
+		m.stop = nil
+	}
 }
 
 // SetUsers sets the function that lists a volume's sandboxes.
@@ -170,6 +206,18 @@ func (m *Manager) Create(ctx context.Context, owner, name string) (*Volume, erro
 	if err := m.cfg.Store.PutVolume(ctx, v); err != nil {
 		_ = m.remove(v.ID)
 		return nil, err
+	}
+	// In a cluster whose volumes have disk limits, nothing is written before the holder has
+	// mounted the volume's image; its root is then made open to every user again (s3fs sets
+	// the mode on the image's directory).
+	if held, err := m.waitLimited(ctx, v.ID); err != nil || held {
+		if err == nil {
+			err = mkdirOpen(m.DataDir(v.ID))
+		}
+		if err != nil {
+			_ = m.cfg.Store.DeleteVolume(context.WithoutCancel(ctx), v.ID)
+			return nil, err
+		}
 	}
 	m.log.Info("volume created", "volume", v.ID, "name", v.Name, "size_mb", v.SizeMB)
 	return v, nil

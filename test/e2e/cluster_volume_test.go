@@ -1,17 +1,28 @@
 package e2e
 
 import (
+	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
+	"github.com/ember-sandbox/ember/internal/snapshot/s3/s3test"
 )
 
 // Volumes in a 3-node cluster (issue 22): the volume is a directory of the cluster's S3 bucket,
 // mounted with s3fs on every node, its record in etcd. Every edge answers /volumes and the
-// content API; sandboxes on two nodes see each other's writes; destroy is refused through a
-// third node while they mount it; the volume outlives its sandboxes and a node restart.
+// content API; sandboxes on two nodes see each other's writes; a write past the volume's disk
+// limit (held by C, the node on the S3 server's host) fails in a sandbox on A; destroy is
+// refused through a third node while they mount it; the volume outlives its sandboxes and a
+// node restart.
 func TestClusterVolumes(t *testing.T) {
-	_, nodes := storedCluster(t, 1, []string{"w1", "w2", "w3"}, 60)
+	s3cfg, bucket := s3test.StartVolumeLimits(t)
+	flags := append(storedFlags(clustertest.Start(t, 1), s3cfg), "--volume-size-mb", "32")
+	nodes := addNodes(t, flags, nil, []string{"w1", "w2"}, 60)
+	nodes = addNodes(t, append(slices.Clone(flags), "--volume-limit-dir", filepath.Join(bucket, "volumes")), nodes, []string{"w3"}, 62)
 	a, b, c := nodes[0], nodes[1], nodes[2]
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -21,9 +32,10 @@ func TestClusterVolumes(t *testing.T) {
 		}
 	})
 
+	// Made through A: its create answers once C has mounted the volume's image.
 	var v volumeInfo
-	if code, body := c.apiBody(t, "POST", "/volumes", map[string]any{"name": "shared-x"}, &v); code != 201 {
-		t.Fatalf("create volume through %s: %d %s", c.nodeID, code, body)
+	if code, body := a.apiBody(t, "POST", "/volumes", map[string]any{"name": "shared-x"}, &v); code != 201 {
+		t.Fatalf("create volume through %s: %d %s", a.nodeID, code, body)
 	}
 	t.Cleanup(func() { c.api(t, "DELETE", "/volumes/"+v.VolumeID, nil, nil) })
 	for _, n := range nodes {
@@ -72,6 +84,17 @@ func TestClusterVolumes(t *testing.T) {
 	if code, body := c.volumeFile(t, v, "/dir/b.txt"); code != 200 || body != "from-b\n" {
 		t.Fatalf("content API through %s: %d %q", c.nodeID, code, body)
 	}
+
+	// The disk limit (32 MiB): a 48 MiB file written on A fails at its fsync and close with
+	// EIO (s3fs uploads it then; the S3 server's copy into the volume's image runs out of
+	// space). Once it is deleted, B writes 8 MiB.
+	t0 := time.Now()
+	r := a.run(t, sa, "dd if=/dev/zero of=/mnt/vol/big bs=1M count=48 conv=fsync 2>&1; echo rc=$?; stat -c %s /mnt/vol/big")
+	if !strings.Contains(r.stdout, "rc=1") || !strings.Contains(r.stdout, "Input/output error") {
+		t.Fatalf("a write past the volume's limit on %s: %q, want dd to fail with EIO", a.nodeID, r.stdout)
+	}
+	t.Logf("48 MiB into a 32 MiB volume on %s (%v): %q", a.nodeID, time.Since(t0).Round(time.Millisecond), r.stdout)
+	b.wantRun(t, sb, "rm -f /mnt/vol/big && dd if=/dev/zero of=/mnt/vol/f8 bs=1M count=8 conv=fsync 2>/dev/null && stat -c %s /mnt/vol/f8 && rm /mnt/vol/f8", "8388608\n")
 
 	// Destroy is refused through the node that holds neither sandbox.
 	if code, body := c.apiBody(t, "DELETE", "/volumes/"+v.VolumeID, nil, nil); code != 409 || !strings.Contains(body, "is in use") {
