@@ -68,21 +68,28 @@ func (s volumeStore) GetVolume(ctx context.Context, id string) (*volume.Volume, 
 }
 
 func (s volumeStore) DeleteVolume(ctx context.Context, id string) error {
+	_, err := s.deleteVolume(ctx, id)
+	return err
+}
+
+// deleteVolume deletes volume id's record, name and limit mark if cmps hold (false if not).
+func (s volumeStore) deleteVolume(ctx context.Context, id string, cmps ...clientv3.Cmp) (bool, error) {
 	v, err := s.GetVolume(ctx, id)
 	if errors.Is(err, errdefs.ErrNotFound) {
-		return nil
+		return true, nil
 	}
 	if err != nil {
-		return err
+		return false, err
 	}
 	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
 	defer done()
 	nk := s.nameKey(v)
-	if _, err := s.cl.c.Txn(ctx).Then(clientv3.OpDelete(s.cl.key("volumes", id)), clientv3.OpDelete(s.cl.key("vollimited", id)),
-		clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(nk), "=", id)}, []clientv3.Op{clientv3.OpDelete(nk)}, nil)).Commit(); err != nil {
-		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	resp, err := s.cl.c.Txn(ctx).If(cmps...).Then(clientv3.OpDelete(s.cl.key("volumes", id)), clientv3.OpDelete(s.cl.key("vollimited", id)),
+		clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(nk), "=", id)}, []clientv3.Op{clientv3.OpDelete(nk)}, nil)).Commit()
+	if err != nil {
+		return false, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
 	}
-	return nil
+	return resp.Succeeded, nil
 }
 
 func (s volumeStore) ListVolumes(ctx context.Context) ([]*volume.Volume, error) {
@@ -160,27 +167,12 @@ func (s volumeStore) VolumeVersion(ctx context.Context, id string) (int64, error
 
 // DeleteVolumeIf deletes volume id if its record is at version and no claim of it is left.
 func (s volumeStore) DeleteVolumeIf(ctx context.Context, id string, version int64) error {
-	v, err := s.GetVolume(ctx, id)
-	if errors.Is(err, errdefs.ErrNotFound) {
-		return nil
+	ok, err := s.deleteVolume(ctx, id, clientv3.Compare(clientv3.ModRevision(s.cl.key("volumes", id)), "=", version),
+		clientv3.Compare(clientv3.CreateRevision(s.claimsKey(id)), "=", 0).WithPrefix())
+	if err == nil && !ok {
+		err = fmt.Errorf("volume %q claimed by a sandbox being created: %w", id, errdefs.ErrConflict)
 	}
-	if err != nil {
-		return err
-	}
-	ctx, done := s.cl.opCtx(ctx, s.cl.cfg.OpTimeout)
-	defer done()
-	k, nk := s.cl.key("volumes", id), s.nameKey(v)
-	resp, err := s.cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(k), "=", version),
-		clientv3.Compare(clientv3.CreateRevision(s.claimsKey(id)), "=", 0).WithPrefix()).
-		Then(clientv3.OpDelete(k), clientv3.OpDelete(s.cl.key("vollimited", id)),
-			clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(nk), "=", id)}, []clientv3.Op{clientv3.OpDelete(nk)}, nil)).Commit()
-	if err != nil {
-		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
-	}
-	if !resp.Succeeded {
-		return fmt.Errorf("volume %q claimed by a sandbox being created: %w", id, errdefs.ErrConflict)
-	}
-	return nil
+	return err
 }
 
 // Disk limits (volume.LimitStore): volholder is the node that holds them (no lease: while it

@@ -146,3 +146,57 @@ func TestVolumeDestroyRacingCreateOnAnotherNode(t *testing.T) {
 		t.Fatalf("claims left in etcd: %v %v", r, err)
 	}
 }
+
+// One node holds the volumes' disk limits: another is refused, and letting go (a restart
+// without --volume-limit-dir) drops only a node's own registration; a volume is marked limited
+// only while it exists, and the mark goes with it.
+func TestVolumeLimitHolder(t *testing.T) {
+	_, _, a, _, b, _ := sealedPair(t)
+	ctx := context.Background()
+	va, vb := a.Volumes().(volume.LimitStore), b.Volumes().(volume.LimitStore)
+	if held, err := vb.LimitHeld(ctx); err != nil || held {
+		t.Fatalf("held before any node holds: %v %v", held, err)
+	}
+	if err := va.HoldLimits(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := va.HoldLimits(ctx); err != nil {
+		t.Fatalf("a again (a restart): %v", err)
+	}
+	if err := vb.HoldLimits(ctx); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("b while a holds: %v, want a conflict", err)
+	}
+	if err := vb.LetGoLimits(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if held, err := vb.LimitHeld(ctx); err != nil || !held {
+		t.Fatalf("b's let-go dropped a's registration: %v %v", held, err)
+	}
+	if err := va.MarkLimited(ctx, "nope"); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _ := vb.Limited(ctx, "nope"); ok {
+		t.Fatal("a missing volume marked limited")
+	}
+	if err := a.Volumes().PutVolume(ctx, &volume.Volume{ID: "v1", Name: "x"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := va.MarkLimited(ctx, "v1"); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _ := vb.Limited(ctx, "v1"); !ok {
+		t.Fatal("v1 not limited through b")
+	}
+	if err := b.Volumes().DeleteVolume(ctx, "v1"); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _ := vb.Limited(ctx, "v1"); ok {
+		t.Fatal("the mark outlived the volume")
+	}
+	if err := va.LetGoLimits(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if held, _ := vb.LimitHeld(ctx); held {
+		t.Fatal("held after the holder let go")
+	}
+}
