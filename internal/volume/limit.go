@@ -44,6 +44,8 @@ type LimitStore interface {
 	Limited(ctx context.Context, id string) (bool, error)
 }
 
+var errUnlimited = errors.New("files and no image")
+
 // limitWait is how long a create waits for the holder to mount the new volume's image.
 const limitWait = 20 * time.Second
 
@@ -79,7 +81,13 @@ func (m *Manager) reconcileLimits(ctx context.Context) {
 	live := map[string]bool{}
 	for _, v := range vols {
 		live[v.ID] = true
-		if err := m.limit(v); err != nil {
+		if err := m.limit(v); errors.Is(err, errUnlimited) {
+			if !m.unlimited[v.ID] {
+				m.log.Warn("volume limits: the volume has files and no image (made before this node held the limits): it stays without a limit", "volume", v.ID)
+				m.unlimited[v.ID] = true
+			}
+			continue
+		} else if err != nil {
 			m.log.Error("volume limits: mount the volume's image", "volume", v.ID, "err", err)
 			continue
 		}
@@ -111,6 +119,11 @@ func (m *Manager) limit(v *Volume) error {
 		return nil
 	}
 	if _, err := os.Stat(img); os.IsNotExist(err) {
+		// A volume made before a node held the limits has its files in the directory: an
+		// image mounted over them would hide them. It stays without a limit.
+		if ents, err := os.ReadDir(target); err == nil && len(ents) > 0 {
+			return errUnlimited
+		}
 		if err := makeImage(dir, v.SizeMB); err != nil {
 			return err
 		}

@@ -112,6 +112,7 @@ type Manager struct {
 	// runs it at once.
 	stop, held chan struct{}
 	kick       chan struct{}
+	unlimited  map[string]bool // volumes the loop leaves without a limit (logged once)
 }
 
 var nameRe = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9._-]{0,127}$`)
@@ -127,7 +128,7 @@ func Open(ctx context.Context, cfg Config) (*Manager, error) {
 	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("volumes dir: %w", err)
 	}
-	m := &Manager{cfg: cfg, log: cfg.Logger, users: cfg.Users, pending: map[string]int{}, kick: make(chan struct{}, 1)}
+	m := &Manager{cfg: cfg, log: cfg.Logger, users: cfg.Users, pending: map[string]int{}, kick: make(chan struct{}, 1), unlimited: map[string]bool{}}
 	vols, err := cfg.Store.ListVolumes(ctx)
 	if err != nil {
 		return nil, err

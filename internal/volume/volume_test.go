@@ -515,14 +515,25 @@ func TestSharedVolumeLimits(t *testing.T) {
 	ctx := context.Background()
 	shared := t.TempDir()
 	st := &limitStore{memStore: &memStore{vols: map[string]volume.Volume{}}, limited: map[string]bool{}}
+	other, err := volume.Open(ctx, volume.Config{Dir: t.TempDir(), Store: st, Shared: shared, SizeMB: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A volume made while no node held the limits keeps its files (and has no limit).
+	old, err := other.Create(ctx, "", "old")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.WriteFile(old, "/f", strings.NewReader("kept"), volume.Attrs{}, nil); err != nil {
+		t.Fatal(err)
+	}
 	holder, err := volume.Open(ctx, volume.Config{Dir: t.TempDir(), Store: st, Shared: shared, LimitDir: shared, SizeMB: 16})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(holder.Close)
-	other, err := volume.Open(ctx, volume.Config{Dir: t.TempDir(), Store: st, Shared: shared, SizeMB: 16})
-	if err != nil {
-		t.Fatal(err)
+	if b, err := os.ReadFile(filepath.Join(other.DataDir(old.ID), "f")); err != nil || string(b) != "kept" {
+		t.Fatalf("a volume made before the holder: %q %v", b, err)
 	}
 	v, err := other.Create(ctx, "", "data")
 	if err != nil {
