@@ -17,18 +17,21 @@ import (
 // Disk limits of a cluster's volumes (Config.LimitDir). s3fs has no quota and the S3 API none
 // per prefix, so the limit is held where the bytes land: on the S3 server's host. The S3 server
 // is versitygw's posix backend (objects are files; a key prefix is a directory), run with
-// --disableotmp; one ember node runs on its host with --volume-limit-dir set to the directory
-// of <prefix>volumes in the bucket. That node (the holder) gives every volume a sparse ext4
-// image of the volume's size under <Dir>/limits/<id>, loop-mounted, and bind-mounts the image's
-// data directory over the volume's directory <LimitDir>/<id>. A PUT of an object into a full
-// volume then fails on the server (versitygw writes the object in <bucket>/.sgwtmp, then copies
-// it into the image, as a link or rename across filesystems is refused: ENOSPC, answered 500),
-// and s3fs, which uploads a file on flush and close, gives the writer EIO there (fsync, close).
-// Overshoot: none past the image (a file that does not fit is left cut at the limit by the
-// server's copy); a file's bytes are only checked at its upload, so a write(2) itself succeeds.
+// --disableotmp (else an object is an O_TMPFILE linked into place, which fails across
+// filesystems on every write) and --sidecar DIR (else the objects' metadata, xattrs of the
+// temporary file, is lost by the copy into the image: s3fs's modes and owners). One ember node
+// runs on its host with --volume-limit-dir set to the directory of <prefix>volumes in the
+// bucket. That node (the holder) gives every volume a sparse ext4 image of the volume's size
+// under <Dir>/limits/<id>, loop-mounted, and bind-mounts the image's data directory over the
+// volume's directory <LimitDir>/<id>. A PUT of an object into a full volume then fails on the
+// server (versitygw writes the object in <bucket>/.sgwtmp, then copies it into the image:
+// ENOSPC, answered 500), and s3fs, which uploads a file on flush and close, gives the writer
+// EIO there (fsync, close). Overshoot: none past the image (a file that does not fit is left
+// cut at the limit by the server's copy); a file's bytes are only checked at its upload, so a
+// write(2) itself succeeds.
 //
 // Every node's create waits until the holder has mounted the volume's image (LimitStore
-// records it) before it answers, so no byte of a volume is ever written outside its image.
+// records it) before it answers, so no byte of a new volume is written outside its image.
 // Without a holder in the cluster volumes have no limit, as before.
 
 // LimitStore is a cluster's Store that knows the node holding the volumes' disk limits.
