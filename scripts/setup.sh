@@ -14,8 +14,6 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 pkgs=(debootstrap nftables iproute2 runc busybox-static ca-certificates tar btrfs-progs xfsprogs protobuf-compiler libprotobuf-dev tmux)
-# Volumes in a cluster: each node mounts the cluster's S3 bucket with s3fs-fuse (internal/volume/shared.go).
-pkgs+=(s3fs)
 # What E2B's Python SDK kit (../shared/e2b-python, README.txt) needs from Debian: the Python tests
 # (test/python, `make sdk`, `make sdk-python`) run the SDK with them.
 pkgs+=(python3-httpx python3-httpcore python3-h2 python3-attr python3-dateutil python3-packaging
@@ -28,6 +26,15 @@ if [ "${#missing[@]}" -gt 0 ]; then
 	apt-get update -q
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
 fi
+# Volumes in a cluster: each node mounts the cluster's S3 bucket with s3fs-fuse
+# (internal/volume/shared.go), Debian's package pinned to S3FS_VERSION (versions.env): installed,
+# or moved to that version (up or down), when dpkg has another one.
+if [ "$(dpkg-query -W -f '${Status} ${Version}' s3fs 2>/dev/null)" != "install ok installed $S3FS_VERSION" ]; then
+	echo "setup: installing s3fs=$S3FS_VERSION"
+	[ "${#missing[@]}" -gt 0 ] || apt-get update -q
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --allow-downgrades "s3fs=$S3FS_VERSION"
+fi
+[ "$(dpkg-query -W -f '${Version}' s3fs)" = "$S3FS_VERSION" ] || { echo "setup: s3fs is not at $S3FS_VERSION"; exit 1; }
 
 mkdir -p .cache/bin
 # runsc is built from the pinned gvisor.dev/gvisor module with seccomp programs precompiled by

@@ -180,6 +180,7 @@ func serveCmd() *cobra.Command {
 	f.IntVar(&cfg.MaxQueued, "max-queued", 1000, "creates waiting for room at most (the admission queue's bound); one more answers 429 with Retry-After at once")
 	f.IntVar(&cfg.MaxBuilds, "max-builds", 2, "concurrent template builds at most")
 	f.IntVar(&cfg.VolumeSizeMB, "volume-size-mb", 1024, "disk limit of each new volume (MiB; a sparse ext4 image: a write past it fails with ENOSPC)")
+	f.StringVar(&cfg.VolumeLimitDir, "volume-limit-dir", os.Getenv("EMBER_VOLUME_LIMIT_DIR"), "cluster mode with S3, on the S3 server's host only (versitygw posix, run with --disableotmp): the directory <bucket>/<prefix>volumes of its backend; this node then holds every volume's disk limit there (an image per volume), so a write past it fails (EIO at close/fsync) on every node ($EMBER_VOLUME_LIMIT_DIR)")
 	f.IntVar(&cfg.DiskMB, "disk-mb", 2048, "disk of a sandbox's writable layer unless its template says otherwise, and of build sandboxes and template warm-ups (MiB; a write past it fails with ENOSPC inside)")
 	f.IntVar(&cfg.MaxConns, "max-connections", 8192, "concurrent client connections at most")
 	f.StringVar(&templates, "templates", "base", "templates to build at start if missing (comma-separated, empty for none)")

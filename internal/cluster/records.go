@@ -145,14 +145,23 @@ func (r *Records) PutNamed(ctx context.Context, id string, name []string, v any)
 // DeleteNamed removes record id and its name claim (when the claim is still id's). A record
 // already gone is no error.
 func (r *Records) DeleteNamed(ctx context.Context, id string, name []string) error {
+	_, err := r.DeleteNamedIf(ctx, id, name, nil)
+	return err
+}
+
+// DeleteNamedIf is DeleteNamed done, with the extra operations, only if cmps hold (false if
+// they did not).
+func (r *Records) DeleteNamedIf(ctx context.Context, id string, name []string, cmps []clientv3.Cmp, extra ...clientv3.Op) (bool, error) {
 	nk := r.nameKey(name)
 	ctx, done := r.cl.opCtx(ctx, r.cl.cfg.OpTimeout)
 	defer done()
-	if _, err := r.cl.c.Txn(ctx).Then(clientv3.OpDelete(r.Key(id)),
-		clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(nk), "=", id)}, []clientv3.Op{clientv3.OpDelete(nk)}, nil)).Commit(); err != nil {
-		return fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+	ops := append([]clientv3.Op{clientv3.OpDelete(r.Key(id)),
+		clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(nk), "=", id)}, []clientv3.Op{clientv3.OpDelete(nk)}, nil)}, extra...)
+	resp, err := r.cl.c.Txn(ctx).If(cmps...).Then(ops...).Commit()
+	if err != nil {
+		return false, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
 	}
-	return nil
+	return resp.Succeeded, nil
 }
 
 // Delete removes record id (ErrNotFound when there was none).

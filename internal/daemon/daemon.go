@@ -101,6 +101,10 @@ type Config struct {
 	DiskMB int
 	// VolumeSizeMB is each new volume's disk limit (0 = volume.DefaultSizeMB).
 	VolumeSizeMB int
+	// VolumeLimitDir: in a cluster with S3, this node runs on the S3 server's host (versitygw
+	// posix, --disableotmp) and holds the volumes' disk limits in this directory of its
+	// backend, <bucket>/<prefix>volumes (volume.Config.LimitDir).
+	VolumeLimitDir string
 	// Templates built at start-up when missing (e.g. "base").
 	Templates []string
 	// Snapshot store: local directory by default; S3 when S3.Endpoint is set.
@@ -164,7 +168,8 @@ type Node struct {
 	net     *network.Manager
 	egress  *egress.Proxy
 
-	moves *cluster.Moves // stored paused sandboxes (cluster mode with S3)
+	moves   *cluster.Moves // stored paused sandboxes (cluster mode with S3)
+	volumes *volume.Manager
 	// startup builds the start-up templates (nil: none left to build, or built by open).
 	startup func(context.Context) error
 }
@@ -415,7 +420,7 @@ func open(ctx context.Context, cfg Config) (*Node, error) {
 	met.SetTeams(acfg.Quotas)
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true
-	n := &Node{Manager: mgr, Builds: builds, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: lfs, Cluster: cl, net: nm, egress: px, moves: moves}
+	n := &Node{Manager: mgr, Builds: builds, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: lfs, Cluster: cl, net: nm, egress: px, moves: moves, volumes: acfg.Volumes}
 	if starting != nil {
 		n.startup = func(ctx context.Context) error {
 			return starting.run(func(name string) error { return buildStartTemplate(ctx, cfg, n, name, envdSum) })
@@ -483,6 +488,7 @@ func ensureKey(ctx context.Context, cfg Config, keys *auth.Keys) error {
 // Close stops background work. Running sandboxes keep running and are re-adopted by the next
 // start on the same data directory.
 func (n *Node) Close() {
+	n.volumes.Close()
 	if n.moves != nil {
 		n.moves.Close()
 	}
@@ -780,12 +786,15 @@ func openVolumes(ctx context.Context, cfg Config, st *store.Store, cl *cluster.C
 		Logger: cfg.Logger,
 		Users:  local,
 	}
+	if cfg.VolumeLimitDir != "" && !(sharedVolumes(cfg) && cl != nil) {
+		return nil, errors.New("--volume-limit-dir: only for a cluster with S3 (--etcd-endpoints, --s3-endpoint)")
+	}
 	if sharedVolumes(cfg) && cl != nil {
 		dir, err := volume.MountShared(ctx, s3fsConfig(cfg), sharedVolumesMount(cfg), cfg.DataDir)
 		if err != nil {
 			return nil, fmt.Errorf("volumes: %w", err)
 		}
-		vcfg.Shared, vcfg.Store = dir, cl.Volumes()
+		vcfg.Shared, vcfg.Store, vcfg.LimitDir = dir, cl.Volumes(), cfg.VolumeLimitDir
 		vcfg.Users = func(ctx context.Context, id string) ([]string, error) {
 			out, err := local(ctx, id)
 			if err != nil {

@@ -3,7 +3,6 @@ package volume
 import (
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 
 	"golang.org/x/sys/unix"
@@ -22,20 +21,8 @@ func (m *Manager) provision(v *Volume) error {
 		return err
 	}
 	if !m.cfg.NoDiskLimit {
-		img := filepath.Join(dir, imageName)
-		f, err := os.OpenFile(img, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
-		if err != nil {
+		if err := makeImage(dir, v.SizeMB); err != nil {
 			return err
-		}
-		err = f.Truncate(int64(v.SizeMB) << 20) // sparse
-		f.Close()
-		if err != nil {
-			return err
-		}
-		// No reserved blocks (the whole limit is the user's), no lazy init (no background writes).
-		out, err := exec.Command("mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=0,lazy_journal_init=0", img).CombinedOutput()
-		if err != nil {
-			return fmt.Errorf("mkfs.ext4 volume image: %v: %s", err, out)
 		}
 		if err := m.attach(v.ID); err != nil {
 			return err
@@ -63,16 +50,7 @@ func (m *Manager) attach(id string) error {
 	if _, err := os.Stat(img); os.IsNotExist(err) {
 		return nil // a plain directory (NoDiskLimit)
 	}
-	mnt := filepath.Join(dir, "mnt")
-	if isMountPoint(mnt) {
-		return nil
-	}
-	// mount(8) sets up the loop device with autoclear: unmounting frees it.
-	out, err := exec.Command("mount", "-t", "ext4", "-o", "loop,nosuid,nodev,noatime", img, mnt).CombinedOutput()
-	if err != nil {
-		return fmt.Errorf("mount volume image: %v: %s", err, out)
-	}
-	return nil
+	return mountImage(img, filepath.Join(dir, "mnt"))
 }
 
 // detach unmounts the volume's image. A sandbox still running with the volume keeps its own

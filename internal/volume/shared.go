@@ -29,8 +29,8 @@ import (
 // host file of these open beyond the guest's own opens (runtime.Bind.Remote): s3fs serves every
 // open of a file what it read while any is open.
 //
-// What it does not give: a disk limit per volume (s3fs has no quota: the volume's size is
-// recorded but not enforced); writers on two nodes to one file at once get last-closed-wins; and
+// What it does not give by itself: a disk limit per volume (s3fs has no quota; the node on the
+// S3 server's host holds the limits there: limit.go); writers on two nodes to one file at once get last-closed-wins; and
 // while a process on a node holds a file open, opens of it on that node see what it saw.
 
 // S3FS is where the shared engine's bucket is.
@@ -101,6 +101,9 @@ func MountShared(ctx context.Context, c S3FS, mnt, stateDir string) (string, err
 		"attr_timeout=0",
 		"entry_timeout=0",
 		"negative_timeout=0",
+		// A PUT refused by the server (a volume at its disk limit: limit.go) fails the writer's
+		// close or fsync after one retry, not after five with growing pauses (minutes).
+		"retries=2",
 		"dbglevel=err",
 	}
 	if c.Insecure {

@@ -55,6 +55,22 @@ type Store interface {
 	ListVolumes(ctx context.Context) ([]*Volume, error)
 }
 
+// Claims is a Store shared by the nodes of a cluster (etcd), where a mount being set up on one
+// node meets a destroy on another: a sandbox's create claims its volumes before the record that
+// names them (its route) is written and releases them after, and a destroy deletes the volume
+// only if nothing claimed it since it read its users, so that a sandbox whose record the destroy
+// could not see yet is never left mounting a destroyed volume.
+type Claims interface {
+	// ClaimVolume records that a sandbox being made mounts volume id until release is called;
+	// refused (not found) once the volume is deleted.
+	ClaimVolume(ctx context.Context, id string) (release func(), err error)
+	// VolumeVersion is volume id's claim version, read before its users.
+	VolumeVersion(ctx context.Context, id string) (int64, error)
+	// DeleteVolumeIf deletes volume id unless it is claimed or was claimed since version
+	// (errdefs.ErrConflict).
+	DeleteVolumeIf(ctx context.Context, id string, version int64) error
+}
+
 // UsersFunc lists the sandboxes (live or paused) that mount volume id.
 type UsersFunc func(ctx context.Context, id string) ([]string, error)
 
@@ -73,7 +89,11 @@ type Config struct {
 	// cluster's S3 bucket through s3fs: shared.go): each volume is a directory <Shared>/<id>
 	// there, no image, and Store is the cluster's. Open mounts nothing: the caller mounted it.
 	Shared string
-	Logger *slog.Logger
+	// LimitDir, on the one node of a cluster that runs on the S3 server's host, is the directory
+	// of the volumes in the server's posix backend (<bucket>/<prefix>volumes): this node holds
+	// every volume's disk limit there (limit.go). Needs Shared and a LimitStore.
+	LimitDir string
+	Logger   *slog.Logger
 }
 
 // Manager creates, finds and destroys volumes and serves their content.
@@ -88,6 +108,11 @@ type Manager struct {
 	// users is Config.Users; SetUsers sets it later (the sandbox manager is made after).
 	usersMu sync.RWMutex
 	users   UsersFunc
+	// The holder's loop (Config.LimitDir): stop ends it, held is closed when it has, kick
+	// runs it at once.
+	stop, held chan struct{}
+	kick       chan struct{}
+	unlimited  map[string]bool // volumes the loop leaves without a limit (logged once)
 }
 
 var nameRe = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9._-]{0,127}$`)
@@ -103,7 +128,7 @@ func Open(ctx context.Context, cfg Config) (*Manager, error) {
 	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("volumes dir: %w", err)
 	}
-	m := &Manager{cfg: cfg, log: cfg.Logger, users: cfg.Users, pending: map[string]int{}}
+	m := &Manager{cfg: cfg, log: cfg.Logger, users: cfg.Users, pending: map[string]int{}, kick: make(chan struct{}, 1), unlimited: map[string]bool{}}
 	vols, err := cfg.Store.ListVolumes(ctx)
 	if err != nil {
 		return nil, err
@@ -113,7 +138,35 @@ func Open(ctx context.Context, cfg Config) (*Manager, error) {
 			m.log.Error("mount volume", "volume", v.ID, "err", err)
 		}
 	}
+	ls, limits := cfg.Store.(LimitStore)
+	switch {
+	case cfg.LimitDir != "" && (cfg.Shared == "" || !limits):
+		return nil, errors.New("volume limit dir: only for a cluster's volumes in S3")
+	case cfg.LimitDir != "":
+		if err := os.MkdirAll(cfg.LimitDir, 0o755); err != nil {
+			return nil, fmt.Errorf("volume limit dir: %w", err)
+		}
+		if err := ls.HoldLimits(ctx); err != nil {
+			return nil, err
+		}
+		m.reconcileLimits(ctx)
+		m.stop, m.held = make(chan struct{}), make(chan struct{})
+		go m.holdLimits(2 * time.Second)
+	case limits && cfg.Shared != "":
+		if err := ls.LetGoLimits(ctx); err != nil {
+			return nil, err
+		}
+	}
 	return m, nil
+}
+
+// Close stops the holder's loop (Config.LimitDir); the images stay mounted.
+func (m *Manager) Close() {
+	if m != nil && m.stop != nil {
+		close(m.stop)
+		<-m.held
+		m.stop = nil
+	}
 }
 
 // SetUsers sets the function that lists a volume's sandboxes.
@@ -154,6 +207,18 @@ func (m *Manager) Create(ctx context.Context, owner, name string) (*Volume, erro
 	if err := m.cfg.Store.PutVolume(ctx, v); err != nil {
 		_ = m.remove(v.ID)
 		return nil, err
+	}
+	// In a cluster whose volumes have disk limits, nothing is written before the holder has
+	// mounted the volume's image; its root is then made open to every user again (s3fs sets
+	// the mode on the image's directory).
+	if held, err := m.waitLimited(ctx, v.ID); err != nil || held {
+		if err == nil {
+			err = mkdirOpen(m.DataDir(v.ID))
+		}
+		if err != nil {
+			_ = m.cfg.Store.DeleteVolume(context.WithoutCancel(ctx), v.ID)
+			return nil, err
+		}
 	}
 	m.log.Info("volume created", "volume", v.ID, "name", v.Name, "size_mb", v.SizeMB)
 	return v, nil
@@ -215,6 +280,13 @@ func (m *Manager) Destroy(ctx context.Context, owner, idOrName string) error {
 	if err != nil {
 		return err
 	}
+	claims, shared := m.cfg.Store.(Claims)
+	var version int64
+	if shared {
+		if version, err = claims.VolumeVersion(ctx, v.ID); err != nil {
+			return err
+		}
+	}
 	m.usersMu.RLock()
 	users := m.users
 	m.usersMu.RUnlock()
@@ -228,9 +300,17 @@ func (m *Manager) Destroy(ctx context.Context, owner, idOrName string) error {
 		ids = []string{"being created"}
 	}
 	if len(ids) > 0 {
-		return errorf(errdefs.ErrConflict, "volume '%s' is in use by sandbox %s and cannot be deleted", v.Name, ids[0])
+		return inUse(v, ids[0])
 	}
-	if err := m.cfg.Store.DeleteVolume(ctx, v.ID); err != nil {
+	if shared {
+		err = claims.DeleteVolumeIf(ctx, v.ID, version)
+	} else {
+		err = m.cfg.Store.DeleteVolume(ctx, v.ID)
+	}
+	if errors.Is(err, errdefs.ErrConflict) {
+		return inUse(v, "being created")
+	}
+	if err != nil {
 		return err
 	}
 	if err := m.remove(v.ID); err != nil {
@@ -240,9 +320,13 @@ func (m *Manager) Destroy(ctx context.Context, owner, idOrName string) error {
 	return nil
 }
 
+func inUse(v *Volume, sandboxID string) error {
+	return errorf(errdefs.ErrConflict, "volume '%s' is in use by sandbox %s and cannot be deleted", v.Name, sandboxID)
+}
+
 // Resolve finds owner's volume by name for a mount: its id and host directory. Until release
 // is called (once the sandbox that mounts it is recorded, or its create failed), a destroy of
-// the volume is refused.
+// the volume is refused, on every node when the Store is a cluster's (Claims).
 func (m *Manager) Resolve(ctx context.Context, owner, name string) (id, hostDir string, release func(), err error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -253,10 +337,19 @@ func (m *Manager) Resolve(ctx context.Context, owner, name string) (id, hostDir 
 	if v == nil {
 		return "", "", nil, errorf(errdefs.ErrNotFound, "volume '%s' not found", name)
 	}
+	unclaim := func() {}
+	if claims, ok := m.cfg.Store.(Claims); ok {
+		if unclaim, err = claims.ClaimVolume(ctx, v.ID); errors.Is(err, errdefs.ErrNotFound) {
+			return "", "", nil, errorf(errdefs.ErrNotFound, "volume '%s' not found", name)
+		} else if err != nil {
+			return "", "", nil, err
+		}
+	}
 	m.pending[v.ID]++
 	var once sync.Once
 	release = func() {
 		once.Do(func() {
+			unclaim()
 			m.mu.Lock()
 			defer m.mu.Unlock()
 			if m.pending[v.ID]--; m.pending[v.ID] <= 0 {

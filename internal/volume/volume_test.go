@@ -13,6 +13,9 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/testutil"
@@ -462,5 +465,99 @@ func TestSharedVolumes(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(shared, v.ID)); !os.IsNotExist(err) {
 		t.Fatalf("the volume's directory after destroy: %v", err)
+	}
+}
+
+// limitStore is a cluster's store as the volume limits see it (volume.LimitStore).
+type limitStore struct {
+	*memStore
+	holder  string
+	limited map[string]bool
+}
+
+func (s *limitStore) HoldLimits(context.Context) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.holder = "me"
+	return nil
+}
+
+// LetGoLimits drops only the caller's own registration: here, the other node's call keeps the
+// holder's.
+func (s *limitStore) LetGoLimits(context.Context) error { return nil }
+
+func (s *limitStore) LimitHeld(context.Context) (bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.holder != "", nil
+}
+
+func (s *limitStore) MarkLimited(_ context.Context, id string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.limited[id] = true
+	return nil
+}
+
+func (s *limitStore) Limited(_ context.Context, id string) (bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.limited[id], nil
+}
+
+// A cluster's volume made through a node that does not hold the limits is answered once the
+// holder has bind-mounted its image over the volume's directory (here the directory every node
+// sees is the holder's, as if the S3 server's): a write past the limit fails with no space;
+// once the volume is destroyed, the holder drops its image.
+func TestSharedVolumeLimits(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("volume limits need root (loop and bind mounts)")
+	}
+	ctx := context.Background()
+	shared := t.TempDir()
+	st := &limitStore{memStore: &memStore{vols: map[string]volume.Volume{}}, limited: map[string]bool{}}
+	other, err := volume.Open(ctx, volume.Config{Dir: t.TempDir(), Store: st, Shared: shared, SizeMB: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A volume made while no node held the limits keeps its files (and has no limit).
+	old, err := other.Create(ctx, "", "old")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.WriteFile(old, "/f", strings.NewReader("kept"), volume.Attrs{}, nil); err != nil {
+		t.Fatal(err)
+	}
+	holder, err := volume.Open(ctx, volume.Config{Dir: t.TempDir(), Store: st, Shared: shared, LimitDir: shared, SizeMB: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(holder.Close)
+	if b, err := os.ReadFile(filepath.Join(other.DataDir(old.ID), "f")); err != nil || string(b) != "kept" {
+		t.Fatalf("a volume made before the holder: %q %v", b, err)
+	}
+	v, err := other.Create(ctx, "", "data")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st1, st2 unix.Stat_t
+	if unix.Stat(filepath.Join(shared, v.ID), &st1) != nil || unix.Stat(shared, &st2) != nil || st1.Dev == st2.Dev {
+		t.Fatalf("the volume's directory is not the image's mount once its create answered")
+	}
+	if fi, err := os.Stat(other.DataDir(v.ID)); err != nil || fi.Mode().Perm() != 0o777 {
+		t.Fatalf("the volume's directory: %v %v, want mode 0777", fi, err)
+	}
+	if _, err := other.WriteFile(v, "/big", bytes.NewReader(make([]byte, 32<<20)), volume.Attrs{}, nil); !errors.Is(err, errdefs.ErrExhausted) {
+		t.Fatalf("write past the limit: %v, want exhausted", err)
+	}
+	if err := other.Destroy(ctx, "", v.ID); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for _, err := os.Stat(filepath.Join(shared, v.ID)); !os.IsNotExist(err); _, err = os.Stat(filepath.Join(shared, v.ID)) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the destroyed volume's image is still mounted: %v", err)
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }

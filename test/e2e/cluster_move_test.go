@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
+	"github.com/ember-sandbox/ember/internal/snapshot/s3"
 	"github.com/ember-sandbox/ember/internal/snapshot/s3/s3test"
 )
 
@@ -31,10 +32,14 @@ func storedCluster(t *testing.T, members int, ids []string, cidrBase int) (*clus
 func storedClusterFlags(t *testing.T, members int) (*clustertest.Etcd, []string) {
 	t.Helper()
 	e := clustertest.Start(t, members)
-	s3 := s3test.Start(t)
+	return e, storedFlags(e, s3test.Start(t))
+}
+
+// storedFlags are the flags of the nodes of a cluster with etcd e and S3 server s3.
+func storedFlags(e *clustertest.Etcd, s s3.Config) []string {
 	// No --snapshot-key: the cluster shares its own through etcd (as the README's example).
-	return e, append(e.ServeFlags(), "--cluster-ttl", "5s", "--pool-size", "1",
-		"--s3-endpoint", s3.Endpoint, "--s3-bucket", s3.Bucket, "--s3-access-key", s3.AccessKey, "--s3-secret-key", s3.SecretKey)
+	return append(e.ServeFlags(), "--cluster-ttl", "5s", "--pool-size", "1",
+		"--s3-endpoint", s.Endpoint, "--s3-bucket", s.Bucket, "--s3-access-key", s.AccessKey, "--s3-secret-key", s.SecretKey)
 }
 
 // addNodes starts ember nodes ids (CIDRs from cidrBase) after nodes, with the API key of the

@@ -1,17 +1,29 @@
 package e2e
 
 import (
+	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
+
+	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
+	"github.com/ember-sandbox/ember/internal/snapshot/s3/s3test"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // Volumes in a 3-node cluster (issue 22): the volume is a directory of the cluster's S3 bucket,
 // mounted with s3fs on every node, its record in etcd. Every edge answers /volumes and the
-// content API; sandboxes on two nodes see each other's writes; destroy is refused through a
-// third node while they mount it; the volume outlives its sandboxes and a node restart.
+// content API; sandboxes on two nodes see each other's writes; a write past the volume's disk
+// limit (held by C, the node on the S3 server's host) fails in a sandbox on A; a fork's child
+// mounts the volume, and so does a paused sandbox resumed on another node; destroy is refused
+// while they mount it; the volume outlives its sandboxes and a node restart.
 func TestClusterVolumes(t *testing.T) {
-	_, nodes := storedCluster(t, 1, []string{"w1", "w2", "w3"}, 60)
+	s3cfg, bucket := s3test.StartVolumeLimits(t)
+	flags := append(storedFlags(clustertest.Start(t, 1), s3cfg), "--volume-size-mb", "8")
+	nodes := addNodes(t, flags, nil, []string{"w1", "w2"}, 60)
+	nodes = addNodes(t, append(slices.Clone(flags), "--volume-limit-dir", filepath.Join(bucket, "volumes")), nodes, []string{"w3"}, 62)
 	a, b, c := nodes[0], nodes[1], nodes[2]
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -21,9 +33,10 @@ func TestClusterVolumes(t *testing.T) {
 		}
 	})
 
+	// Made through A: its create answers once C has mounted the volume's image.
 	var v volumeInfo
-	if code, body := c.apiBody(t, "POST", "/volumes", map[string]any{"name": "shared-x"}, &v); code != 201 {
-		t.Fatalf("create volume through %s: %d %s", c.nodeID, code, body)
+	if code, body := a.apiBody(t, "POST", "/volumes", map[string]any{"name": "shared-x"}, &v); code != 201 {
+		t.Fatalf("create volume through %s: %d %s", a.nodeID, code, body)
 	}
 	t.Cleanup(func() { c.api(t, "DELETE", "/volumes/"+v.VolumeID, nil, nil) })
 	for _, n := range nodes {
@@ -73,14 +86,74 @@ func TestClusterVolumes(t *testing.T) {
 		t.Fatalf("content API through %s: %d %q", c.nodeID, code, body)
 	}
 
-	// Destroy is refused through the node that holds neither sandbox.
-	if code, body := c.apiBody(t, "DELETE", "/volumes/"+v.VolumeID, nil, nil); code != 409 || !strings.Contains(body, "is in use") {
-		t.Fatalf("destroy through %s while mounted on %s and %s: %d %s", c.nodeID, a.nodeID, b.nodeID, code, body)
+	// The disk limit (8 MiB): a 12 MiB file written on A fails at its fsync and close with
+	// EIO (s3fs uploads it then; the S3 server's copy into the volume's image runs out of
+	// space; what it copied stays, cut at the limit). Once it is deleted, B writes 4 MiB.
+	t0 := time.Now()
+	r := a.run(t, sa, "dd if=/dev/zero of=/mnt/vol/big bs=1M count=12 conv=fsync 2>&1; echo rc=$?; stat -c %s /mnt/vol/big")
+	if !strings.Contains(r.stdout, "rc=1") || !strings.Contains(r.stdout, "Input/output error") {
+		t.Fatalf("a write past the volume's limit on %s: %q, want dd to fail with EIO", a.nodeID, r.stdout)
+	}
+	t.Logf("12 MiB into an 8 MiB volume on %s (%v): %q", a.nodeID, time.Since(t0).Round(time.Millisecond), r.stdout)
+	b.wantRun(t, sb, "rm -f /mnt/vol/big && dd if=/dev/zero of=/mnt/vol/f4 bs=1M count=4 conv=fsync 2>/dev/null && stat -c %s /mnt/vol/f4 && rm /mnt/vol/f4", "4194304\n")
+
+	// With B and C drained (B's drain pauses sb into the store), a fork of sa has its child on
+	// A, which mounts the volume; sb then resumes on another node than B with the volume
+	// mounted.
+	t0 = time.Now()
+	drain(t, c, c, true)
+	drain(t, c, b, true)
+	var items []forkItem
+	if code, body := a.apiBody(t, "POST", "/sandboxes/"+sa.SandboxID+"/fork", map[string]any{"count": 1, "timeout": 300}, &items); code != 201 || len(items) != 1 || items[0].Sandbox == nil {
+		t.Fatalf("fork of %s: %d %s", sa.SandboxID, code, body)
+	}
+	kid := *items[0].Sandbox
+	if n := nodeOf(t, c, kid.SandboxID); n != a.nodeID {
+		t.Fatalf("fork child on %q with %s and %s drained", n, b.nodeID, c.nodeID)
+	}
+	a.wantRun(t, kid, "cat /mnt/vol/a.txt && echo from-kid > /mnt/vol/kid.txt", "changed-on-b\n")
+	a.wantRun(t, sa, "cat /mnt/vol/kid.txt", "from-kid\n")
+	drain(t, c, c, false)
+	testutil.Eventually(t, 60*time.Second, "B's drain paused "+sb.SandboxID, func() bool {
+		var got sbx
+		return c.api(t, "GET", "/sandboxes/"+sb.SandboxID, nil, &got) == 200 && got.State == "paused"
+	})
+	if code, body := c.apiBody(t, "POST", "/v2/sandboxes/"+sb.SandboxID+"/connect", map[string]any{"timeout": 300}, nil); code != 200 && code != 201 {
+		t.Fatalf("resume %s through %s: %d %s", sb.SandboxID, c.nodeID, code, body)
+	}
+	var there *daemon
+	for _, n := range nodes {
+		if n.nodeID == nodeOf(t, c, sb.SandboxID) {
+			there = n
+		}
+	}
+	if there == nil || there == b {
+		t.Fatalf("%s resumed on %q, want a node other than %s", sb.SandboxID, nodeOf(t, c, sb.SandboxID), b.nodeID)
+	}
+	there.wantRun(t, sb, "cat /mnt/vol/kid.txt && echo moved > /mnt/vol/moved.txt", "from-kid\n")
+	a.wantRun(t, kid, "cat /mnt/vol/moved.txt", "moved\n")
+	drain(t, c, b, false)
+	// B drops its copy once its sync sees the route moved. (Killed before that, the sandbox
+	// would be B's again when B restarts below: its route is gone, B's copy looks like B's
+	// own. A race of the cluster's sync, left to it.)
+	testutil.Eventually(t, 30*time.Second, b.nodeID+" drops its copy of "+sb.SandboxID, func() bool {
+		for _, i := range b.instances() {
+			if strings.HasPrefix(i.ID, sb.SandboxID) {
+				return false
+			}
+		}
+		return true
+	})
+	t.Logf("fork on %s and move of a paused sandbox to %s with the volume: %v", a.nodeID, there.nodeID, time.Since(t0).Round(time.Millisecond))
+
+	// Destroy is refused through B (it holds none of the sandboxes now).
+	if code, body := b.apiBody(t, "DELETE", "/volumes/"+v.VolumeID, nil, nil); code != 409 || !strings.Contains(body, "is in use") {
+		t.Fatalf("destroy through %s while mounted on %s and %s: %d %s", b.nodeID, a.nodeID, there.nodeID, code, body)
 	}
 
 	// The sandboxes go, B restarts: the volume and its files are there through B, and a new
 	// sandbox on B reads them.
-	for _, s := range []sbx{sa, sb} {
+	for _, s := range []sbx{sa, sb, kid} {
 		if code := c.api(t, "DELETE", "/sandboxes/"+s.SandboxID, nil, nil); code != 204 {
 			t.Fatalf("kill %s: %d", s.SandboxID, code)
 		}

@@ -51,17 +51,30 @@ func Binary() (string, bool) {
 // bucket. Without the binary the test skips (fails in CI).
 func Start(t testing.TB) s3.Config {
 	t.Helper()
-	return start(t, false)
+	cfg, _ := start(t, false, false)
+	return cfg
+}
+
+// StartVolumeLimits is Start with the server set up as a cluster's volume disk limits need
+// (internal/volume/limit.go): --disableotmp (an object is written in the bucket's temporary
+// directory, then renamed or, into another filesystem, copied into place) and --sidecar (the
+// objects' metadata in a directory of its own, which a copy keeps). It also returns the
+// directory that is the bucket (a key prefix is a directory in it).
+func StartVolumeLimits(t testing.TB) (s3.Config, string) {
+	t.Helper()
+	cfg, data := start(t, false, true)
+	return cfg, filepath.Join(data, cfg.Bucket)
 }
 
 // StartTLS is Start with HTTPS, using a fresh self-signed certificate for 127.0.0.1 whose PEM
 // file the returned config names as CAFile.
 func StartTLS(t testing.TB) s3.Config {
 	t.Helper()
-	return start(t, true)
+	cfg, _ := start(t, true, false)
+	return cfg
 }
 
-func start(t testing.TB, useTLS bool) s3.Config {
+func start(t testing.TB, useTLS, volumeLimits bool) (s3.Config, string) {
 	t.Helper()
 	bin, ok := Binary()
 	testutil.Need(t, ok, "S3 test server "+bin+" not installed: run scripts/setup-s3.sh")
@@ -74,6 +87,10 @@ func start(t testing.TB, useTLS bool) s3.Config {
 		caFile = certFile
 	}
 	data := t.TempDir()
+	var posixArgs []string
+	if volumeLimits {
+		posixArgs = []string{"--disableotmp", "--sidecar", t.TempDir()}
+	}
 	var (
 		cmd  *exec.Cmd
 		addr string
@@ -84,7 +101,7 @@ func start(t testing.TB, useTLS bool) s3.Config {
 		addr = freeAddr(t)
 		args := append([]string{"--access", AccessKey, "--secret", SecretKey, "--region", Region,
 			"--port", addr, "--quiet"}, tlsArgs...)
-		cmd = exec.Command(bin, append(args, "posix", data)...)
+		cmd = exec.Command(bin, append(append(append(args, "posix"), posixArgs...), data)...)
 		cmd.Stdout, cmd.Stderr = logs, logs
 		if err := cmd.Start(); err != nil {
 			t.Fatalf("start %s: %v", bin, err)
@@ -129,7 +146,7 @@ func start(t testing.TB, useTLS bool) s3.Config {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	return cfg
+	return cfg, data
 }
 
 // selfSigned writes a certificate and key for 127.0.0.1 and returns their files.
