@@ -139,6 +139,9 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 	s.svc = scoped{Service: s.shared, s: s}
 	if s.quotas = cfg.Quotas; s.quotas == nil {
 		s.quotas = s.newQuotas()
+		if qb, ok := cfg.Cluster.(quotaBlocker); ok {
+			s.quotas.SetBlocks(qb.NewQuotaBlocks(s.quotas.Held))
+		}
 	}
 	domainHost := strings.ToLower(cfg.Domain)
 	if h, _, ok := strings.Cut(domainHost, ":"); ok {
