@@ -251,6 +251,11 @@ func (s *server) serveControl(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if r.URL.Path == "/metrics" && s.cfg.Metrics != nil && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
+		// Every team's usage and quotas are in it: an operator's view, for admin keys.
+		if _, ok := auth.CallerOf(r.Context()); ok && !auth.IsAdmin(r.Context()) {
+			writeError(sw, s.log, r, &httpError{status: http.StatusForbidden, msg: "/metrics needs an admin key (every team's usage is in it)"})
+			return
+		}
 		s.cfg.Metrics.ServeHTTP(sw, r)
 		return
 	}

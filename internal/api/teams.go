@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 
 	"github.com/ember-sandbox/ember/internal/auth"
@@ -240,6 +241,33 @@ func (s *server) scopeBuild(ctx context.Context, req *sandbox.BuildRequest) (rel
 		req.Team = auth.TeamOf(ctx)
 	}
 	return s.admit(ctx, s.buildUsage())
+}
+
+// Pools lists the pools of the templates the caller's team may use (an admin key: every
+// pool), and of the sandboxes kept ready for resume only the team's.
+func (c scoped) Pools(ctx context.Context) []sandbox.PoolState {
+	all := c.Service.Pools(ctx)
+	if _, ok := auth.CallerOf(ctx); !ok || auth.IsAdmin(ctx) {
+		return all
+	}
+	ts, err := c.Service.ListTemplates(ctx)
+	if err != nil {
+		return []sandbox.PoolState{}
+	}
+	out := make([]sandbox.PoolState, 0, len(all))
+	for _, st := range all {
+		if !slices.ContainsFunc(ts, func(t *sandbox.Template) bool { return t.ID == st.TemplateID && c.s.visibleTemplate(ctx, t) }) {
+			continue
+		}
+		if st.Kind == "resume" {
+			st.SandboxIDs = slices.DeleteFunc(slices.Clone(st.SandboxIDs), func(id string) bool {
+				sb, err := c.s.node.Get(ctx, id)
+				return err != nil || !sees(ctx, sb.Team)
+			})
+		}
+		out = append(out, st)
+	}
+	return out
 }
 
 // WarmPool warms a template the caller's team may use.
