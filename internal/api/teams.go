@@ -305,6 +305,11 @@ type publisher interface {
 	SetTemplatePublic(ctx context.Context, id string, public bool) (*sandbox.Template, error)
 }
 
+// clusterPublisher makes the cluster's templates public (*cluster.Templates).
+type clusterPublisher interface {
+	SetPublic(ctx context.Context, id string, public bool) (bool, error)
+}
+
 // updateTemplate is E2B's PATCH /templates/{id} {"public": bool}: the owner's team makes its
 // template readable and usable by every team, or its own again (the guard checked the owner).
 func (s *server) updateTemplate(w http.ResponseWriter, r *http.Request, p params) error {
@@ -325,7 +330,15 @@ func (s *server) updateTemplate(w http.ResponseWriter, r *http.Request, p params
 	if err != nil {
 		return err
 	}
-	if _, err := pub.SetTemplatePublic(r.Context(), t.ID, *req.Public); err != nil {
+	// In a cluster the flag travels with the cluster's record of the template (every node's
+	// list and lookups read it); the node's own copy, if it has one, follows.
+	shared := false
+	if cp, ok := s.cfg.Templates.(clusterPublisher); ok {
+		if shared, err = cp.SetPublic(r.Context(), t.ID, *req.Public); err != nil {
+			return err
+		}
+	}
+	if _, err := pub.SetTemplatePublic(r.Context(), t.ID, *req.Public); err != nil && !(shared && errors.Is(err, errdefs.ErrNotFound)) {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
