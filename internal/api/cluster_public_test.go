@@ -19,18 +19,8 @@ func TestClusterPublicTemplateTravels(t *testing.T) {
 		c.Templates = cluster.NewTemplates(cl, svc.Manager)
 		c.Builds = svc.builds()
 	}
-	nodes := []*clusterNode{
-		newClusterNodeWith(t, e, "a", nil, nil, nil, share),
-		newClusterNodeWith(t, e, "b", nil, nil, nil, share),
-	}
+	nodes := twoNodes(t, e, nil, share)
 	admin := nodes[0].env
-	key, _, err := admin.keys.Create(t.Context(), "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, nd := range nodes {
-		nd.env.key = key
-	}
 	b, _ := admin.addTeam()
 	// Team b's template, built on a and in the cluster's templates (as a build's Share does).
 	r := admin.as(b, "POST", "/ember/templates/py/build", `{"from":"archive:`+admin.importAs(b)+`"}`)

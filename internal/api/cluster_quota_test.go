@@ -21,18 +21,8 @@ func TestClusterQuotaAcrossNodes(t *testing.T) {
 	e := clustertest.Start(t, 1)
 	// Each node has room for the 2n creates: counted per node, the team would run up to 2n.
 	slots := func(c *cluster.Config) { c.Capacity.Slots = 2 * n }
-	nodes := []*clusterNode{
-		newClusterNodeWith(t, e, "a", nil, slots, nil),
-		newClusterNodeWith(t, e, "b", nil, slots, nil),
-	}
+	nodes := twoNodes(t, e, slots)
 	admin := nodes[0].env
-	key, _, err := admin.keys.Create(t.Context(), "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, nd := range nodes {
-		nd.env.key = key
-	}
 	testutil.Eventually(t, 5*time.Second, "both nodes see both", func() bool {
 		return len(nodes[0].cl.Live()) == 2 && len(nodes[1].cl.Live()) == 2
 	})
@@ -136,4 +126,22 @@ func teamRunning(t *testing.T, nd *clusterNode, team string) int {
 		}
 	}
 	return k
+}
+
+// twoNodes starts nodes a and b on e, with cmod's cluster config and amods' API config, and
+// one API key (the first team's admin key) for both.
+func twoNodes(t *testing.T, e *clustertest.Etcd, cmod func(*cluster.Config), amods ...func(*Config, *cluster.Cluster, *service)) []*clusterNode {
+	t.Helper()
+	nodes := []*clusterNode{
+		newClusterNodeWith(t, e, "a", nil, cmod, nil, amods...),
+		newClusterNodeWith(t, e, "b", nil, cmod, nil, amods...),
+	}
+	key, _, err := nodes[0].env.keys.Create(t.Context(), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, nd := range nodes {
+		nd.env.key = key
+	}
+	return nodes
 }

@@ -1,14 +1,11 @@
 package api
 
 import (
-	"context"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"testing"
 
-	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -96,16 +93,7 @@ func emptyTar() string { return strings.Repeat("\x00", 1024) }
 
 // GET /ember/pools shows a team only the pools of templates it may use; an admin key all.
 func TestTeamsPoolsAreTheTeams(t *testing.T) {
-	keys := auth.NewKeys(auth.NewMemoryBackend())
-	key, _, err := keys.Create(context.Background(), "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := newGuest(t)
-	svc := newServiceWith(t, g.srv.Listener.Addr().String(), func(c *sandbox.Config) { c.PoolSize = 1; c.PoolMemoryMB = 512 })
-	api := httptest.NewServer(New(Config{Domain: testDomain, Builds: svc.builds()}, svc, keys, testLogger(t)))
-	t.Cleanup(api.Close)
-	e := &env{t: t, fake: svc, keys: keys, key: key, api: api, guest: g}
+	e := poolEnv(t)
 	b, _ := e.addTeam()
 	// A private template of the first team's, with a pool; a plain key of that team.
 	r := e.ctl("POST", "/ember/templates/private/build", `{"from":"archive:`+e.importAs(e.key)+`"}`)

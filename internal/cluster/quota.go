@@ -56,23 +56,9 @@ func (cl *Cluster) NewQuotaBlocks(held QuotaHeld) *QuotaBlocks {
 	cl.wg.Add(1)
 	go func() {
 		defer cl.wg.Done()
-		qb.loop()
+		every(cl.bgCtx, quotaIdle/4, qb.returnIdle)
 	}()
 	return qb
-}
-
-func (qb *QuotaBlocks) loop() {
-	ctx := qb.cl.bgCtx
-	t := time.NewTicker(quotaIdle / 4)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			qb.returnIdle(ctx)
-		}
-	}
 }
 
 // runningPart is the part of a quota counted across the cluster.
@@ -103,12 +89,7 @@ func (qb *QuotaBlocks) Cover(ctx context.Context, team string, limit, need, more
 	tb.mu.Lock()
 	defer tb.mu.Unlock()
 	now := time.Now()
-	i := 0
-	for i < len(tb.recent) && now.Sub(tb.recent[i]) > blockDemandWindow {
-		i++
-	}
-	tb.recent = append(tb.recent[i:], now)
-	tb.used = now
+	tb.recent, tb.used = noteDemand(tb.recent, now), now
 	epoch := qb.cl.epoch.Load()
 	if epoch == 0 {
 		return auth.Quota{}, false, fmt.Errorf("this node is cut off from the cluster: %w", errdefs.ErrUnavailable)
