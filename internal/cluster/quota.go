@@ -25,9 +25,9 @@ import (
 // once the team goes idle here; a dead node's blocks go with its lease. No node watches
 // another's blocks: the work per create is O(1), whatever the number of nodes.
 
-// QuotaHeld reports what the node holds of team's running quota now (its running sandboxes
-// and the creates being admitted), in the quota's units.
-type QuotaHeld func(ctx context.Context, team string) (auth.Quota, error)
+// QuotaHeld reports what the node holds of every team's quotas now (its running sandboxes
+// and the changes being admitted), by team, in the quota's units.
+type QuotaHeld func(ctx context.Context) (map[string]auth.Quota, error)
 
 // QuotaBlocks is this node's blocks of the teams' quotas.
 type QuotaBlocks struct {
@@ -43,6 +43,7 @@ type teamBlock struct {
 	have   auth.Quota // as written under epoch
 	epoch  int64
 	used   time.Time   // the last create it served
+	looked time.Time   // the last time an idle block was compared with what the node holds
 	recent []time.Time // creates within blockDemandWindow
 }
 
@@ -183,24 +184,34 @@ func (qb *QuotaBlocks) Held(team string) auth.Quota {
 }
 
 // returnIdle lowers the blocks of teams idle here to what the node holds of them (the block
-// is deleted when that is nothing).
+// is deleted when that is nothing), each looked at once a quotaIdle at most: one count of
+// what the node holds serves every team.
 func (qb *QuotaBlocks) returnIdle(ctx context.Context) {
 	qb.mu.Lock()
 	var idle []string
 	for team, tb := range qb.teams {
 		tb.mu.Lock()
-		if time.Since(tb.used) > quotaIdle && tb.have != (auth.Quota{}) {
+		if time.Since(tb.used) > quotaIdle && time.Since(tb.looked) > quotaIdle && tb.have != (auth.Quota{}) {
 			idle = append(idle, team)
 		}
 		tb.mu.Unlock()
 	}
 	qb.mu.Unlock()
+	if len(idle) == 0 {
+		return
+	}
+	held, err := qb.held(ctx)
+	if err != nil {
+		return
+	}
 	for _, team := range idle {
-		qb.lower(ctx, team)
+		qb.lower(ctx, team, held)
 	}
 }
 
-func (qb *QuotaBlocks) lower(ctx context.Context, team string) {
+// lower lowers team's block to held[team], unless the team created here since held was read
+// (its block then still covers the creates it admitted).
+func (qb *QuotaBlocks) lower(ctx context.Context, team string, held map[string]auth.Quota) {
 	tb := qb.block(team)
 	tb.mu.Lock()
 	defer tb.mu.Unlock()
@@ -212,11 +223,8 @@ func (qb *QuotaBlocks) lower(ctx context.Context, team string) {
 		tb.have, tb.epoch = auth.Quota{}, 0 // gone with the node's former lease
 		return
 	}
-	h, err := qb.held(ctx, team)
-	if err != nil {
-		return
-	}
-	h = runningPart(h)
+	tb.looked = time.Now()
+	h := runningPart(held[team])
 	want := auth.Quota{Sandboxes: min(h.Sandboxes, tb.have.Sandboxes), CPUs: min(h.CPUs, tb.have.CPUs), MemoryMB: min(h.MemoryMB, tb.have.MemoryMB)}
 	if want == tb.have {
 		return

@@ -24,11 +24,11 @@ func TestQuotaBlocksWorkPerCreate(t *testing.T) {
 	b := join(t, e.Endpoints(), "b", 4, newLocal("base"))
 	var mu sync.Mutex
 	held := map[string]int{} // by node: the sandboxes it holds of the team
-	heldBy := func(node string) func(context.Context, string) (auth.Quota, error) {
-		return func(context.Context, string) (auth.Quota, error) {
+	heldBy := func(node string) func(context.Context) (map[string]auth.Quota, error) {
+		return func(context.Context) (map[string]auth.Quota, error) {
 			mu.Lock()
 			defer mu.Unlock()
-			return auth.Quota{Sandboxes: held[node]}, nil
+			return map[string]auth.Quota{"t1": {Sandboxes: held[node]}}, nil
 		}
 	}
 	qa, qb := a.NewQuotaBlocks(heldBy("a")), b.NewQuotaBlocks(heldBy("b"))

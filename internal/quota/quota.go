@@ -79,14 +79,19 @@ func New(src Source, builds Builds, teams Teams, defaultDiskMB int) *Quotas {
 // the block of a team's quota it holds (call it before serving).
 func (q *Quotas) SetBlocks(b Blocks) { q.blocks = b }
 
-// Held is what this node holds of team's quotas now, with the changes being admitted
-// (cluster.QuotaHeld).
-func (q *Quotas) Held(ctx context.Context, team string) (Usage, error) {
+// Held is what this node holds of every team's quotas now, by team, with the changes being
+// admitted (cluster.QuotaHeld).
+func (q *Quotas) Held(ctx context.Context) (map[string]Usage, error) {
 	all, err := q.usage(ctx)
 	if err != nil {
-		return Usage{}, err
+		return nil, err
 	}
-	return q.withPending(team, all[team]), nil
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for team, p := range q.pending {
+		all[team] = add(all[team], p, 1)
+	}
+	return all, nil
 }
 
 // Usage counts what team holds now ("" : every team's, by team).
