@@ -153,6 +153,9 @@ func New(cfg Config, svc sandbox.Service, keys *auth.Keys, logger *slog.Logger) 
 	s.svc = scoped{Service: s.shared, s: s}
 	if s.quotas = cfg.Quotas; s.quotas == nil {
 		s.quotas = s.newQuotas()
+		if qb, ok := cfg.Cluster.(quotaBlocker); ok {
+			s.quotas.SetBlocks(qb.NewQuotaBlocks(s.quotas.Held))
+		}
 	}
 	domainHost := strings.ToLower(cfg.Domain)
 	if h, _, ok := strings.Cut(domainHost, ":"); ok {
@@ -268,6 +271,11 @@ func (s *server) serveControl(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if r.URL.Path == "/metrics" && s.cfg.Metrics != nil && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
+		// Every team's usage and quotas are in it: an operator's view, for admin keys.
+		if _, ok := auth.CallerOf(r.Context()); ok && !auth.IsAdmin(r.Context()) {
+			writeError(sw, s.log, r, &httpError{status: http.StatusForbidden, msg: "/metrics needs an admin key (every team's usage is in it)"})
+			return
+		}
 		s.cfg.Metrics.ServeHTTP(sw, r)
 		return
 	}

@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"sync"
 
+	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -30,7 +31,7 @@ func (s *server) importArchive(w http.ResponseWriter, r *http.Request, _ params)
 	if err != nil {
 		return err
 	}
-	name, size, err := b.ImportArchive(r.Context(), r.Body)
+	name, size, err := b.ImportArchive(r.Context(), auth.TeamOf(r.Context()), r.Body)
 	if err != nil {
 		return err
 	}
@@ -43,7 +44,7 @@ func (s *server) deleteImport(w http.ResponseWriter, r *http.Request, p params) 
 	if err != nil {
 		return err
 	}
-	if err := b.DeleteImport(r.Context(), p["name"]); err != nil {
+	if err := b.DeleteImport(r.Context(), auth.TeamOf(r.Context()), p["name"]); err != nil {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
@@ -86,6 +87,7 @@ func (s *server) buildTemplate(w http.ResponseWriter, r *http.Request, p params)
 		ReadyCmd: req.ReadyCmd,
 		CPUCount: req.CPUCount,
 		MemoryMB: req.MemoryMB,
+		Team:     auth.TeamOf(r.Context()), // its imports only (scopeBuild sets it too)
 	}
 	// A bad source (an `archive:` outside the import directory among them) is a 400 before
 	// anything streams.

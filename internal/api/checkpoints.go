@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/ember-sandbox/ember/internal/quota"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -165,6 +166,12 @@ func (s *server) rollback(w http.ResponseWriter, r *http.Request, p params) erro
 	if err != nil {
 		return err
 	}
+	// A paused sandbox rolled back runs again: within the team's quota (quotas.go).
+	release, err := s.admit(r.Context(), scoped{Service: s.shared, s: s}.resumeUsage(r.Context(), id))
+	if err != nil {
+		return err
+	}
+	defer release()
 	sb, err := cp.Rollback(r.Context(), id, cid)
 	if err != nil {
 		return err
@@ -183,6 +190,15 @@ func (s *server) forkCheckpoint(r *http.Request, id, rawCID string, count int, t
 	if err != nil {
 		return nil, err
 	}
+	var more quota.Usage
+	if sb, err := s.node.Get(r.Context(), id); err == nil {
+		more = running(count, sb.CPUCount, sb.MemoryMB) // as a fork of the sandbox now (quotas.go)
+	}
+	release, err := s.admit(r.Context(), more)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	return cp.ForkCheckpoint(r.Context(), id, cid, count, timeout)
 }
 
@@ -196,5 +212,14 @@ func (s *server) snapshotCheckpoint(r *http.Request, id, rawCID, name string) (*
 	if err != nil {
 		return nil, err
 	}
+	var more quota.Usage
+	if sb, err := s.node.Get(r.Context(), id); err == nil {
+		more.TemplateDiskMB = s.quotas.TemplateDisk(sb.DiskSizeMB) // as a snapshot now (quotas.go)
+	}
+	release, err := s.admit(r.Context(), more)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	return cp.SnapshotCheckpoint(r.Context(), id, cid, name)
 }

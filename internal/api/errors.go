@@ -125,6 +125,9 @@ func writeError(w http.ResponseWriter, log *slog.Logger, r *http.Request, err er
 	if status == http.StatusTooManyRequests && errors.As(err, &ra) {
 		w.Header().Set("Retry-After", strconv.Itoa(max(1, int(math.Ceil(ra.RetryAfter().Seconds())))))
 	}
+	if status == http.StatusTooManyRequests && errors.Is(err, errdefs.ErrOverQuota) {
+		w.Header().Set(errdefs.HeaderOverQuota, "1") // a cluster's edge tries no other node
+	}
 	errdefs.WriteBody(w, status, msg) // with Retry-After on a 429
 }
 

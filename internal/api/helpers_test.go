@@ -13,6 +13,7 @@ import (
 
 	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
 const testDomain = "ember.test:3000"
@@ -34,13 +35,19 @@ func newEnv(t *testing.T) *env {
 // newEnvConfig is newEnv with a Config of the test's.
 func newEnvConfig(t *testing.T, cfg Config) *env {
 	t.Helper()
+	return newEnvWith(t, cfg, nil)
+}
+
+// newEnvWith is newEnvConfig over a node of mod's sandbox config.
+func newEnvWith(t *testing.T, cfg Config, mod func(*sandbox.Config)) *env {
+	t.Helper()
 	keys := auth.NewKeys(auth.NewMemoryBackend())
 	key, _, err := keys.Create(context.Background(), "test")
 	if err != nil {
 		t.Fatal(err)
 	}
 	g := newGuest(t)
-	fake := newService(t, g.srv.Listener.Addr().String())
+	fake := newServiceWith(t, g.srv.Listener.Addr().String(), mod)
 	if cfg.Builds == nil {
 		cfg.Builds = fake.builds()
 	}

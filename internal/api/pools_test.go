@@ -1,12 +1,9 @@
 package api
 
 import (
-	"context"
-	"net/http/httptest"
 	"testing"
 	"time"
 
-	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
 
@@ -14,16 +11,7 @@ import (
 // shows it with the demand and the budget. Bad input is 400, an unknown template 404, a node
 // without a pool 409.
 func TestWarmPoolRoute(t *testing.T) {
-	keys := auth.NewKeys(auth.NewMemoryBackend())
-	key, _, err := keys.Create(context.Background(), "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := newGuest(t)
-	svc := newServiceWith(t, g.srv.Listener.Addr().String(), func(c *sandbox.Config) { c.PoolSize = 1; c.PoolMemoryMB = 512 })
-	api := httptest.NewServer(New(Config{Domain: testDomain, Builds: svc.builds()}, svc, keys, testLogger(t)))
-	t.Cleanup(api.Close)
-	e := &env{t: t, fake: svc, keys: keys, key: key, api: api, guest: g}
+	e := poolEnv(t)
 
 	r := e.ctl("POST", "/ember/pools/base/warm", `{"count":4}`)
 	if r.status != 200 {
@@ -57,4 +45,10 @@ func TestWarmPoolRoute(t *testing.T) {
 
 	off := newEnv(t) // no pool
 	off.ctl("POST", "/ember/pools/base/warm", `{"count":1}`).wantError(t, 409)
+}
+
+// poolEnv is an API over a node with a pool of restored sandboxes (one a template, 512 MiB).
+func poolEnv(t *testing.T) *env {
+	t.Helper()
+	return newEnvWith(t, Config{Domain: testDomain}, func(c *sandbox.Config) { c.PoolSize = 1; c.PoolMemoryMB = 512 })
 }

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/quota"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
@@ -25,6 +26,12 @@ func (s *server) newQuotas() *quota.Quotas {
 		builds = s.cfg.Builds
 	}
 	return quota.New(quotaSource{s}, builds, s.keys, disk)
+}
+
+// quotaBlocker is a cluster that holds blocks of the teams' quotas (*cluster.Cluster): the
+// running part of a quota then holds across the nodes.
+type quotaBlocker interface {
+	NewQuotaBlocks(held cluster.QuotaHeld) *cluster.QuotaBlocks
 }
 
 // quotaSource counts a node's sandboxes and templates.

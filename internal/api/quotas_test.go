@@ -124,3 +124,29 @@ func TestQuotaIsShownAndAdminOnly(t *testing.T) {
 		t.Fatalf("team: %s", tj["quota"])
 	}
 }
+
+// Forks and snapshots from step checkpoints, and the rollback of a paused sandbox (which runs
+// it again), are held to the team's quotas as their counterparts from the sandbox now are.
+func TestQuotaCheckpointForksSnapshotsAndRollback(t *testing.T) {
+	e, b, bt := teamEnv(t)
+	_, _, disk := baseResources(t, e)
+	e.setQuota(bt, `{"sandboxes":1,"templateDiskMB":`+itoa(int64(disk))+`}`)
+	id := e.createAs(b)
+	var c checkpointJSON
+	if r := e.as(b, "POST", "/sandboxes/"+id+"/checkpoints", ""); r.status != http.StatusCreated {
+		t.Fatalf("checkpoint: %d %s", r.status, r.body)
+	} else {
+		r.json(t, &c)
+	}
+	want429(t, e.as(b, "POST", "/sandboxes/"+id+"/fork", `{"count":1,"checkpointID":"`+c.CheckpointID+`"}`), "sandboxes")
+	if r := e.as(b, "POST", "/sandboxes/"+id+"/snapshots", `{"checkpointID":"`+c.CheckpointID+`"}`); r.status != http.StatusCreated {
+		t.Fatalf("first snapshot from a checkpoint: %d %s", r.status, r.body)
+	}
+	want429(t, e.as(b, "POST", "/sandboxes/"+id+"/snapshots", `{"checkpointID":"`+c.CheckpointID+`"}`), "templateDiskMB")
+	// Paused, id leaves room for another sandbox; then its rollback (which resumes it) does not fit.
+	if r := e.as(b, "POST", "/sandboxes/"+id+"/pause", ""); r.status != http.StatusNoContent {
+		t.Fatalf("pause: %d %s", r.status, r.body)
+	}
+	e.createAs(b)
+	want429(t, e.as(b, "POST", "/sandboxes/"+id+"/rollback", `{"checkpointID":"`+c.CheckpointID+`"}`), "sandboxes")
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 
 	"github.com/ember-sandbox/ember/internal/auth"
@@ -247,6 +248,33 @@ func (s *server) scopeBuild(ctx context.Context, req *sandbox.BuildRequest) (rel
 	return s.admit(ctx, s.buildUsage())
 }
 
+// Pools lists the pools of the templates the caller's team may use (an admin key: every
+// pool), and of the sandboxes kept ready for resume only the team's.
+func (c scoped) Pools(ctx context.Context) []sandbox.PoolState {
+	all := c.Service.Pools(ctx)
+	if _, ok := auth.CallerOf(ctx); !ok || auth.IsAdmin(ctx) {
+		return all
+	}
+	ts, err := c.Service.ListTemplates(ctx)
+	if err != nil {
+		return []sandbox.PoolState{}
+	}
+	out := make([]sandbox.PoolState, 0, len(all))
+	for _, st := range all {
+		if !slices.ContainsFunc(ts, func(t *sandbox.Template) bool { return t.ID == st.TemplateID && c.s.visibleTemplate(ctx, t) }) {
+			continue
+		}
+		if st.Kind == "resume" {
+			st.SandboxIDs = slices.DeleteFunc(slices.Clone(st.SandboxIDs), func(id string) bool {
+				sb, err := c.s.node.Get(ctx, id)
+				return err != nil || !sees(ctx, sb.Team)
+			})
+		}
+		out = append(out, st)
+	}
+	return out
+}
+
 // WarmPool warms a template the caller's team may use.
 func (c scoped) WarmPool(ctx context.Context, templateID string, count int) (sandbox.PoolState, error) {
 	if err := c.s.checkTemplate(ctx, templateID, false); err != nil {
@@ -282,6 +310,11 @@ type publisher interface {
 	SetTemplatePublic(ctx context.Context, id string, public bool) (*sandbox.Template, error)
 }
 
+// clusterPublisher makes the cluster's templates public (*cluster.Templates).
+type clusterPublisher interface {
+	SetPublic(ctx context.Context, id string, public bool) (bool, error)
+}
+
 // updateTemplate is E2B's PATCH /templates/{id} {"public": bool}: the owner's team makes its
 // template readable and usable by every team, or its own again (the guard checked the owner).
 func (s *server) updateTemplate(w http.ResponseWriter, r *http.Request, p params) error {
@@ -302,7 +335,15 @@ func (s *server) updateTemplate(w http.ResponseWriter, r *http.Request, p params
 	if err != nil {
 		return err
 	}
-	if _, err := pub.SetTemplatePublic(r.Context(), t.ID, *req.Public); err != nil {
+	// In a cluster the flag travels with the cluster's record of the template (every node's
+	// list and lookups read it); the node's own copy, if it has one, follows.
+	shared := false
+	if cp, ok := s.cfg.Templates.(clusterPublisher); ok {
+		if shared, err = cp.SetPublic(r.Context(), t.ID, *req.Public); err != nil {
+			return err
+		}
+	}
+	if _, err := pub.SetTemplatePublic(r.Context(), t.ID, *req.Public); err != nil && !(shared && errors.Is(err, errdefs.ErrNotFound)) {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)

@@ -1,9 +1,12 @@
 package api
 
 import (
+	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"net/http"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -159,7 +162,11 @@ func (s *server) templateFiles(w http.ResponseWriter, r *http.Request, p params)
 	if !validTemplateID(p["id"]) {
 		return notFound("template %s not found", quoteTemplate(p["id"]))
 	}
-	present, err := b.HasBuildFiles(r.Context(), p["hash"])
+	hash, err := teamFilesHash(r.Context(), p["hash"])
+	if err != nil {
+		return err
+	}
+	present, err := b.HasBuildFiles(r.Context(), hash)
 	if err != nil {
 		return err
 	}
@@ -169,7 +176,7 @@ func (s *server) templateFiles(w http.ResponseWriter, r *http.Request, p params)
 		if r.TLS != nil {
 			scheme = "https"
 		}
-		resp.URL = scheme + "://" + r.Host + uploadPrefix + s.uploads.grant(p["hash"])
+		resp.URL = scheme + "://" + r.Host + uploadPrefix + s.uploads.grant(hash)
 	}
 	writeJSON(w, http.StatusCreated, resp)
 	return nil
@@ -228,6 +235,13 @@ func (s *server) startTemplateBuild(w http.ResponseWriter, r *http.Request, p pa
 	}
 	if err := s.checkTemplate(r.Context(), req.FromTemplate, false); req.FromTemplate != "" && err != nil {
 		return err // another team's template is not there to build from (teams.go)
+	}
+	for i := range req.Steps {
+		if req.Steps[i].FilesHash != "" {
+			if req.Steps[i].FilesHash, err = teamFilesHash(r.Context(), req.Steps[i].FilesHash); err != nil {
+				return err
+			}
+		}
 	}
 	sreq := build.StepBuildRequest{FromImage: req.FromImage, FromTemplate: req.FromTemplate, Steps: req.Steps,
 		StartCmd: req.StartCmd, ReadyCmd: req.ReadyCmd, Force: req.Force}
@@ -554,3 +568,17 @@ func (s *server) buildLogs(w http.ResponseWriter, r *http.Request, p params) err
 	writeJSON(w, http.StatusOK, map[string]any{"logs": out})
 	return nil
 }
+
+// teamFilesHash is where the caller's team keeps the COPY files a client names by hash: the
+// hash is the client's claim (E2B's, over the files and their paths, not checked against the
+// upload), so each team has its own store of them, and no team can use, or learn of, another's
+// upload by naming its hash.
+func teamFilesHash(ctx context.Context, hash string) (string, error) {
+	if !filesHashRe.MatchString(hash) {
+		return "", badRequest("files hash %s: must be 64 lowercase hex digits", quoteID(hash))
+	}
+	sum := sha256.Sum256([]byte("ember-files\x00" + auth.TeamOf(ctx) + "\x00" + hash))
+	return hex.EncodeToString(sum[:]), nil
+}
+
+var filesHashRe = regexp.MustCompile(`^[0-9a-f]{64}$`)

@@ -112,6 +112,7 @@ type Cluster struct {
 
 	kick      chan struct{}
 	closeOnce sync.Once
+	bgCtx     context.Context // the node's loops run until Close ends it
 	cancel    context.CancelFunc
 	wg        sync.WaitGroup
 
@@ -180,7 +181,7 @@ func New(ctx context.Context, cfg Config) (*Cluster, error) {
 		return nil, fmt.Errorf("etcd: register node: %w", err)
 	}
 	bg, cancel := context.WithCancel(context.Background())
-	cl.cancel = cancel
+	cl.bgCtx, cl.cancel = bg, cancel
 	cl.health.lastOK = time.Now()
 	cl.wg.Add(5)
 	// The watch first: the first reconcile claims routes and waits for the caches to see

@@ -588,12 +588,16 @@ func (p *blockPool) add(b *block) {
 func (p *blockPool) demand() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	now := time.Now()
+	p.recent = noteDemand(p.recent, time.Now())
+}
+
+// noteDemand adds now to recent, the times of the last blockDemandWindow.
+func noteDemand(recent []time.Time, now time.Time) []time.Time {
 	i := 0
-	for i < len(p.recent) && now.Sub(p.recent[i]) > blockDemandWindow {
+	for i < len(recent) && now.Sub(recent[i]) > blockDemandWindow {
 		i++
 	}
-	p.recent = append(p.recent[i:], now)
+	return append(recent[i:], now)
 }
 
 // wanted is the size of the next block: the placements this edge is likely to make before
@@ -662,15 +666,18 @@ func (cl *Cluster) drained(node string) bool {
 }
 
 // placementLoop gives idle blocks back.
-func (cl *Cluster) placementLoop(ctx context.Context) {
-	t := time.NewTicker(blockIdle / 4)
+func (cl *Cluster) placementLoop(ctx context.Context) { every(ctx, blockIdle/4, cl.returnIdle) }
+
+// every calls f every d until ctx ends.
+func every(ctx context.Context, d time.Duration, f func(context.Context)) {
+	t := time.NewTicker(d)
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			cl.returnIdle(ctx)
+			f(ctx)
 		}
 	}
 }

@@ -155,6 +155,50 @@ func (cl *Cluster) UnpublishTemplate(ctx context.Context, id string) error {
 	return cl.WaitRevision(ctx, r.Header.Revision)
 }
 
+// SetTemplatePublic makes the cluster's template id (by id or alias) public or its team's
+// alone again on every node (they follow templates/ in their watch); false if the cluster has
+// no such template. A concurrent rebuild of the template wins: its record is read again.
+func (cl *Cluster) SetTemplatePublic(ctx context.Context, id string, public bool) (bool, error) {
+	ctx, done := cl.opCtx(ctx, cl.cfg.OpTimeout)
+	defer done()
+	for attempt := 0; attempt < 8; attempt++ {
+		st, err := cl.SharedTemplate(ctx, id)
+		if err != nil || st == nil {
+			return false, err
+		}
+		k := cl.key("templates", st.ID)
+		r, err := cl.c.Get(ctx, k)
+		if err != nil {
+			return false, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+		}
+		if len(r.Kvs) == 0 {
+			return false, nil
+		}
+		var cur SharedTemplate
+		if err := cl.openJSON(k, r.Kvs[0].Value, &cur); err != nil {
+			return false, fmt.Errorf("template %q: bad cluster record: %w", id, errdefs.ErrCorrupt)
+		}
+		if cur.Portable.Template.Public == public {
+			return true, nil
+		}
+		cur.Portable.Template.Public = public
+		v, err := cl.sealJSON(k, cur)
+		if err != nil {
+			return false, err
+		}
+		resp, err := cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(k), "=", r.Kvs[0].ModRevision)).
+			Then(clientv3.OpPut(k, v)).Commit()
+		if err != nil {
+			return false, fmt.Errorf("etcd: %w", errdefs.ErrUnavailable)
+		}
+		if resp.Succeeded {
+			_ = cl.WaitRevision(ctx, resp.Header.Revision)
+			return true, nil
+		}
+	}
+	return false, fmt.Errorf("template %q kept changing: %w", id, errdefs.ErrConflict)
+}
+
 // Templates shares this node's templates with the cluster and loads the cluster's onto it.
 type Templates struct {
 	cl  *Cluster
@@ -231,6 +275,11 @@ func (t *Templates) List() []SharedTemplate { return t.cl.SharedTemplates() }
 // Remove drops template id from the cluster's templates.
 func (t *Templates) Remove(ctx context.Context, id string) error {
 	return t.cl.UnpublishTemplate(ctx, id)
+}
+
+// SetPublic makes the cluster's template id public or not everywhere (Cluster.SetTemplatePublic).
+func (t *Templates) SetPublic(ctx context.Context, id string, public bool) (bool, error) {
+	return t.cl.SetTemplatePublic(ctx, id, public)
 }
 
 // Shared returns the cluster's record of template id, or nil.

@@ -417,6 +417,10 @@ func open(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	_, _, diskMB := mgr.TemplateResources(&sandbox.Template{})
 	acfg.Quotas = quota.New(mgr, builds, keys, diskMB) // the teams' quotas, counted on this node
+	if cl != nil {
+		// ... and their running part across the cluster, in blocks (cluster/quota.go).
+		acfg.Quotas.SetBlocks(cl.NewQuotaBlocks(acfg.Quotas.Held))
+	}
 	met.SetTeams(acfg.Quotas)
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true

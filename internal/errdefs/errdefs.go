@@ -24,7 +24,22 @@ var (
 	ErrCorrupt = errors.New("corrupt data")
 	// ErrExhausted: a limit was reached (slots, sandboxes, disk).
 	ErrExhausted = errors.New("resource exhausted")
+	// ErrOverQuota: a team's quota was reached, an ErrExhausted that is the caller's and not
+	// the node's (any other node refuses it too). Its HTTP answers carry HeaderOverQuota.
+	ErrOverQuota error = &narrower{msg: "over quota", of: ErrExhausted}
 )
+
+// HeaderOverQuota marks an answer refused by the caller's team's quota (ErrOverQuota).
+const HeaderOverQuota = "X-Ember-Over-Quota"
+
+// narrower is a category inside another.
+type narrower struct {
+	msg string
+	of  error
+}
+
+func (e *narrower) Error() string { return e.msg }
+func (e *narrower) Unwrap() error { return e.of }
 
 // HTTPStatus maps an error to the HTTP status the API returns for it: the status an error
 // names itself (StatusCoder), else its category's.

@@ -2,8 +2,10 @@
 // vCPUs and memory, paused sandboxes' disk, builds at once and templates' disk. A change that
 // would take a team past one is refused with a 429 that names the quota, in E2B's words for
 // the sandbox limit. Usage is read from the node's sandboxes, templates and builds (plus what
-// is being admitted right now), so it needs no bookkeeping of its own that could drift; in a
-// cluster each node counts what it holds.
+// is being admitted right now), so it needs no bookkeeping of its own that could drift. In a
+// cluster (SetBlocks) the running part of a quota (sandboxes, vCPUs, memory) holds across the
+// nodes: a node admits a change only within the block of the team's quota it holds
+// (cluster.QuotaBlocks), growing it when needed; the other quotas are counted per node.
 package quota
 
 import (
@@ -35,6 +37,14 @@ type Teams interface {
 	ListTeams(ctx context.Context) ([]*auth.Team, error)
 }
 
+// Blocks holds this node's blocks of the teams' quotas in a cluster (*cluster.QuotaBlocks).
+type Blocks interface {
+	// Cover makes the node's block of team's quota (limit) cover need, what the node holds
+	// with the change (more) being admitted; ok false: the other nodes' blocks (others) leave
+	// too little of the quota.
+	Cover(ctx context.Context, team string, limit, need, more Usage) (others Usage, ok bool, err error)
+}
+
 // Usage is what a team holds, in the quota's units.
 type Usage = auth.Quota
 
@@ -51,6 +61,7 @@ type Quotas struct {
 	teams  Teams
 	// defaultDiskMB is a template's disk when it names none (the node's default).
 	defaultDiskMB int
+	blocks        Blocks // nil: one node
 
 	mu sync.Mutex
 	// pending is what changes admitted and not finished yet add, by team: counted as usage
@@ -62,6 +73,25 @@ type Quotas struct {
 // none.
 func New(src Source, builds Builds, teams Teams, defaultDiskMB int) *Quotas {
 	return &Quotas{src: src, builds: builds, teams: teams, defaultDiskMB: defaultDiskMB, pending: map[string]Usage{}}
+}
+
+// SetBlocks makes the running part of the quotas hold across a cluster: each node within
+// the block of a team's quota it holds (call it before serving).
+func (q *Quotas) SetBlocks(b Blocks) { q.blocks = b }
+
+// Held is what this node holds of every team's quotas now, by team, with the changes being
+// admitted (cluster.QuotaHeld).
+func (q *Quotas) Held(ctx context.Context) (map[string]Usage, error) {
+	all, err := q.usage(ctx)
+	if err != nil {
+		return nil, err
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for team, p := range q.pending {
+		all[team] = add(all[team], p, 1)
+	}
+	return all, nil
 }
 
 // Usage counts what team holds now ("" : every team's, by team).
@@ -190,14 +220,15 @@ func (q *Quotas) Admit(ctx context.Context, team string, more Usage) (release fu
 		return nil, err
 	}
 	q.mu.Lock()
-	defer q.mu.Unlock()
 	used := add(all[team], q.pending[team], 1)
 	if err := over(t, used, more); err != nil {
+		q.mu.Unlock()
 		return nil, err
 	}
 	q.pending[team] = add(q.pending[team], more, 1)
+	q.mu.Unlock()
 	var once sync.Once
-	return func() {
+	release = func() {
 		once.Do(func() {
 			q.mu.Lock()
 			q.pending[team] = add(q.pending[team], more, -1)
@@ -206,7 +237,38 @@ func (q *Quotas) Admit(ctx context.Context, team string, more Usage) (release fu
 			}
 			q.mu.Unlock()
 		})
-	}, nil
+	}
+	if q.blocks != nil && (more.Sandboxes > 0 || more.CPUs > 0 || more.MemoryMB > 0) {
+		// The cluster's other nodes hold the rest of the quota: this node's block must cover
+		// what it holds with the change (pending: the changes admitted here meanwhile too).
+		need := q.withPending(team, all[team])
+		others, ok, err := q.blocks.Cover(ctx, team, t.Quota, need, more)
+		if err == nil && !ok {
+			err = overCluster(t, others, need, more)
+		}
+		if err != nil {
+			release()
+			return nil, err
+		}
+	}
+	return release, nil
+}
+
+// overCluster is the refusal of a change (more) that the node's block could not cover: the
+// other nodes hold others, this one need with the change and those admitted meanwhile.
+func overCluster(t *auth.Team, others, need, more Usage) error {
+	held := add(others, need, 1)
+	for _, try := range []struct{ used, more Usage }{
+		{add(held, more, -1), more}, // as the change alone would take it over
+		{held, more},
+		{held, Usage{Sandboxes: 1, CPUs: 1, MemoryMB: 1}},
+	} {
+		if err := over(t, try.used, try.more); err != nil {
+			return err
+		}
+	}
+	return &ExceededError{Team: t.ID, Quota: "sandboxes", Limit: t.Quota.Sandboxes, Used: held.Sandboxes,
+		Msg: fmt.Sprintf("Rate limit exceeded: you have reached the maximum number of concurrent E2B sandboxes (%d) of team %s (quota sandboxes)", t.Quota.Sandboxes, t.Name)}
 }
 
 // ExceededError is a change refused by a quota: 429, naming it.
@@ -218,7 +280,7 @@ type ExceededError struct {
 
 func (e *ExceededError) Error() string   { return e.Msg }
 func (e *ExceededError) HTTPStatus() int { return http.StatusTooManyRequests }
-func (e *ExceededError) Unwrap() error   { return errdefs.ErrExhausted }
+func (e *ExceededError) Unwrap() error   { return errdefs.ErrOverQuota }
 
 func over(t *auth.Team, used, more Usage) error {
 	lim := t.Quota

@@ -901,7 +901,7 @@ func TestPoolDropsARefillOfADeletedTemplate(t *testing.T) {
 // An upload that a crash interrupted is removed at start; finished imports stay.
 func TestRestartRemovesUnfinishedUploads(t *testing.T) {
 	n := newNode(t, nil)
-	name, _, err := n.b.ImportArchive(context.Background(), strings.NewReader("archive"))
+	name, _, err := n.b.ImportArchive(context.Background(), "", strings.NewReader("archive"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -46,7 +46,10 @@ func (e *Edge) placeCreate(w http.ResponseWriter, r *http.Request, t Target) {
 			e.cl.Cancel(context.WithoutCancel(ctx), resv)
 		}
 		status := errdefs.HTTPStatus(err)
-		refused := status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable || status == http.StatusBadGateway
+		// A node that is full or failing refuses a create another may take; the team's quota
+		// refuses it on every node.
+		refused := (status == http.StatusTooManyRequests && !errors.Is(err, errdefs.ErrOverQuota)) ||
+			status == http.StatusServiceUnavailable || status == http.StatusBadGateway
 		if refused && attempt+1 < maxPlacements {
 			e.log.Info("cluster: node refused a create: trying another", "node", resv.Node, "status", status)
 			exclude = append(exclude, resv.Node)
@@ -130,6 +133,10 @@ func (e *Edge) createOn(ctx context.Context, r *http.Request, resv *cluster.Rese
 	}
 	defer resp.Body.Close()
 	if err := errdefs.FromHTTP(resp); err != nil {
+		var se *errdefs.StatusError
+		if resp.Header.Get(errdefs.HeaderOverQuota) != "" && errors.As(err, &se) {
+			return nil, overQuota{se}
+		}
 		return nil, err
 	}
 	b, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
@@ -138,3 +145,8 @@ func (e *Edge) createOn(ctx context.Context, r *http.Request, resv *cluster.Rese
 	}
 	return b, nil
 }
+
+// overQuota is a node's refusal of a create by the team's quota (errdefs.HeaderOverQuota).
+type overQuota struct{ *errdefs.StatusError }
+
+func (e overQuota) Unwrap() []error { return []error{e.StatusError, errdefs.ErrOverQuota} }

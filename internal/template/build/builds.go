@@ -33,9 +33,10 @@ type TemplateBuilder interface {
 	// CheckBuild validates a build request (name, source) without building.
 	CheckBuild(req BuildRequest) error
 	// ImportArchive stores an image archive in the node's import directory and returns the
-	// name `archive:NAME` builds from, and its size; DeleteImport removes one.
-	ImportArchive(ctx context.Context, r io.Reader) (name string, size int64, err error)
-	DeleteImport(ctx context.Context, name string) error
+	// name `archive:NAME` builds from, and its size; DeleteImport removes one. An import is
+	// team's: another team's answers as a missing one (to builds too).
+	ImportArchive(ctx context.Context, team string, r io.Reader) (name string, size int64, err error)
+	DeleteImport(ctx context.Context, team, name string) error
 	RequestBuild(ctx context.Context, req BuildSpec) (*TemplateBuild, error)
 	StartBuild(ctx context.Context, templateID, buildID string, req StepBuildRequest) error
 	GetBuild(ctx context.Context, templateID, buildID string) (*TemplateBuild, error)

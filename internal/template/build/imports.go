@@ -12,6 +12,7 @@ import (
 	"regexp"
 	"strings"
 
+	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
 )
@@ -31,7 +32,8 @@ func (m *Manager) importDir() string { return datadir.Imports(m.cfg.DataDir) }
 
 // ImportArchive stores the archive read from r in the import directory and returns the name a
 // build request refers to it by (`archive:NAME`) and its size.
-func (m *Manager) ImportArchive(ctx context.Context, r io.Reader) (string, int64, error) {
+// Its name carries team (importTeamTag): another team's builds cannot use it.
+func (m *Manager) ImportArchive(ctx context.Context, team string, r io.Reader) (string, int64, error) {
 	ctx, done, err := m.op(ctx)
 	if err != nil {
 		return "", 0, err
@@ -65,7 +67,11 @@ func (m *Manager) ImportArchive(ctx context.Context, r io.Reader) (string, int64
 	if err := f.Sync(); err != nil {
 		return "", 0, err
 	}
-	name := "sha256-" + hex.EncodeToString(h.Sum(nil))[:16] + "-" + randomHex(4) + ".tar"
+	name := "sha256-" + hex.EncodeToString(h.Sum(nil))[:16] + "-" + randomHex(4)
+	if team != "" && team != auth.DefaultTeamID {
+		name += importTeamTag + team
+	}
+	name += ".tar"
 	if err := os.Rename(f.Name(), filepath.Join(dir, name)); err != nil {
 		return "", 0, err
 	}
@@ -73,9 +79,22 @@ func (m *Manager) ImportArchive(ctx context.Context, r io.Reader) (string, int64
 	return name, n, nil
 }
 
-// DeleteImport removes an archive from the import directory.
-func (m *Manager) DeleteImport(ctx context.Context, name string) error {
-	if !importNameRe.MatchString(name) {
+// importTeamTag comes before the team in the name of an import a team made; an import without
+// one (made by the operator, or before teams) is the first team's.
+const importTeamTag = ".team-"
+
+// importTeam is the team whose import name is.
+func importTeam(name string) string {
+	i := strings.LastIndex(name, importTeamTag)
+	if i < 0 {
+		return auth.DefaultTeamID
+	}
+	return strings.TrimSuffix(name[i+len(importTeamTag):], ".tar")
+}
+
+// DeleteImport removes team's archive from the import directory.
+func (m *Manager) DeleteImport(ctx context.Context, team, name string) error {
+	if !importNameRe.MatchString(name) || importTeam(name) != auth.Owner(team) {
 		return fmt.Errorf("import %q: %w", name, errdefs.ErrNotFound)
 	}
 	if err := os.Remove(filepath.Join(m.importDir(), name)); err != nil {
@@ -89,13 +108,16 @@ func (m *Manager) DeleteImport(ctx context.Context, name string) error {
 
 // importPath is the file an `archive:` source names: a regular file (not a symlink) directly in
 // the import directory.
-func (m *Manager) importPath(name string) (string, error) {
+func (m *Manager) importPath(name, team string) (string, error) {
 	bad := func(why string) error {
 		return fmt.Errorf("archive %q: %s; an archive must be a file in the import directory %s (upload it: `ember template build --from-archive FILE`, or POST /ember/imports): %w",
 			name, why, m.importDir(), errdefs.ErrInvalid)
 	}
 	if !importNameRe.MatchString(name) {
 		return "", bad("not a file name")
+	}
+	if importTeam(name) != auth.Owner(team) {
+		return "", bad("no such import") // another team's: as a missing one
 	}
 	p := filepath.Join(m.importDir(), name)
 	fi, err := os.Lstat(p)
@@ -127,13 +149,13 @@ func (m *Manager) checkBuild(req BuildRequest) (BuildRequest, error) {
 	}
 	var err error
 	if name, ok := strings.CutPrefix(req.From, "archive:"); ok {
-		if req.From, err = m.importPath(name); err != nil {
+		if req.From, err = m.importPath(name, req.Team); err != nil {
 			return req, err
 		}
 		req.From = "archive:" + req.From
 	}
 	if req.FromArchive != "" {
-		if req.FromArchive, err = m.importPath(req.FromArchive); err != nil {
+		if req.FromArchive, err = m.importPath(req.FromArchive, req.Team); err != nil {
 			return req, err
 		}
 	}

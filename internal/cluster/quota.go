@@ -1,0 +1,245 @@
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/ember-sandbox/ember/internal/auth"
+	"github.com/ember-sandbox/ember/internal/errdefs"
+)
+
+// Team quotas across the cluster, in blocks (as placement hands out room, placement.go). A
+// node serves a team's creates from a block of the team's quota it holds: quota/<team>/<node>,
+// written under the node's lease, records how many sandboxes, vCPUs and MiB of memory of the
+// team's quota the node may hold. A create the node's block covers costs etcd nothing. One that
+// it does not grows the block in one transaction: the team's blocks are read (one range read),
+// and the node's is rewritten only if no block of the team changed since (a prefix compare), so
+// the blocks together never exceed the quota. A block is grown by more than the create needs
+// when the team creates fast here (never by more than a quarter of what the team has left, so
+// a nearly spent quota is shared one create at a time); the node lowers it to what it holds
+// once the team goes idle here; a dead node's blocks go with its lease. No node watches
+// another's blocks: the work per create is O(1), whatever the number of nodes.
+
+// QuotaHeld reports what the node holds of every team's quotas now (its running sandboxes
+// and the changes being admitted), by team, in the quota's units.
+type QuotaHeld func(ctx context.Context) (map[string]auth.Quota, error)
+
+// QuotaBlocks is this node's blocks of the teams' quotas.
+type QuotaBlocks struct {
+	cl   *Cluster
+	held QuotaHeld
+
+	mu    sync.Mutex
+	teams map[string]*teamBlock
+}
+
+type teamBlock struct {
+	mu     sync.Mutex // one grant at a time per team
+	have   auth.Quota // as written under epoch
+	epoch  int64
+	used   time.Time   // the last create it served
+	looked time.Time   // the last time an idle block was compared with what the node holds
+	recent []time.Time // creates within blockDemandWindow
+}
+
+// quotaIdle: a block unused for this long is lowered to what the node holds.
+const quotaIdle = blockIdle
+
+// NewQuotaBlocks returns the node's quota blocks; held reads what the node holds of a team's
+// quota (what an idle block is lowered to). It gives idle blocks back until the cluster closes.
+func (cl *Cluster) NewQuotaBlocks(held QuotaHeld) *QuotaBlocks {
+	qb := &QuotaBlocks{cl: cl, held: held, teams: map[string]*teamBlock{}}
+	cl.wg.Add(1)
+	go func() {
+		defer cl.wg.Done()
+		every(cl.bgCtx, quotaIdle/4, qb.returnIdle)
+	}()
+	return qb
+}
+
+// runningPart is the part of a quota counted across the cluster.
+func runningPart(q auth.Quota) auth.Quota {
+	return auth.Quota{Sandboxes: q.Sandboxes, CPUs: q.CPUs, MemoryMB: q.MemoryMB}
+}
+
+func addQuota(a, b auth.Quota, k int) auth.Quota {
+	return auth.Quota{Sandboxes: a.Sandboxes + k*b.Sandboxes, CPUs: a.CPUs + k*b.CPUs, MemoryMB: a.MemoryMB + k*b.MemoryMB}
+}
+
+// covers: have is at least need in every dimension limit bounds.
+func covers(limit, have, need auth.Quota) bool {
+	return (limit.Sandboxes <= 0 || have.Sandboxes >= need.Sandboxes) &&
+		(limit.CPUs <= 0 || have.CPUs >= need.CPUs) &&
+		(limit.MemoryMB <= 0 || have.MemoryMB >= need.MemoryMB)
+}
+
+// Cover makes this node's block of team's quota (limit) cover need, what the node holds with
+// the change being admitted (more). ok false: the other nodes' blocks (others) leave too little
+// of the quota, and the change is over it.
+func (qb *QuotaBlocks) Cover(ctx context.Context, team string, limit, need, more auth.Quota) (others auth.Quota, ok bool, err error) {
+	limit, need, more = runningPart(limit), runningPart(need), runningPart(more)
+	if limit == (auth.Quota{}) {
+		return auth.Quota{}, true, nil
+	}
+	tb := qb.block(team)
+	tb.mu.Lock()
+	defer tb.mu.Unlock()
+	now := time.Now()
+	tb.recent, tb.used = noteDemand(tb.recent, now), now
+	epoch := qb.cl.epoch.Load()
+	if epoch == 0 {
+		return auth.Quota{}, false, fmt.Errorf("this node is cut off from the cluster: %w", errdefs.ErrUnavailable)
+	}
+	if tb.epoch == epoch && covers(limit, tb.have, need) {
+		return auth.Quota{}, true, nil
+	}
+	ctx, done := qb.cl.opCtx(ctx, qb.cl.cfg.OpTimeout)
+	defer done()
+	prefix := qb.cl.key("quota", team) + "/"
+	mine := prefix + qb.cl.cfg.NodeID
+	for attempt := 0; attempt < 16; attempt++ {
+		resp, err := qb.cl.c.Get(ctx, prefix, clientv3.WithPrefix())
+		if err != nil {
+			return auth.Quota{}, false, fmt.Errorf("etcd: read quota blocks: %w", errdefs.ErrUnavailable)
+		}
+		others = auth.Quota{}
+		for _, kv := range resp.Kvs {
+			if string(kv.Key) == mine {
+				continue
+			}
+			var b auth.Quota
+			if json.Unmarshal(kv.Value, &b) == nil {
+				others = addQuota(others, b, 1)
+			}
+		}
+		if !covers(limit, addQuota(limit, others, -1), need) {
+			return others, false, nil
+		}
+		want := qb.size(tb, limit, others, need, more)
+		if tb.epoch == epoch {
+			// Never lower a block here: a concurrent admission it covers may have asked first.
+			want = auth.Quota{Sandboxes: max(want.Sandboxes, tb.have.Sandboxes), CPUs: max(want.CPUs, tb.have.CPUs), MemoryMB: max(want.MemoryMB, tb.have.MemoryMB)}
+		}
+		b, _ := json.Marshal(want)
+		t, err := qb.cl.c.Txn(ctx).
+			If(clientv3.Compare(clientv3.ModRevision(prefix), "<", resp.Header.Revision+1).WithPrefix()).
+			Then(clientv3.OpPut(mine, string(b), clientv3.WithLease(clientv3.LeaseID(epoch)))).Commit()
+		if err != nil {
+			return auth.Quota{}, false, fmt.Errorf("etcd: grow quota block: %w", errdefs.ErrUnavailable)
+		}
+		if t.Succeeded {
+			tb.have, tb.epoch = want, epoch
+			return others, true, nil
+		}
+		// Another node's block changed: read them again.
+		sleep(ctx, time.Millisecond*time.Duration(attempt+1))
+	}
+	return auth.Quota{}, false, fmt.Errorf("quota blocks of team %s kept changing: %w", team, errdefs.ErrUnavailable)
+}
+
+// size is the block to hold: need, and room for the creates the team is likely to make here
+// before the block goes idle, within a quarter of what the quota has left.
+func (qb *QuotaBlocks) size(tb *teamBlock, limit, others, need, more auth.Quota) auth.Quota {
+	k := min(MaxBlockUnits, len(tb.recent)*int(quotaIdle)/int(blockDemandWindow)) - 1
+	for _, d := range []struct{ limit, others, need, more int }{
+		{limit.Sandboxes, others.Sandboxes, need.Sandboxes, more.Sandboxes},
+		{limit.CPUs, others.CPUs, need.CPUs, more.CPUs},
+		{limit.MemoryMB, others.MemoryMB, need.MemoryMB, more.MemoryMB},
+	} {
+		if d.limit > 0 && d.more > 0 {
+			k = min(k, (d.limit-d.others-d.need)/(4*d.more))
+		}
+	}
+	if k <= 0 {
+		return need
+	}
+	return addQuota(need, more, k)
+}
+
+func (qb *QuotaBlocks) block(team string) *teamBlock {
+	qb.mu.Lock()
+	defer qb.mu.Unlock()
+	tb := qb.teams[team]
+	if tb == nil {
+		tb = &teamBlock{}
+		qb.teams[team] = tb
+	}
+	return tb
+}
+
+// Held returns the block this node holds of team's quota (for tests and /metrics).
+func (qb *QuotaBlocks) Held(team string) auth.Quota {
+	tb := qb.block(team)
+	tb.mu.Lock()
+	defer tb.mu.Unlock()
+	if tb.epoch != qb.cl.epoch.Load() {
+		return auth.Quota{}
+	}
+	return tb.have
+}
+
+// returnIdle lowers the blocks of teams idle here to what the node holds of them (the block
+// is deleted when that is nothing), each looked at once a quotaIdle at most: one count of
+// what the node holds serves every team.
+func (qb *QuotaBlocks) returnIdle(ctx context.Context) {
+	qb.mu.Lock()
+	var idle []string
+	for team, tb := range qb.teams {
+		tb.mu.Lock()
+		if time.Since(tb.used) > quotaIdle && time.Since(tb.looked) > quotaIdle && tb.have != (auth.Quota{}) {
+			idle = append(idle, team)
+		}
+		tb.mu.Unlock()
+	}
+	qb.mu.Unlock()
+	if len(idle) == 0 {
+		return
+	}
+	held, err := qb.held(ctx)
+	if err != nil {
+		return
+	}
+	for _, team := range idle {
+		qb.lower(ctx, team, held)
+	}
+}
+
+// lower lowers team's block to held[team], unless the team created here since held was read
+// (its block then still covers the creates it admitted).
+func (qb *QuotaBlocks) lower(ctx context.Context, team string, held map[string]auth.Quota) {
+	tb := qb.block(team)
+	tb.mu.Lock()
+	defer tb.mu.Unlock()
+	if time.Since(tb.used) <= quotaIdle {
+		return
+	}
+	epoch := qb.cl.epoch.Load()
+	if tb.epoch != epoch {
+		tb.have, tb.epoch = auth.Quota{}, 0 // gone with the node's former lease
+		return
+	}
+	tb.looked = time.Now()
+	h := runningPart(held[team])
+	want := auth.Quota{Sandboxes: min(h.Sandboxes, tb.have.Sandboxes), CPUs: min(h.CPUs, tb.have.CPUs), MemoryMB: min(h.MemoryMB, tb.have.MemoryMB)}
+	if want == tb.have {
+		return
+	}
+	ctx, done := qb.cl.opCtx(ctx, qb.cl.cfg.OpTimeout)
+	defer done()
+	mine := qb.cl.key("quota", team, qb.cl.cfg.NodeID)
+	op := clientv3.OpDelete(mine)
+	if want != (auth.Quota{}) {
+		b, _ := json.Marshal(want)
+		op = clientv3.OpPut(mine, string(b), clientv3.WithLease(clientv3.LeaseID(epoch)))
+	}
+	// Lowering a block never takes the team past its quota: no compare needed.
+	if _, err := qb.cl.c.Do(ctx, op); err != nil {
+		return
+	}
+	tb.have = want
+}
