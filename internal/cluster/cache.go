@@ -121,8 +121,15 @@ func (cl *Cluster) watchKind(ctx context.Context, kind string, rev int64) {
 			if err := resp.Err(); err != nil {
 				if errors.Is(err, rpctypes.ErrCompacted) {
 					cl.log.Warn("cluster: watch compacted: reloading the cache", "kind", kind)
+					before := cl.nodeEpochs()
 					if r, err := cl.load(ctx, kind); err == nil {
 						rev = r
+						// A node that died in the events compacted away is reaped all the same.
+						for _, d := range cl.diedSince(before) {
+							if kind == "nodes" {
+								cl.nodeDied(ctx, d, time.Now())
+							}
+						}
 					}
 				}
 				break
@@ -171,6 +178,30 @@ func (cl *Cluster) watchKind(ctx context.Context, kind string, rev int64) {
 		cancel()
 		sleep(ctx, 100*time.Millisecond)
 	}
+}
+
+// nodeEpochs returns the epoch of every live node in the cache.
+func (cl *Cluster) nodeEpochs() map[string]int64 {
+	cl.mu.RLock()
+	defer cl.mu.RUnlock()
+	out := make(map[string]int64, len(cl.nodes))
+	for id, n := range cl.nodes {
+		out[id] = n.Epoch
+	}
+	return out
+}
+
+// diedSince returns the nodes of before (nodeEpochs) whose epoch is no longer live in the cache.
+func (cl *Cluster) diedSince(before map[string]int64) []deadNode {
+	cl.mu.RLock()
+	defer cl.mu.RUnlock()
+	var out []deadNode
+	for id, epoch := range before {
+		if n := cl.nodes[id]; n == nil || n.Epoch != epoch {
+			out = append(out, deadNode{id: id, epoch: epoch})
+		}
+	}
+	return out
 }
 
 // applyPut and applyDelete update the caches; the caller holds mu.

@@ -111,3 +111,56 @@ func TestThousandSandboxesLostInOneTTL(t *testing.T) {
 		t.Fatalf("lost after the reaping: %d %v, want %d", len(l), err, n)
 	}
 }
+
+// The node that cleans up after a dead one (the reaper) meets an etcd failure on one of its
+// steps (a lease, its claim's answer, the down record, the read of the routes, the lost
+// records): it lets the job go and tries again, so that the dead node is still reported lost
+// (GET /nodes/<id> "lost") a moment after its TTL and its routes are replaced by lost records,
+// instead of a node gone from /nodes with no trace, its job held by a reaper that gave up.
+func TestReaperSurvivesAFailedStep(t *testing.T) {
+	e := clustertest.Start(t, 1)
+	for i, tc := range []struct {
+		name, method, key string
+		after             bool
+	}{
+		{"lease grant", "grant", "", false},
+		{"claim answer lost", "txn", "reaping/", true},
+		{"down record", "txn", "down/", false},
+		{"routes read", "get", "sandboxes/", false},
+		{"lost records", "txn", "lost/", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			pfx := fmt.Sprintf("/reap%d/", i)
+			f := &faults{}
+			la, lb := newLocal("base"), newLocal("base")
+			a := join(t, e.Endpoints(), "a", 4, la, func(c *cluster.Config) { c.Prefix = pfx; f.install(c.Client) })
+			b := join(t, e.Endpoints(), "b", 4, lb, func(c *cluster.Config) { c.Prefix = pfx })
+			ctx := context.Background()
+			testutil.Eventually(t, 5*time.Second, "a sees b", func() bool { return nodeState(a, "b") == cluster.StateActive })
+			for _, id := range []string{"s1", "s2", "s3"} {
+				if err := b.Claim(ctx, lb.add(id), ""); err != nil {
+					t.Fatal(err)
+				}
+			}
+			fired := f.arm(tc.method, pfx+tc.key, tc.after)
+			stopped := time.Now()
+			b.Close() // no Leave: the lease runs out
+			testutil.Eventually(t, ttl+5*time.Second, "b reported lost", func() bool { return nodeState(a, "b") == cluster.StateLost })
+			t.Logf("b reported lost %v after it stopped (TTL %v)", time.Since(stopped).Round(time.Millisecond), ttl)
+			select {
+			case <-fired:
+			default:
+				t.Fatalf("the %s fault never fired: the test proves nothing", tc.name)
+			}
+			c := e.Client(t)
+			testutil.Eventually(t, 10*time.Second, "b's routes replaced by lost records", func() bool {
+				r, err := c.Get(ctx, pfx+"lost/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+				return err == nil && r.Count == 3
+			})
+			if l, err := a.Locate(ctx, "s2", true); err != nil || l.Lost == nil || l.Lost.Node != "b" {
+				t.Fatalf("s2: %+v %v, want lost with b", l, err)
+			}
+		})
+	}
+}
