@@ -164,3 +164,39 @@ func TestReaperSurvivesAFailedStep(t *testing.T) {
 		})
 	}
 }
+
+// A node that dies while another is cut off from etcd, its deletion compacted away before the
+// other's watch comes back: the watch reloads the nodes, and the one that vanished from them is
+// reaped all the same (reported lost, its routes replaced by lost records), not forgotten.
+func TestReaperAfterCompactedWatch(t *testing.T) {
+	e := clustertest.Start(t, 1)
+	p := e.NewProxy(t)
+	la, lb := newLocal("base"), newLocal("base")
+	a := join(t, p.Endpoints(), "a", 4, la, func(c *cluster.Config) { c.TTL = 20 * time.Second })
+	b := join(t, e.Endpoints(), "b", 4, lb)
+	ctx := context.Background()
+	testutil.Eventually(t, 5*time.Second, "a sees b", func() bool { return nodeState(a, "b") == cluster.StateActive })
+	if err := b.Claim(ctx, lb.add("s1"), ""); err != nil {
+		t.Fatal(err)
+	}
+	p.Cut()
+	b.Close() // no Leave: the lease runs out
+	c := e.Client(t)
+	testutil.Eventually(t, ttl+5*time.Second, "b's record gone", func() bool {
+		r, err := c.Get(ctx, "/ember/nodes/b", clientv3.WithCountOnly())
+		return err == nil && r.Count == 0
+	})
+	r, err := c.Put(ctx, "/ember/test/after", "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Compact(ctx, r.Header.Revision); err != nil {
+		t.Fatal(err)
+	}
+	p.Mend()
+	testutil.Eventually(t, 15*time.Second, "b reported lost", func() bool { return nodeState(a, "b") == cluster.StateLost })
+	testutil.Eventually(t, 10*time.Second, "b's route replaced by a lost record", func() bool {
+		r, err := c.Get(ctx, "/ember/lost/s1", clientv3.WithCountOnly())
+		return err == nil && r.Count == 1
+	})
+}
