@@ -26,6 +26,11 @@ type fakeCluster struct {
 	mu      sync.Mutex
 	placed  []string
 	cancels []string
+	locs    map[string]cluster.Location // Locate's answers
+}
+
+func (c *fakeCluster) Locate(_ context.Context, id string, _ bool) (cluster.Location, error) {
+	return c.locs[id], nil
 }
 
 func (c *fakeCluster) NodeID() string { return c.local }
@@ -274,5 +279,49 @@ func TestCallerHeader(t *testing.T) {
 	e.sign(out)
 	if v := out.Header.Get(HeaderTeam); v != "team-b" {
 		t.Errorf("team header %q, want the checked caller's", v)
+	}
+}
+
+// holdingLocal holds some sandboxes and records the forwarded requests it serves.
+type holdingLocal struct {
+	fakeLocal
+	held   map[string]bool
+	served []string
+}
+
+func (l *holdingLocal) Holds(_ context.Context, id string) bool { return l.held[id] }
+func (l *holdingLocal) ServeForwarded(w http.ResponseWriter, r *http.Request) {
+	l.served = append(l.served, r.URL.Path)
+	w.WriteHeader(http.StatusOK)
+}
+
+// A request forwarded to the node that stored a paused sandbox, after another node adopted it
+// and before this one dropped its copy (its next reconcile): "not here", so that the sending
+// edge goes to the adopter, and never served from the copy (a fork there answered "sandbox is
+// paused": TestClusterPausedSandboxesMove, 2 runs in 4). The node's own, and one it does not
+// hold, go on as before.
+func TestForwardedToTheOldHolderOfAnAdoptedSandbox(t *testing.T) {
+	fc := &fakeCluster{local: "b", locs: map[string]cluster.Location{
+		"moved": {Node: "a", URL: "http://a.test"}, "mine": {Node: "b", Local: true}}}
+	l := &holdingLocal{held: map[string]bool{"moved": true, "mine": true}}
+	e := New(Config{Cluster: fc, Local: l})
+	for _, tc := range []struct {
+		id              string
+		served, notHere bool
+	}{{"moved", false, true}, {"mine", true, false}, {"other", true, true}} {
+		l.served = nil
+		req := httptest.NewRequest(http.MethodPost, "/sandboxes/"+tc.id+"/fork", strings.NewReader(`{"count":1}`))
+		e.sign(req)
+		rec := httptest.NewRecorder()
+		e.ServeForwarded(rec, req)
+		if served := len(l.served) == 1; served != tc.served {
+			t.Errorf("%s: served here %v, want %v", tc.id, served, tc.served)
+		}
+		if notHere := rec.Header().Get(HeaderNotHere) != ""; notHere != tc.notHere {
+			t.Errorf("%s: not-here %v, want %v (answer %d %s)", tc.id, notHere, tc.notHere, rec.Code, rec.Body)
+		}
+		if !tc.served && rec.Code != http.StatusNotFound {
+			t.Errorf("%s: answer %d %s, want 404", tc.id, rec.Code, rec.Body)
+		}
 	}
 }
