@@ -93,8 +93,14 @@ func (cl *Cluster) syncAllocs(ctx context.Context, full bool) {
 	}
 	have := map[string]bool{}
 	var stale []staleRoute
+	cl.mu.RLock()
+	adopting := maps.Clone(cl.adopting)
+	cl.mu.RUnlock()
 	for _, s := range local {
 		have[s.ID] = true
+		if adopting[s.ID] {
+			continue // imported, its route about to be taken over (moves.go)
+		}
 		r := cl.route(s.ID)
 		switch {
 		case r == nil:
