@@ -125,8 +125,8 @@ func (cl *Cluster) watchKind(ctx context.Context, kind string, rev int64) {
 					if r, err := cl.load(ctx, kind); err == nil {
 						rev = r
 						// A node that died in the events compacted away is reaped all the same.
-						for _, d := range cl.diedSince(before) {
-							if kind == "nodes" {
+						if kind == "nodes" {
+							for _, d := range cl.diedSince(before) {
 								cl.nodeDied(ctx, d, time.Now())
 							}
 						}
@@ -152,11 +152,15 @@ func (cl *Cluster) watchKind(ctx context.Context, kind string, rev int64) {
 			}
 			cl.mu.Lock()
 			var died []deadNode
+			now := time.Now()
 			for _, ev := range resp.Events {
 				if ev.Type == mvccpb.PUT {
 					cl.applyPut(ev.Kv)
 				} else if id, ok := strings.CutPrefix(string(ev.Kv.Key), cl.p+"nodes/"); ok {
 					delete(cl.nodes, id)
+					// Lost from this moment, as its sandboxes are (Locate): the reaper's down
+					// record, which other nodes load, follows.
+					cl.down[id] = now
 					d := deadNode{id: id}
 					if ev.PrevKv != nil {
 						d.epoch = ev.PrevKv.Lease
@@ -172,7 +176,7 @@ func (cl *Cluster) watchKind(ctx context.Context, kind string, rev int64) {
 			rev = cl.watchRev[kind]
 			cl.mu.Unlock()
 			for _, d := range died {
-				cl.nodeDied(ctx, d, time.Now())
+				cl.nodeDied(ctx, d, now)
 			}
 		}
 		cancel()
@@ -191,14 +195,20 @@ func (cl *Cluster) nodeEpochs() map[string]int64 {
 	return out
 }
 
-// diedSince returns the nodes of before (nodeEpochs) whose epoch is no longer live in the cache.
+// diedSince returns the nodes of before (nodeEpochs) whose epoch is no longer live in the
+// cache, and notes those gone lost (as the watch does).
 func (cl *Cluster) diedSince(before map[string]int64) []deadNode {
-	cl.mu.RLock()
-	defer cl.mu.RUnlock()
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
 	var out []deadNode
 	for id, epoch := range before {
-		if n := cl.nodes[id]; n == nil || n.Epoch != epoch {
-			out = append(out, deadNode{id: id, epoch: epoch})
+		n := cl.nodes[id]
+		if n != nil && n.Epoch == epoch {
+			continue
+		}
+		out = append(out, deadNode{id: id, epoch: epoch})
+		if _, down := cl.down[id]; n == nil && !down {
+			cl.down[id] = time.Now()
 		}
 	}
 	return out

@@ -115,8 +115,9 @@ func TestThousandSandboxesLostInOneTTL(t *testing.T) {
 // The node that cleans up after a dead one (the reaper) meets an etcd failure on one of its
 // steps (a lease, its claim's answer, the down record, the read of the routes, the lost
 // records): it lets the job go and tries again, so that the dead node is still reported lost
-// (GET /nodes/<id> "lost") a moment after its TTL and its routes are replaced by lost records,
-// instead of a node gone from /nodes with no trace, its job held by a reaper that gave up.
+// (GET /nodes/<id> "lost") a moment after its TTL, recorded down (for the nodes that start
+// later) and its routes replaced by lost records, instead of a node gone from /nodes with no
+// trace, its job held by a reaper that gave up.
 func TestReaperSurvivesAFailedStep(t *testing.T) {
 	e := clustertest.Start(t, 1)
 	for i, tc := range []struct {
@@ -148,16 +149,17 @@ func TestReaperSurvivesAFailedStep(t *testing.T) {
 			b.Close() // no Leave: the lease runs out
 			testutil.Eventually(t, ttl+5*time.Second, "b reported lost", func() bool { return nodeState(a, "b") == cluster.StateLost })
 			t.Logf("b reported lost %v after it stopped (TTL %v)", time.Since(stopped).Round(time.Millisecond), ttl)
+			c := e.Client(t)
+			testutil.Eventually(t, 10*time.Second, "b recorded down, its routes replaced by lost records", func() bool {
+				d, err := c.Get(ctx, pfx+"down/b", clientv3.WithCountOnly())
+				r, err2 := c.Get(ctx, pfx+"lost/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+				return err == nil && err2 == nil && d.Count == 1 && r.Count == 3
+			})
 			select {
 			case <-fired:
 			default:
 				t.Fatalf("the %s fault never fired: the test proves nothing", tc.name)
 			}
-			c := e.Client(t)
-			testutil.Eventually(t, 10*time.Second, "b's routes replaced by lost records", func() bool {
-				r, err := c.Get(ctx, pfx+"lost/", clientv3.WithPrefix(), clientv3.WithCountOnly())
-				return err == nil && r.Count == 3
-			})
 			if l, err := a.Locate(ctx, "s2", true); err != nil || l.Lost == nil || l.Lost.Node != "b" {
 				t.Fatalf("s2: %+v %v, want lost with b", l, err)
 			}
