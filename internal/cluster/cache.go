@@ -121,8 +121,15 @@ func (cl *Cluster) watchKind(ctx context.Context, kind string, rev int64) {
 			if err := resp.Err(); err != nil {
 				if errors.Is(err, rpctypes.ErrCompacted) {
 					cl.log.Warn("cluster: watch compacted: reloading the cache", "kind", kind)
+					before := cl.nodeEpochs()
 					if r, err := cl.load(ctx, kind); err == nil {
 						rev = r
+						// A node that died in the events compacted away is reaped all the same.
+						if kind == "nodes" {
+							for _, d := range cl.diedSince(before) {
+								cl.nodeDied(ctx, d, time.Now())
+							}
+						}
 					}
 				}
 				break
@@ -145,11 +152,15 @@ func (cl *Cluster) watchKind(ctx context.Context, kind string, rev int64) {
 			}
 			cl.mu.Lock()
 			var died []deadNode
+			now := time.Now()
 			for _, ev := range resp.Events {
 				if ev.Type == mvccpb.PUT {
 					cl.applyPut(ev.Kv)
 				} else if id, ok := strings.CutPrefix(string(ev.Kv.Key), cl.p+"nodes/"); ok {
 					delete(cl.nodes, id)
+					// Lost from this moment, as its sandboxes are (Locate): the reaper's down
+					// record, which other nodes load, follows.
+					cl.down[id] = now
 					d := deadNode{id: id}
 					if ev.PrevKv != nil {
 						d.epoch = ev.PrevKv.Lease
@@ -165,12 +176,42 @@ func (cl *Cluster) watchKind(ctx context.Context, kind string, rev int64) {
 			rev = cl.watchRev[kind]
 			cl.mu.Unlock()
 			for _, d := range died {
-				cl.nodeDied(ctx, d, time.Now())
+				cl.nodeDied(ctx, d, now)
 			}
 		}
 		cancel()
 		sleep(ctx, 100*time.Millisecond)
 	}
+}
+
+// nodeEpochs returns the epoch of every live node in the cache.
+func (cl *Cluster) nodeEpochs() map[string]int64 {
+	cl.mu.RLock()
+	defer cl.mu.RUnlock()
+	out := make(map[string]int64, len(cl.nodes))
+	for id, n := range cl.nodes {
+		out[id] = n.Epoch
+	}
+	return out
+}
+
+// diedSince returns the nodes of before (nodeEpochs) whose epoch is no longer live in the
+// cache, and notes those gone lost (as the watch does).
+func (cl *Cluster) diedSince(before map[string]int64) []deadNode {
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	var out []deadNode
+	for id, epoch := range before {
+		n := cl.nodes[id]
+		if n != nil && n.Epoch == epoch {
+			continue
+		}
+		out = append(out, deadNode{id: id, epoch: epoch})
+		if _, down := cl.down[id]; n == nil && !down {
+			cl.down[id] = time.Now()
+		}
+	}
+	return out
 }
 
 // applyPut and applyDelete update the caches; the caller holds mu.

@@ -103,6 +103,9 @@ type Cluster struct {
 	keys     map[string][]byte // apikeys/<id> → JSON
 	down     map[string]time.Time
 	watchRev map[string]int64 // by watched kind: the last revision its cache reflects
+	// adopting holds the stored sandboxes this node is adopting: imported here, their route
+	// not yet taken over (moves.go), which the reconcile must not kill meanwhile.
+	adopting map[string]bool
 
 	watchEvents atomic.Int64
 

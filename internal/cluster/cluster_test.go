@@ -139,9 +139,11 @@ func TestNodeLossMarksSandboxesLost(t *testing.T) {
 	if nodeState(a, "b") != cluster.StateLost {
 		t.Fatalf("b is %s, want lost", nodeState(a, "b"))
 	}
-	if l, _ := a.Locate(ctx, "sb1", false); l.Node != "" {
-		t.Fatalf("sb1 still routed: %+v", l)
-	}
+	// The reaper replaces the route by a lost record.
+	testutil.Eventually(t, 5*time.Second, "sb1's route replaced by a lost record", func() bool {
+		l, err := a.Locate(ctx, "sb1", false)
+		return err == nil && l.Node == "" && l.Lost != nil && l.Lost.Node == "b"
+	})
 	// Nothing is placed on b any more.
 	for i := 0; i < 8; i++ {
 		r, err := a.Place(ctx, cluster.PlaceRequest{TemplateID: "base"})

@@ -175,6 +175,8 @@ func (mv *Moves) Adopt(ctx context.Context, id string) error {
 		return fmt.Errorf("sandbox %q: bad stored record: %w", id, errdefs.ErrCorrupt)
 	}
 	start := time.Now()
+	cl.setAdopting(id, true)
+	defer cl.setAdopting(id, false)
 	if _, err := mv.p.ImportPaused(ctx, &p); err != nil {
 		return err
 	}
@@ -198,6 +200,20 @@ func (mv *Moves) Adopt(ctx context.Context, id string) error {
 	cl.setRoute(id, &r)
 	cl.log.Info("cluster: adopted a stored paused sandbox", "sandbox_id", id, "from", from, "ms", time.Since(start).Milliseconds())
 	return nil
+}
+
+// setAdopting marks sandbox id as being adopted here (on), or no longer (off).
+func (cl *Cluster) setAdopting(id string, on bool) {
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	if cl.adopting == nil {
+		cl.adopting = map[string]bool{}
+	}
+	if on {
+		cl.adopting[id] = true
+	} else {
+		delete(cl.adopting, id)
+	}
 }
 
 func (cl *Cluster) draining(node string) bool {

@@ -20,6 +20,9 @@ type fakePorter struct {
 	mu       sync.Mutex
 	imported []string
 	deleted  []string
+	// settle: how long an import lasts once the sandbox is listed here (a real one loads
+	// its pause image meanwhile).
+	settle time.Duration
 }
 
 func (p *fakePorter) ImportPaused(_ context.Context, ps *sandbox.PortableSandbox) (*sandbox.Sandbox, error) {
@@ -31,6 +34,7 @@ func (p *fakePorter) ImportPaused(_ context.Context, ps *sandbox.PortableSandbox
 	s.Running = false
 	p.local.sbxs[s.ID] = s
 	p.local.mu.Unlock()
+	time.Sleep(p.settle)
 	return &sandbox.Sandbox{ID: ps.Sandbox.ID, State: sandbox.StatePaused}, nil
 }
 
@@ -173,4 +177,40 @@ func TestAdoptedFromADrainedNode(t *testing.T) {
 		t.Fatalf("sd through a after b adopted it: %+v %v, want b's", l, err)
 	}
 	testutil.Eventually(t, 5*time.Second, "a kills its copy", func() bool { return !la.has("sd") })
+}
+
+// A node adopting a stored sandbox holds it before the route is its own (the import comes
+// first): its reconcile, running meanwhile, does not take it for a sandbox the cluster gives
+// another node and kill it (TestStoredPausedSandboxOutlivesItsNode once found the winner of
+// an adoption holding nothing).
+func TestAdoptionOutlivesTheReconcile(t *testing.T) {
+	e := clustertest.Start(t, 1)
+	la, lb := newLocal("base"), newLocal("base")
+	a := join(t, e.Endpoints(), "a", 4, la)
+	b := join(t, e.Endpoints(), "b", 4, lb)
+	pa, pb := &fakePorter{local: la}, &fakePorter{local: lb, settle: 5 * 200 * time.Millisecond} // 5 reconciles
+	ma, mb := cluster.NewMoves(a, pa), cluster.NewMoves(b, pb)
+	t.Cleanup(ma.Close)
+	t.Cleanup(mb.Close)
+	ctx := context.Background()
+	if err := a.Claim(ctx, la.add("sp"), ""); err != nil {
+		t.Fatal(err)
+	}
+	if err := ma.Stored(ctx, stored("sp", "paused-sp")); err != nil {
+		t.Fatal(err)
+	}
+	a.Close() // no Leave: the lease runs out
+	testutil.Eventually(t, ttl+5*time.Second, "sp's node gone", func() bool {
+		l, err := b.Locate(ctx, "sp", true)
+		return err == nil && l.Dead && l.Stored
+	})
+	if err := mb.Adopt(ctx, "sp"); err != nil {
+		t.Fatal(err)
+	}
+	if !lb.has("sp") {
+		t.Fatalf("the adopted sandbox is not held by its adopter (killed: %v)", lb.killed)
+	}
+	if l, err := b.Locate(ctx, "sp", false); err != nil || !l.Local {
+		t.Fatalf("sp after the adoption: %+v %v, want b's", l, err)
+	}
 }

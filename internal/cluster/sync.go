@@ -3,6 +3,7 @@ package cluster
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"maps"
 	"strconv"
 	"time"
@@ -92,8 +93,14 @@ func (cl *Cluster) syncAllocs(ctx context.Context, full bool) {
 	}
 	have := map[string]bool{}
 	var stale []staleRoute
+	cl.mu.RLock()
+	adopting := maps.Clone(cl.adopting)
+	cl.mu.RUnlock()
 	for _, s := range local {
 		have[s.ID] = true
+		if adopting[s.ID] {
+			continue // imported, its route about to be taken over (moves.go)
+		}
 		r := cl.route(s.ID)
 		switch {
 		case r == nil:
@@ -133,7 +140,9 @@ func (cl *Cluster) syncAllocs(ctx context.Context, full bool) {
 		cl.dropOwnRoute(ctx, e.id, e.modRev)
 	}
 	if len(stale) > 0 {
-		cl.markLost(ctx, self, stale, "the node restarted", time.Now())
+		if err := cl.markLost(ctx, self, stale, "the node restarted", time.Now(), 0); err != nil {
+			cl.log.Warn("cluster: sync: routes of an earlier epoch", "err", err) // the next round tries again
+		}
 	}
 	if !hasAlloc || cl.allocDue(ae.a, total) { // placement.go
 		b, _ := json.Marshal(total)
@@ -222,8 +231,10 @@ type deadNode struct {
 // nodeDied runs when a node's record goes (its lease expired or was revoked). Its sandboxes
 // are lost from that moment (Locate derives it from their routes' epoch). One live node
 // takes the cleaning up of that epoch (a create-if-absent key under its own lease): it records
-// the node down and replaces the dead epoch's routes by lost records; the others look again a
-// TTL later and take it over if the reaper died too (its claim went with its lease).
+// the node down and replaces the dead epoch's routes by lost records. A reaper that meets an
+// etcd error lets the job go and tries again soon (so that another node may take it
+// meanwhile); the others look again a TTL later, until the job is done, and take it over if
+// the reaper died too (its claim went with its lease).
 func (cl *Cluster) nodeDied(ctx context.Context, d deadNode, at time.Time) {
 	if d.id == cl.cfg.NodeID {
 		return
@@ -231,49 +242,124 @@ func (cl *Cluster) nodeDied(ctx context.Context, d deadNode, at time.Time) {
 	cl.wg.Add(1)
 	go func() {
 		defer cl.wg.Done()
-		for attempt := 0; attempt < 3; attempt++ {
-			if cl.claimReaping(ctx, d) {
-				cl.reap(ctx, d, at)
+		log := cl.log.With("lost_node", d.id)
+		var lease clientv3.LeaseID // the reaping's records', kept across attempts
+		retry := min(100*time.Millisecond, cl.cfg.TTL)
+		for {
+			wait := cl.cfg.TTL
+			actx, cancel := cl.opCtx(ctx, reapTimeout*cl.cfg.OpTimeout)
+			state, err := cl.claimReaping(actx, d)
+			switch {
+			case err != nil:
+				log.Warn("cluster: reap: claim", "err", err)
+				wait = retry
+			case state == reapDone:
+				cancel()
 				return
+			case state == reapClaimed:
+				if err = cl.reap(actx, d, at, &lease); err == nil {
+					cancel()
+					return
+				}
+				log.Warn("cluster: reap: letting the job go, to try again", "err", err, "retry_in", retry)
+				cl.releaseReaping(actx, d)
+				wait = retry
 			}
-			if !sleep(ctx, cl.cfg.TTL) {
+			cancel()
+			if err != nil {
+				retry = min(2*retry, cl.cfg.TTL)
+			}
+			if !sleep(ctx, wait) {
 				return
 			}
 		}
 	}()
 }
 
-func (cl *Cluster) claimReaping(ctx context.Context, d deadNode) bool {
+// reapTimeout bounds an attempt at reaping a dead node, in OpTimeouts: a reaper stuck on etcd
+// lets the job go (its claim is released, or goes with its lease) rather than hold it.
+const reapTimeout = 4
+
+type reapState int
+
+const (
+	reapHeld    reapState = iota // another node reaps that epoch, or this one cannot now
+	reapClaimed                  // this node reaps it
+	reapDone                     // reaped
+)
+
+func (cl *Cluster) reapingKey(d deadNode) string {
+	return cl.key("reaping", d.id, strconv.FormatInt(d.epoch, 16))
+}
+
+// claimReaping takes the reaping of d (or finds that it is done, or held by another node). A
+// claim of this node's found there is this node's: an earlier attempt committed it and lost
+// the answer.
+func (cl *Cluster) claimReaping(ctx context.Context, d deadNode) (reapState, error) {
 	epoch := cl.epoch.Load()
 	if epoch == 0 {
-		return false
+		return reapHeld, nil // fenced: the others reap
 	}
-	k := cl.key("reaping", d.id, strconv.FormatInt(d.epoch, 16))
+	k := cl.reapingKey(d)
 	r, err := cl.c.Txn(ctx).If(clientv3.Compare(clientv3.Version(k), "=", 0)).
-		Then(clientv3.OpPut(k, cl.cfg.NodeID, clientv3.WithLease(clientv3.LeaseID(epoch)))).Commit()
-	return err == nil && r.Succeeded
+		Then(clientv3.OpPut(k, cl.cfg.NodeID, clientv3.WithLease(clientv3.LeaseID(epoch)))).
+		Else(clientv3.OpGet(k)).Commit()
+	if err != nil {
+		return reapHeld, err
+	}
+	if r.Succeeded {
+		return reapClaimed, nil
+	}
+	for _, kv := range r.Responses[0].GetResponseRange().Kvs {
+		switch {
+		case string(kv.Value) == reapingDone:
+			return reapDone, nil
+		case string(kv.Value) == cl.cfg.NodeID && kv.Lease == epoch:
+			return reapClaimed, nil
+		}
+	}
+	return reapHeld, nil
+}
+
+// reapingDone is the value of a reaping key once its job is done.
+const reapingDone = "done"
+
+// releaseReaping lets the reaping of d go if this node holds it. A release that fails leaves
+// the claim to this node's next attempt (claimReaping finds it its own), or to its lease.
+func (cl *Cluster) releaseReaping(ctx context.Context, d deadNode) {
+	k := cl.reapingKey(d)
+	_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.Value(k), "=", cl.cfg.NodeID)).Then(clientv3.OpDelete(k)).Commit()
 }
 
 // reap records a dead node down and replaces the routes of its dead epoch (found by one paged
 // read of the routes) by lost records. Its capacity went with its lease. Done, the reaping
-// key stays (under a LostTTL lease) so that no other node reaps that epoch again.
-func (cl *Cluster) reap(ctx context.Context, d deadNode, at time.Time) {
-	if cl.epoch.Load() == 0 {
-		return
-	}
+// key stays (under a LostTTL lease) so that no other node reaps that epoch again. Every step
+// can be done again: a failed attempt is retried whole. *lease is the records' lease (granted
+// when 0; cleared on an error, as it may be what failed).
+func (cl *Cluster) reap(ctx context.Context, d deadNode, at time.Time, lease *clientv3.LeaseID) (err error) {
 	node := d.id
+	defer func() {
+		if err != nil {
+			*lease = 0
+		}
+	}()
+	if *lease == 0 {
+		l, err := cl.c.Grant(ctx, int64(cl.cfg.LostTTL/time.Second))
+		if err != nil {
+			return fmt.Errorf("grant: %w", err)
+		}
+		*lease = l.ID
+	}
 	cl.mu.RLock()
 	n := cl.nodes[node]
-	_, known := cl.down[node]
 	cl.mu.RUnlock()
-	l, err := cl.c.Grant(ctx, int64(cl.cfg.LostTTL/time.Second))
-	if err != nil {
-		return
-	}
-	if n == nil && !known {
+	if n == nil {
+		// Even if a down record of an earlier death is cached: this death's time is recorded.
 		b, _ := json.Marshal(at.UTC())
-		_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.Version(cl.key("nodes", node)), "=", 0)).
-			Then(clientv3.OpPut(cl.key("down", node), string(b), clientv3.WithLease(l.ID))).Commit()
+		if _, err := cl.c.Txn(ctx).If(clientv3.Compare(clientv3.Version(cl.key("nodes", node)), "=", 0)).
+			Then(clientv3.OpPut(cl.key("down", node), string(b), clientv3.WithLease(*lease))).Commit(); err != nil {
+			return fmt.Errorf("record the node down: %w", err)
+		}
 	}
 	var rs []staleRoute
 	if err := cl.scanRoutes(ctx, func(id string, r *Route) {
@@ -282,22 +368,30 @@ func (cl *Cluster) reap(ctx context.Context, d deadNode, at time.Time) {
 			rs = append(rs, staleRoute{id, r.modRev, r})
 		}
 	}); err != nil {
-		cl.log.Warn("cluster: reap: read routes", "lost_node", node, "err", err)
-		return
+		return fmt.Errorf("read routes: %w", err)
 	}
 	if len(rs) > 0 {
 		cl.log.Warn("cluster: node lost: recording its sandboxes lost", "lost_node", node, "sandboxes", len(rs))
-		cl.markLost(ctx, node, rs, "its node stopped answering", at)
+		if err := cl.markLost(ctx, node, rs, "its node stopped answering", at, *lease); err != nil {
+			return err
+		}
 	}
-	_, _ = cl.c.Put(ctx, cl.key("reaping", node, strconv.FormatInt(d.epoch, 16)), "done", clientv3.WithLease(l.ID))
+	if _, err := cl.c.Put(ctx, cl.reapingKey(d), reapingDone, clientv3.WithLease(*lease)); err != nil {
+		return fmt.Errorf("mark the reaping done: %w", err)
+	}
+	return nil
 }
 
-// markLost replaces routes (unchanged since read) by lost records, in batches.
-func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, reason string, at time.Time) {
-	l, err := cl.c.Grant(ctx, int64(cl.cfg.LostTTL/time.Second))
-	if err != nil {
-		cl.log.Warn("cluster: mark lost: grant", "err", err)
-		return
+// markLost replaces routes (unchanged since read) by lost records, in batches, under lease
+// (granted when 0). An error leaves the routes not done yet as they were: the caller tries
+// again (the routes it replaced are gone, or changed: their transaction compares).
+func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, reason string, at time.Time, lease clientv3.LeaseID) error {
+	if lease == 0 {
+		l, err := cl.c.Grant(ctx, int64(cl.cfg.LostTTL/time.Second))
+		if err != nil {
+			return fmt.Errorf("mark lost: grant: %w", err)
+		}
+		lease = l.ID
 	}
 	record := func(s staleRoute) string {
 		lr := Lost{Node: node, At: at.UTC(), Reason: reason}
@@ -314,18 +408,19 @@ func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, r
 		var ops []clientv3.Op
 		for _, r := range rs[:n] {
 			cmps = append(cmps, clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", r.id)), "=", r.modRev))
-			ops = append(ops, clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), record(r), clientv3.WithLease(l.ID)))
+			ops = append(ops, clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), record(r), clientv3.WithLease(lease)))
 		}
 		resp, err := cl.c.Txn(ctx).If(cmps...).Then(ops...).Commit()
 		if err != nil {
-			cl.log.Warn("cluster: mark lost", "err", err)
-			return
+			return fmt.Errorf("mark lost: %w", err)
 		}
 		if !resp.Succeeded && n > 1 {
 			// One of them changed: one by one.
 			for _, r := range rs[:n] {
-				_, _ = cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", r.id)), "=", r.modRev)).
-					Then(clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), record(r), clientv3.WithLease(l.ID))).Commit()
+				if _, err := cl.c.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(cl.key("sandboxes", r.id)), "=", r.modRev)).
+					Then(clientv3.OpDelete(cl.key("sandboxes", r.id)), clientv3.OpPut(cl.key("lost", r.id), record(r), clientv3.WithLease(lease))).Commit(); err != nil {
+					return fmt.Errorf("mark lost: %w", err)
+				}
 			}
 		}
 		for _, r := range rs[:n] {
@@ -333,4 +428,5 @@ func (cl *Cluster) markLost(ctx context.Context, node string, rs []staleRoute, r
 		}
 		rs = rs[n:]
 	}
+	return nil
 }

@@ -149,6 +149,10 @@ type Config struct {
 	// MetricsListen, if set, is a listener serving only GET /metrics, without an API key (for
 	// a scraper on a private network). /metrics on Listen needs the API key.
 	MetricsListen string
+
+	// layerFS is the data directory's layer filesystem when Serve chose it already (before
+	// it wrote the TLS CA there); nil: Open chooses it.
+	layerFS *layerfs.Result
 }
 
 // Node is a running ember node.
@@ -191,32 +195,15 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 
 // open assembles a node from cfg; its start-up templates are built by n.startup (startup.go).
 func open(ctx context.Context, cfg Config) (*Node, error) {
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
+	cfg.defaults()
+	lfs := cfg.layerFS
+	if lfs == nil {
+		r, err := setupDataDir(cfg)
+		if err != nil {
+			return nil, err
+		}
+		lfs = &r
 	}
-	if cfg.Out == nil {
-		cfg.Out = io.Discard
-	}
-	if cfg.CacheDir == "" {
-		cfg.CacheDir = datadir.Cache(cfg.DataDir)
-	}
-	if cfg.Mirror == "" {
-		cfg.Mirror = "http://deb.debian.org/debian"
-	}
-	// Every sandbox's files and memory images live under the data directory: root only.
-	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
-		return nil, err
-	}
-	if err := os.Chmod(cfg.DataDir, 0o700); err != nil {
-		return nil, err
-	}
-	// Before anything is written there: the image, when needed, is mounted over the data dir.
-	lfs, err := layerfs.Setup(layerfs.Config{DataDir: cfg.DataDir, Mode: cfg.LayerFS, Size: cfg.LayerFSSize})
-	if err != nil {
-		return nil, err
-	}
-	cfg.Logger.Info(lfs.String(), "layer_fs", lfs.FS, "action", lfs.Action, "image", lfs.Image, "device", lfs.Device, "size", lfs.Size)
-	fmt.Fprintln(cfg.Out, strings.ToUpper(lfs.String()[:1])+lfs.String()[1:])
 	st, err := store.Open(datadir.DB(cfg.DataDir))
 	if err != nil {
 		return nil, err
@@ -424,7 +411,7 @@ func open(ctx context.Context, cfg Config) (*Node, error) {
 	met.SetTeams(acfg.Quotas)
 	h := api.New(acfg, mgr, keys, cfg.Logger)
 	ok = true
-	n := &Node{Manager: mgr, Builds: builds, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: lfs, Cluster: cl, net: nm, egress: px, moves: moves, volumes: acfg.Volumes}
+	n := &Node{Manager: mgr, Builds: builds, Driver: drv, Keys: keys, Store: st, Handler: h, Metrics: met, LayerFS: *lfs, Cluster: cl, net: nm, egress: px, moves: moves, volumes: acfg.Volumes}
 	if starting != nil {
 		n.startup = func(ctx context.Context) error {
 			return starting.run(func(name string) error { return buildStartTemplate(ctx, cfg, n, name, envdSum) })
@@ -506,6 +493,42 @@ func (n *Node) Close() {
 	n.Store.Close()
 }
 
+// defaults fills in the fields of cfg left empty that have a default.
+func (cfg *Config) defaults() {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Out == nil {
+		cfg.Out = io.Discard
+	}
+	if cfg.CacheDir == "" {
+		cfg.CacheDir = datadir.Cache(cfg.DataDir)
+	}
+	if cfg.Mirror == "" {
+		cfg.Mirror = "http://deb.debian.org/debian"
+	}
+}
+
+// setupDataDir creates the data directory and chooses its layer filesystem. It runs before
+// anything is written there: a btrfs image is mounted over the data directory only while it
+// is empty (layerfs.Setup), so whatever writes into it first (the TLS CA) comes after.
+func setupDataDir(cfg Config) (layerfs.Result, error) {
+	// Every sandbox's files and memory images live under the data directory: root only.
+	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
+		return layerfs.Result{}, err
+	}
+	if err := os.Chmod(cfg.DataDir, 0o700); err != nil {
+		return layerfs.Result{}, err
+	}
+	lfs, err := layerfs.Setup(layerfs.Config{DataDir: cfg.DataDir, Mode: cfg.LayerFS, Size: cfg.LayerFSSize})
+	if err != nil {
+		return layerfs.Result{}, err
+	}
+	cfg.Logger.Info(lfs.String(), "layer_fs", lfs.FS, "action", lfs.Action, "image", lfs.Image, "device", lfs.Device, "size", lfs.Size)
+	fmt.Fprintln(cfg.Out, strings.ToUpper(lfs.String()[:1])+lfs.String()[1:])
+	return lfs, nil
+}
+
 // Serve opens a node and serves the API on cfg.Listen until ctx is done.
 func Serve(ctx context.Context, cfg Config) error {
 	ln, err := net.Listen("tcp", cfg.Listen)
@@ -542,6 +565,14 @@ func Serve(ctx context.Context, cfg Config) error {
 		}
 		defer metricsLn.Close()
 	}
+	cfg.defaults()
+	// The layer filesystem first: the local CA below is the first thing written into the
+	// data directory (with it there, an empty one is not empty any more).
+	lfs, err := setupDataDir(cfg)
+	if err != nil {
+		return err
+	}
+	cfg.layerFS = &lfs
 	var tlsConf *tls.Config
 	if tlsLn != nil {
 		// Before Open: a bad certificate fails at once, not after a template build.

@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"bytes"
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -21,6 +22,8 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/layerfs"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 func hello(name string) *tls.ClientHelloInfo { return &tls.ClientHelloInfo{ServerName: name} }
@@ -133,4 +136,48 @@ func TestNodeNamesNeverOverlap(t *testing.T) {
 			t.Fatalf("node id %q accepted", bad)
 		}
 	}
+}
+
+// Mode B (--tls-listen) on a new data directory gets the layer filesystem layerfs chooses for
+// an empty one (a btrfs image on ext4, for O(1) captures): the local CA, the first thing the
+// start writes there, comes after that choice. It once came before it, and the start found
+// the data directory holding "tls from an earlier ember" and fell back to copying captures.
+func TestServeTLSOnANewDataDirGetsTheFavouredLayerFS(t *testing.T) {
+	testutil.RequireRoot(t)
+	root := t.TempDir()
+	// What layerfs chooses for an empty directory here.
+	empty := filepath.Join(root, "empty")
+	if err := os.Mkdir(empty, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = layerfs.Unmount(empty, 10*time.Second) })
+	want, err := layerfs.Setup(layerfs.Config{DataDir: empty, Size: 1 << 30})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	data := filepath.Join(root, "data")
+	t.Cleanup(func() { _ = layerfs.Unmount(data, 10*time.Second) })
+	var out bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	// An invalid node id ends the start once the data directory, its CA and its store are
+	// made: the rest of a node is not this test's.
+	err = Serve(ctx, Config{DataDir: data, Listen: "127.0.0.1:0", TLSListen: "127.0.0.1:0", LayerFSSize: 1 << 30, NodeID: "X",
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Out: &out})
+	if !errors.Is(err, errdefs.ErrInvalid) || !strings.Contains(err.Error(), "node_id") {
+		t.Fatalf("start with node id X: %v, want the node id refused\n%s", err, out.String())
+	}
+	if _, err := os.Stat(filepath.Join(data, "tls", "ca.pem")); err != nil {
+		t.Fatalf("no local CA: %v\n%s", err, out.String())
+	}
+	// The layer filesystem the start left over the data directory, as the next start finds it.
+	got, err := layerfs.Setup(layerfs.Config{DataDir: data, Size: 1 << 30})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.FS != want.FS || (want.FS != "btrfs" && got.Action != want.Action) || strings.Contains(out.String(), "already holds") {
+		t.Fatalf("Mode B on a new data directory: %s\n(an empty directory here gets: %s)\nstart's output:\n%s", got, want, out.String())
+	}
+	t.Logf("%s", got)
 }

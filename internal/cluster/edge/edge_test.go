@@ -26,6 +26,11 @@ type fakeCluster struct {
 	mu      sync.Mutex
 	placed  []string
 	cancels []string
+	locs    map[string]cluster.Location // Locate's answers
+}
+
+func (c *fakeCluster) Locate(_ context.Context, id string, _ bool) (cluster.Location, error) {
+	return c.locs[id], nil
 }
 
 func (c *fakeCluster) NodeID() string { return c.local }
@@ -55,8 +60,33 @@ func (fakeLocal) WriteError(w http.ResponseWriter, _ *http.Request, err error) {
 }
 func (fakeLocal) MaxBodyBytes() int64 { return 1 << 20 }
 
+// seen records the reservation header of every request the fake nodes received; they answer
+// at once when an edge fans out (ListOthers), hence the lock.
+type seen struct {
+	mu   sync.Mutex
+	rids []string
+}
+
+func (s *seen) add(rid string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.rids = append(s.rids, rid)
+}
+
+func (s *seen) reset() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.rids = nil
+}
+
+func (s *seen) all() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.rids)
+}
+
 // node is another node's API: it checks the node proof and answers with status and body.
-func node(t *testing.T, status int, body string, saw *[]string) *httptest.Server {
+func node(t *testing.T, status int, body string, saw *seen) *httptest.Server {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if err := Verify([]byte("secret"), r); err != nil {
 			errdefs.WriteHTTP(w, err, "")
@@ -65,7 +95,7 @@ func node(t *testing.T, status int, body string, saw *[]string) *httptest.Server
 		if r.Header.Get(headerAPIKey) != "" || r.Header.Get("Authorization") != "" {
 			t.Errorf("a forward carried the client's key")
 		}
-		*saw = append(*saw, r.Header.Get(HeaderReservation))
+		saw.add(r.Header.Get(HeaderReservation))
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(status)
 		_, _ = w.Write([]byte(body))
@@ -78,7 +108,7 @@ func node(t *testing.T, status int, body string, saw *[]string) *httptest.Server
 // cancelled; the answer is the accepting node's, or the last refusal's, status and message
 // as the node wrote them (the error crossed back in and out again).
 func TestPlaceCreateRetriesRefusals(t *testing.T) {
-	var saw []string
+	var saw seen
 	full := node(t, http.StatusTooManyRequests, `{"code":429,"message":"node b is full"}`, &saw)
 	failing := node(t, http.StatusServiceUnavailable, `{"code":503,"message":"node c: runsc is down"}`, &saw)
 	ok := node(t, http.StatusCreated, `{"sandboxID":"abc"}`, &saw)
@@ -97,7 +127,7 @@ func TestPlaceCreateRetriesRefusals(t *testing.T) {
 			http.StatusCreated, `{"sandboxID":"abc"}`, []string{"r-f"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			saw = nil
+			saw.reset()
 			fc := &fakeCluster{nodes: tc.nodes, local: "a"}
 			e := New(Config{Cluster: fc, Local: fakeLocal{}})
 			req := httptest.NewRequest(http.MethodPost, "/sandboxes", strings.NewReader(`{"templateID":"base"}`))
@@ -117,7 +147,7 @@ func TestPlaceCreateRetriesRefusals(t *testing.T) {
 			if !slices.Equal(fc.cancels, tc.cancels) {
 				t.Fatalf("cancelled %v, want %v", fc.cancels, tc.cancels)
 			}
-			for _, rid := range saw {
+			for _, rid := range saw.all() {
 				if !strings.HasPrefix(rid, "r-") {
 					t.Fatalf("a forwarded create without its reservation: %q", rid)
 				}
@@ -201,7 +231,7 @@ func (c *fakeCluster) Live() []cluster.NodeInfo { return c.nodes }
 // A list goes to every other live node, signed and without the client's key; a node's error
 // comes back in with its status and message, a node that does not answer lists nothing.
 func TestListOthers(t *testing.T) {
-	var saw []string
+	var saw seen
 	good := node(t, http.StatusOK, `[{"sandboxID":"x"}]`, &saw)
 	bad := node(t, http.StatusBadRequest, `{"code":400,"message":"order must be asc or desc"}`, &saw)
 	fc := &fakeCluster{local: "a", nodes: []cluster.NodeInfo{{ID: "a"}, {ID: "b", URL: good.URL}, {ID: "c", URL: bad.URL}, {ID: "d", URL: "http://127.0.0.1:1"}}}
@@ -249,5 +279,49 @@ func TestCallerHeader(t *testing.T) {
 	e.sign(out)
 	if v := out.Header.Get(HeaderTeam); v != "team-b" {
 		t.Errorf("team header %q, want the checked caller's", v)
+	}
+}
+
+// holdingLocal holds some sandboxes and records the forwarded requests it serves.
+type holdingLocal struct {
+	fakeLocal
+	held   map[string]bool
+	served []string
+}
+
+func (l *holdingLocal) Holds(_ context.Context, id string) bool { return l.held[id] }
+func (l *holdingLocal) ServeForwarded(w http.ResponseWriter, r *http.Request) {
+	l.served = append(l.served, r.URL.Path)
+	w.WriteHeader(http.StatusOK)
+}
+
+// A request forwarded to the node that stored a paused sandbox, after another node adopted it
+// and before this one dropped its copy (its next reconcile): "not here", so that the sending
+// edge goes to the adopter, and never served from the copy (a fork there answered "sandbox is
+// paused": TestClusterPausedSandboxesMove, 2 runs in 4). The node's own, and one it does not
+// hold, go on as before.
+func TestForwardedToTheOldHolderOfAnAdoptedSandbox(t *testing.T) {
+	fc := &fakeCluster{local: "b", locs: map[string]cluster.Location{
+		"moved": {Node: "a", URL: "http://a.test"}, "mine": {Node: "b", Local: true}}}
+	l := &holdingLocal{held: map[string]bool{"moved": true, "mine": true}}
+	e := New(Config{Cluster: fc, Local: l})
+	for _, tc := range []struct {
+		id              string
+		served, notHere bool
+	}{{"moved", false, true}, {"mine", true, false}, {"other", true, true}} {
+		l.served = nil
+		req := httptest.NewRequest(http.MethodPost, "/sandboxes/"+tc.id+"/fork", strings.NewReader(`{"count":1}`))
+		e.sign(req)
+		rec := httptest.NewRecorder()
+		e.ServeForwarded(rec, req)
+		if served := len(l.served) == 1; served != tc.served {
+			t.Errorf("%s: served here %v, want %v", tc.id, served, tc.served)
+		}
+		if notHere := rec.Header().Get(HeaderNotHere) != ""; notHere != tc.notHere {
+			t.Errorf("%s: not-here %v, want %v (answer %d %s)", tc.id, notHere, tc.notHere, rec.Code, rec.Body)
+		}
+		if !tc.served && rec.Code != http.StatusNotFound {
+			t.Errorf("%s: answer %d %s, want 404", tc.id, rec.Code, rec.Body)
+		}
 	}
 }

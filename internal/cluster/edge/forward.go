@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httputil"
@@ -90,8 +91,18 @@ func (e *Edge) ServeForwarded(w http.ResponseWriter, r *http.Request) {
 			id, _, _ = strings.Cut(segs[1], "-")
 		}
 	}
-	if id != "" && !e.local.Holds(r.Context(), id) {
-		w.Header().Set(HeaderNotHere, e.cl.NodeID())
+	if id != "" {
+		switch node, held := e.adopter(r.Context(), id); {
+		case !held:
+			w.Header().Set(HeaderNotHere, e.cl.NodeID())
+		case node != "":
+			// The copy of a stored paused sandbox that another node adopted: this node drops it
+			// at its next reconcile, and never serves it meanwhile (a fork there once answered
+			// "is paused"). The sending edge reads the route again and goes to the adopter.
+			w.Header().Set(HeaderNotHere, e.cl.NodeID())
+			e.local.WriteError(w, r, fmt.Errorf("sandbox %q is on node %s now: %w", id, node, errdefs.ErrNotFound))
+			return
+		}
 	}
 	if id := r.Header.Get(HeaderFwdSandbox); id != "" {
 		port := r.Header.Get(HeaderFwdPort)
@@ -105,6 +116,21 @@ func (e *Edge) ServeForwarded(w http.ResponseWriter, r *http.Request) {
 		r = r.WithContext(withReservation(r.Context(), rid))
 	}
 	e.local.ServeForwarded(w, r)
+}
+
+// adopter reports whether this node holds sandbox id and, if it holds a copy of a sandbox
+// that another node has adopted since (a stored paused one, moves.go), that node. Locate
+// reads the route again for a stored sandbox of this node while another may adopt it, and
+// answers from the cache otherwise.
+func (e *Edge) adopter(ctx context.Context, id string) (string, bool) {
+	if !e.local.Holds(ctx, id) {
+		return "", false
+	}
+	loc, err := e.cl.Locate(ctx, id, false)
+	if err != nil || loc.Node == "" || loc.Node == e.cl.NodeID() {
+		return "", true
+	}
+	return loc.Node, true
 }
 
 // route serves a request for sandbox id here, or proxies it to the node that holds it.
