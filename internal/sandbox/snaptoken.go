@@ -34,8 +34,22 @@ const rotateAttempts = 3
 // withSnapshotToken runs checkpoint while sb's envd holds a new token, and returns that token.
 // The caller holds sb's lock.
 func (m *Manager) withSnapshotToken(ctx context.Context, sb *Sandbox, tpl *Template, checkpoint func() error) (string, error) {
+	return m.withSnapshotTokenThen(ctx, sb, tpl, checkpoint, nil)
+}
+
+// withSnapshotTokenThen is withSnapshotToken followed, once checkpoint succeeded, by then
+// (given the snapshot's token), which runs while envd gets sb's own token back instead of
+// after it (a step checkpoint records itself meanwhile: issue 18). It returns once both are
+// done: checkpoint's error, else then's. then must not change sb's fields /init sends.
+func (m *Manager) withSnapshotTokenThen(ctx context.Context, sb *Sandbox, tpl *Template, checkpoint func() error, then func(token string) error) (string, error) {
+	if then == nil {
+		then = func(string) error { return nil }
+	}
 	if sb.AccessToken == "" {
-		return "", checkpoint()
+		if err := checkpoint(); err != nil {
+			return "", err
+		}
+		return "", then("")
 	}
 	snapToken := randomHex(16)
 	marker := filepath.Join(m.sandboxDir(sb.ID), tokenSwapName)
@@ -50,7 +64,18 @@ func (m *Manager) withSnapshotToken(ctx context.Context, sb *Sandbox, tpl *Templ
 	crashPoint("snapshot-token")
 	err := checkpoint()
 	crashPoint("snapshot-token-checkpointed")
-	m.giveTokenBack(context.WithoutCancel(ctx), sb, tpl, snapToken)
+	if err != nil {
+		m.giveTokenBack(context.WithoutCancel(ctx), sb, tpl, snapToken)
+		return snapToken, err
+	}
+	back := make(chan struct{})
+	id := *sb // then may change sb (its checkpoint head) meanwhile
+	go func() {
+		defer close(back)
+		m.giveTokenBack(context.WithoutCancel(ctx), &id, tpl, snapToken)
+	}()
+	err = then(snapToken)
+	<-back
 	return snapToken, err
 }
 
