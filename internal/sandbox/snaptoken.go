@@ -56,13 +56,17 @@ func (m *Manager) withSnapshotTokenThen(ctx context.Context, sb *Sandbox, tpl *T
 	if err := os.WriteFile(marker, []byte(snapToken), 0o600); err != nil {
 		return "", fmt.Errorf("snapshot: record the token swap: %w", err)
 	}
+	tIn := time.Now()
 	if err := m.setEnvdToken(ctx, sb, tpl, sb.AccessToken, snapToken); err != nil {
 		// envd may have taken it all the same (an answer lost): make sure it holds its own.
 		m.giveTokenBack(context.WithoutCancel(ctx), sb, tpl, snapToken)
 		return "", fmt.Errorf("snapshot: give envd the snapshot's token: %w", err)
 	}
+	tokenIn := time.Since(tIn)
 	crashPoint("snapshot-token")
+	tCk := time.Now()
 	err := checkpoint()
+	checkpointTook := time.Since(tCk)
 	crashPoint("snapshot-token-checkpointed")
 	if err != nil {
 		m.giveTokenBack(context.WithoutCancel(ctx), sb, tpl, snapToken)
@@ -70,12 +74,18 @@ func (m *Manager) withSnapshotTokenThen(ctx context.Context, sb *Sandbox, tpl *T
 	}
 	back := make(chan struct{})
 	id := *sb // then may change sb (its checkpoint head) meanwhile
+	t0 := time.Now()
+	var backTook time.Duration
 	go func() {
 		defer close(back)
 		m.giveTokenBack(context.WithoutCancel(ctx), &id, tpl, snapToken)
+		backTook = time.Since(t0)
 	}()
 	err = then(snapToken)
+	thenTook := time.Since(t0)
 	<-back
+	// Side by side they took both_ms; one after the other, token_back_ms + then_ms.
+	m.logger(sb.ID).Debug("token back and record", "token_in_ms", ms(tokenIn), "checkpoint_ms", ms(checkpointTook), "token_back_ms", ms(backTook), "then_ms", ms(thenTook), "both_ms", ms(time.Since(t0)))
 	return snapToken, err
 }
 

@@ -169,3 +169,32 @@ func BenchmarkConcurrentPuts(b *testing.B) {
 		}
 	})
 }
+
+// A checkpoint and its sandbox's new head are written together (one transaction: a step
+// checkpoint pays one synced write, not two): both are there after reopening the file.
+func TestCheckpointAndHeadInOneTransaction(t *testing.T) {
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "ember.db")
+	s, err := Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sb := &sandbox.Sandbox{ID: "abc", State: sandbox.StateRunning, CheckpointHead: "ckpt-000000000001"}
+	ck := &sandbox.Checkpoint{ID: "ckpt-000000000001", SandboxID: "abc", CreatedAt: time.Now().UTC()}
+	if err := s.PutCheckpointHead(ctx, ck, sb); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	if s, err = Open(path); err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	got, err := s.GetSandbox(ctx, "abc")
+	if err != nil || got.CheckpointHead != ck.ID {
+		t.Fatalf("sandbox after reopen: %+v %v", got, err)
+	}
+	cks, err := s.ListCheckpoints(ctx, "abc")
+	if err != nil || len(cks) != 1 || cks[0].ID != ck.ID {
+		t.Fatalf("checkpoints after reopen: %v %v", cks, err)
+	}
+}
