@@ -127,3 +127,51 @@ func TestForkLayerOfNoChildIsRemoved(t *testing.T) {
 	n.restart()
 	n.waitForkLayers(0)
 }
+
+// A fork acquires its children's network slots while the source is checkpointed
+// (forkslots.go): each child runs on one of them, and none is left held when the checkpoint
+// fails or the children's restores do.
+func TestForkSlotsAcquiredAhead(t *testing.T) {
+	n := newNode(t, nil)
+	n.build("base")
+	ctx := context.Background()
+	parent := n.create(sandbox.CreateRequest{})
+	n.assertHolds(1)
+	for _, op := range []string{"Checkpoint", "Restore"} {
+		n.rig.Driver.Fail = func(o, id string) error {
+			if o == op {
+				return errors.New("injected")
+			}
+			return nil
+		}
+		if _, err := n.m.Fork(ctx, parent.ID, 6, 0); err == nil {
+			t.Fatalf("fork with %s failing succeeded", op)
+		}
+		n.rig.Driver.Fail = nil
+		n.settleHolds(1) // the source's slot only
+	}
+	res, err := n.m.Fork(ctx, parent.ID, 6, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slots := map[string]bool{parent.Runtime.GuestIP: true}
+	for _, r := range res {
+		if r.Err != nil {
+			t.Fatal(r.Err)
+		}
+		if slots[r.Sandbox.Runtime.GuestIP] {
+			t.Fatalf("child %s shares slot %s", r.Sandbox.ID, r.Sandbox.Runtime.GuestIP)
+		}
+		slots[r.Sandbox.Runtime.GuestIP] = true
+		if _, err := n.read(r.Sandbox.ID, "/nothing"); err == nil || !strings.Contains(err.Error(), "404") {
+			t.Fatalf("child %s does not answer on its slot: %v", r.Sandbox.ID, err)
+		}
+	}
+	n.assertHolds(7)
+	for _, r := range res {
+		if err := n.m.Kill(ctx, r.Sandbox.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n.settleHolds(1)
+}
