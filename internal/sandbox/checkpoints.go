@@ -527,7 +527,7 @@ func (m *Manager) ForkCheckpoint(ctx context.Context, id, cid string, count int,
 	onto.RootFS, onto.Lowers = ck.RootFS, ck.Lowers
 	start := time.Now()
 	parent.AccessToken = ck.initToken(parent) // what the children's /init authenticates with
-	results, ok := m.forkChildren(ctx, parent, &onto, ck.Image, count, timeout, nil, nil)
+	results, ok := m.forkChildren(ctx, parent, &onto, ck.Image, count, timeout, nil)
 	m.logger(id).Info("sandbox forked from a checkpoint", "checkpoint", cid, "children", ok, "failed", count-ok,
 		"total_ms", time.Since(start).Milliseconds())
 	if ok == 0 {

@@ -179,14 +179,11 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 		layerDir = filepath.Join(forks, filepath.Base(image))
 		err = os.MkdirAll(forks, 0o700)
 	}
-	// The children's network slots are made while the source is checkpointed (forkslots.go).
-	ahead := m.acquireSlotsAhead(ctx, count, newForkChild(parent, tpl, timeout).Egress())
 	if err == nil {
 		top, _, err = m.captureRunningLocked(ctx, e, image, layerDir)
 	}
 	e.mu.Unlock()
 	if err != nil {
-		ahead.releaseAll(ctx, m)
 		m.observe(StageFork, start, err)
 		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
@@ -194,7 +191,7 @@ func (m *Manager) Fork(ctx context.Context, id string, count int, timeout time.D
 	if top != "" {
 		tpl = childTemplate(tpl, top)
 	}
-	results, ok := m.forkChildren(ctx, parent, tpl, image, count, timeout, nil, ahead)
+	results, ok := m.forkChildren(ctx, parent, tpl, image, count, timeout, nil)
 	m.logger(id).Info("sandbox forked", "children", ok, "failed", count-ok,
 		"checkpoint_ms", ckpt.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
 	if ok == 0 {
@@ -230,7 +227,7 @@ func forkArgs(count int, timeout time.Duration) (time.Duration, error) {
 // forkChildren restores count children of parent from image, on tpl's stack, in parallel
 // (every fork path's fan-out); child i consumes reservations[i], if given (EventStarted). ok
 // counts the children that started.
-func (m *Manager) forkChildren(ctx context.Context, parent *Sandbox, tpl *Template, image string, count int, timeout time.Duration, reservations []string, ahead slotsAhead) (results []ForkResult, ok int) {
+func (m *Manager) forkChildren(ctx context.Context, parent *Sandbox, tpl *Template, image string, count int, timeout time.Duration, reservations []string) (results []ForkResult, ok int) {
 	results = make([]ForkResult, count)
 	sem := make(chan struct{}, forkParallelism)
 	var wg sync.WaitGroup
@@ -242,10 +239,9 @@ func (m *Manager) forkChildren(ctx context.Context, parent *Sandbox, tpl *Templa
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
-			slot := ahead.take(i) // before the semaphore: its slot is ready for it meanwhile
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			results[i] = m.forkChild(ctx, newForkChild(parent, tpl, timeout), tpl, image, parent.AccessToken, rid, slot)
+			results[i] = m.forkChild(ctx, newForkChild(parent, tpl, timeout), tpl, image, parent.AccessToken, rid)
 		}(i)
 	}
 	wg.Wait()
@@ -294,10 +290,10 @@ func newForkChild(parent *Sandbox, tpl *Template, timeout time.Duration) *Sandbo
 }
 
 // forkChild restores image as child, on tpl's stack, and records it.
-func (m *Manager) forkChild(ctx context.Context, child *Sandbox, tpl *Template, image, initToken, reservation string, slot *Slot) ForkResult {
+func (m *Manager) forkChild(ctx context.Context, child *Sandbox, tpl *Template, image, initToken, reservation string) ForkResult {
 	now := time.Now().UTC()
 	child.StartedAt, child.EndAt = now, now.Add(child.Timeout)
-	p, err := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, image: image, init: child, initToken: initToken, slot: slot,
+	p, err := m.launch(ctx, launchSpec{owner: child.ID, tpl: tpl, image: image, init: child, initToken: initToken,
 		cpu: child.CPUCount, memMB: child.MemoryMB, diskMB: child.DiskSizeMB, egress: child.Egress(), mounts: child.VolumeMounts})
 	if err != nil {
 		m.removeSandboxDir(child.ID)

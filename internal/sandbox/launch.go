@@ -46,9 +46,6 @@ type launchSpec struct {
 	// an image whose envd already holds a token.
 	init      *Sandbox
 	initToken string
-	// slot, when set, is the instance's network slot, acquired ahead (a fork's children:
-	// forkslots.go); launch owns it from the call on (released on failure like its own).
-	slot *Slot
 	// deferInit: the launch ends once the runtime runs the instance; the caller sends init
 	// itself (identify), alongside other work (a rollback's record: rollbackinit.go).
 	deferInit bool
@@ -86,8 +83,6 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 	if spec.into != nil {
 		// Admitted, with its slot and instance, when it was pre-started.
 		p, inst = *spec.into, spec.into.InstanceID
-	} else if spec.slot != nil {
-		p.SlotIndex, p.GuestIP = spec.slot.Index, spec.slot.GuestIP.String()
 	}
 	defer func() {
 		if err != nil {
@@ -110,10 +105,8 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 	if err := m.admit(ctx, inst); err != nil {
 		return p, err
 	}
-	var slot Slot
-	if spec.slot != nil {
-		slot = *spec.slot
-	} else if slot, err = m.cfg.Network.Acquire(ctx, spec.egress); err != nil {
+	slot, err := m.cfg.Network.Acquire(ctx, spec.egress)
+	if err != nil {
 		return p, fmt.Errorf("network slot: %w", err)
 	}
 	p.SlotIndex, p.GuestIP = slot.Index, slot.GuestIP.String()

@@ -527,7 +527,7 @@ func (m *Manager) ForkFrom(ctx context.Context, pf *PortableFork, count int, tim
 	if err != nil {
 		return nil, err
 	}
-	results, ok := m.forkChildren(ctx, &parent, tpl, image, count, timeout, reservations, nil)
+	results, ok := m.forkChildren(ctx, &parent, tpl, image, count, timeout, reservations)
 	m.logger(parent.ID).Info("fork children restored from the image store", "image", pf.ImageID, "children", ok, "failed", count-ok, "ms", time.Since(start).Milliseconds())
 	if ok == 0 {
 		return results, fmt.Errorf("fork: every child failed: %w", results[0].Err)
