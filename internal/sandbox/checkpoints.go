@@ -178,26 +178,45 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 	start := time.Now()
 	var top string
 	var stopped time.Duration
-	// The image holds a token of its own, not the sandbox's (snaptoken.go).
-	token, err := m.withSnapshotToken(ctx, sb, tpl, func() error {
+	// The image holds a token of its own, not the sandbox's (snaptoken.go); the checkpoint is
+	// recorded while envd gets the sandbox's token back.
+	var ck *Checkpoint
+	captured := false
+	_, err = m.withSnapshotTokenThen(ctx, sb, tpl, func() error {
 		var cerr error
 		top, stopped, cerr = m.captureRunningLocked(ctx, e, stage, layerDir)
 		return cerr
+	}, func(token string) error {
+		captured = true
+		image := filepath.Join(dir, cid)
+		ck = &Checkpoint{ID: cid, SandboxID: id, ParentID: sb.CheckpointHead, CreatedAt: time.Now().UTC(),
+			Image: image, RootFS: tpl.RootFS, Lowers: tpl.Lowers, Stopped: stopped, Token: token}
+		if top != "" {
+			c := childTemplate(tpl, top)
+			ck.Layer, ck.RootFS, ck.Lowers = layerDir, c.RootFS, c.Lowers
+		}
+		return m.recordCheckpointLocked(ctx, sb, ck, stage, start)
 	})
 	if err != nil {
-		overlayfs.RemoveTree(stage, overlayfs.DetachMounts)
+		if !captured {
+			overlayfs.RemoveTree(stage, overlayfs.DetachMounts)
+			err = fmt.Errorf("checkpoint: %w", err)
+		}
 		m.observe(StageCheckpoint, start, err)
-		return nil, fmt.Errorf("checkpoint: %w", err)
+		return nil, err
 	}
-	image := filepath.Join(dir, cid)
-	ck := &Checkpoint{ID: cid, SandboxID: id, ParentID: sb.CheckpointHead, CreatedAt: time.Now().UTC(),
-		Image: image, RootFS: tpl.RootFS, Lowers: tpl.Lowers, Stopped: stopped, Token: token}
-	if top != "" {
-		c := childTemplate(tpl, top)
-		ck.Layer, ck.RootFS, ck.Lowers = layerDir, c.RootFS, c.Lowers
-	}
+	m.observe(StageCheckpoint, start, nil)
+	m.standbyLocked(e, ck) // a rollback to it swaps (standby.go)
+	m.logger(id).Info("checkpoint taken", "checkpoint", cid, "parent", ck.ParentID,
+		"stopped_ms", ms(stopped), "ms", ms(ck.Took))
+	return ck, nil
+}
+
+// recordCheckpointLocked moves ck's image, staged in stage, to its place and records ck as
+// sb's head (ck.Took from start). On failure nothing of ck is left.
+func (m *Manager) recordCheckpointLocked(ctx context.Context, sb *Sandbox, ck *Checkpoint, stage string, start time.Time) error {
 	undo := func() {
-		overlayfs.RemoveTree(image, overlayfs.DetachMounts)
+		overlayfs.RemoveTree(ck.Image, overlayfs.DetachMounts)
 		overlayfs.RemoveTree(stage, overlayfs.DetachMounts)
 		if ck.Layer != "" {
 			if lc := m.layerCapturer(); lc != nil {
@@ -205,27 +224,37 @@ func (m *Manager) Checkpoint(ctx context.Context, id string) (*Checkpoint, error
 			}
 		}
 	}
-	if err := os.Rename(stage, image); err != nil {
+	if err := os.Rename(stage, ck.Image); err != nil {
 		undo()
-		m.observe(StageCheckpoint, start, err)
-		return nil, fmt.Errorf("checkpoint: %w", err)
+		return fmt.Errorf("checkpoint: %w", err)
 	}
 	ck.Took = time.Since(start)
 	// Recorded last: the record is what makes the checkpoint exist.
+	if hr, ok := m.cfg.Store.(checkpointHeadRecorder); ok {
+		head := *sb
+		head.CheckpointHead = ck.ID
+		if err := hr.PutCheckpointHead(ctx, ck, &head); err != nil {
+			undo()
+			return err
+		}
+		sb.CheckpointHead = ck.ID
+		return nil
+	}
 	if err := m.cfg.Store.PutCheckpoint(ctx, ck); err != nil {
 		undo()
-		m.observe(StageCheckpoint, start, err)
-		return nil, err
+		return err
 	}
-	sb.CheckpointHead = cid
+	sb.CheckpointHead = ck.ID
 	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
-		m.logger(id).Warn("record checkpoint head", "checkpoint", cid, "err", err)
+		m.logger(sb.ID).Warn("record checkpoint head", "checkpoint", ck.ID, "err", err)
 	}
-	m.observe(StageCheckpoint, start, nil)
-	m.standbyLocked(e, ck) // a rollback to it swaps (standby.go)
-	m.logger(id).Info("checkpoint taken", "checkpoint", cid, "parent", ck.ParentID,
-		"stopped_ms", ms(stopped), "ms", ms(ck.Took))
-	return ck, nil
+	return nil
+}
+
+// checkpointHeadRecorder is a Store that records a checkpoint and its sandbox, whose head it
+// now is, in one transaction (internal/store's: one synced write instead of two).
+type checkpointHeadRecorder interface {
+	PutCheckpointHead(ctx context.Context, c *Checkpoint, sb *Sandbox) error
 }
 
 // ListCheckpoints returns a sandbox's checkpoints, oldest first, and its head.
@@ -396,11 +425,13 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 			p, swapped = s.p, true
 		}
 	}
+	var spec launchSpec // what the restored instance is told (recordRollback), if restored
 	if !swapped {
 		init, initToken := ck.reinit(sb)
-		p, err = m.launch(ctx, launchSpec{owner: sb.ID, tpl: &onto, image: ck.Image, busyDir: sb.Runtime.StateDir,
-			init: init, initToken: initToken,
-			cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()})
+		spec = launchSpec{owner: sb.ID, tpl: &onto, image: ck.Image, busyDir: sb.Runtime.StateDir,
+			init: init, initToken: initToken, deferInit: true,
+			cpu: sb.CPUCount, memMB: sb.MemoryMB, diskMB: sb.DiskSizeMB, egress: sb.Egress()}
+		p, err = m.launch(ctx, spec)
 		if err != nil {
 			m.observe(StageRollback, start, err)
 			return nil, fmt.Errorf("rollback: %w", err)
@@ -416,11 +447,11 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 		}
 		sb.State, sb.PausedFilesOnly, sb.PausedIn, sb.EndAt = StateRunning, false, "", time.Now().UTC().Add(timeout)
 	}
-	if err := m.cfg.Store.PutSandbox(ctx, sb); err != nil {
+	if err := m.recordRollback(ctx, sb, &prev, spec); err != nil {
 		m.teardown(context.WithoutCancel(ctx), sb.ID, p)
 		*sb = prev
 		m.observe(StageRollback, start, err)
-		return nil, err
+		return nil, fmt.Errorf("rollback: %w", err)
 	}
 	if hot != nil {
 		e.hot = nil

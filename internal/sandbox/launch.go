@@ -47,6 +47,9 @@ type launchSpec struct {
 	// an image whose envd already holds a token.
 	init      *Sandbox
 	initToken string
+	// deferInit: the launch ends once the runtime runs the instance; the caller sends init
+	// itself (identify), alongside other work (a rollback's record: rollbackinit.go).
+	deferInit bool
 	// guest: the instance serves a sandbox (or a pool instance) from now on. Its guest
 	// transport is opened before envd's /health and /init, which go through it, so the
 	// connection they leave idle carries the sandbox's first request.
@@ -194,11 +197,8 @@ func (m *Manager) launched(ctx context.Context, spec launchSpec, p Placement, t0
 		}
 	}
 	t3 := time.Now()
-	if spec.init != nil {
-		if err := m.initEnvd(ctx, client, base, spec.init, spec.initToken, spec.tpl); err != nil {
-			return err
-		}
-		if err := m.trustEgressCA(ctx, client, base, spec.init); err != nil { // egressca.go
+	if spec.init != nil && !spec.deferInit {
+		if err := m.identify(ctx, client, base, spec); err != nil {
 			return err
 		}
 	}
@@ -366,6 +366,15 @@ func (m *Manager) waitEnvd(ctx context.Context, client *http.Client, base string
 			delay *= 2
 		}
 	}
+}
+
+// identify gives the instance at base spec.init's identity (/init, authenticated with
+// spec.initToken) and, when its rules need it, the egress CA.
+func (m *Manager) identify(ctx context.Context, client *http.Client, base string, spec launchSpec) error {
+	if err := m.initEnvd(ctx, client, base, spec.init, spec.initToken, spec.tpl); err != nil {
+		return err
+	}
+	return m.trustEgressCA(ctx, client, base, spec.init) // egressca.go
 }
 
 // initTimeout bounds envd's /init (a wedged guest must not hold a create forever).

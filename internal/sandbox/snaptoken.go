@@ -34,23 +34,58 @@ const rotateAttempts = 3
 // withSnapshotToken runs checkpoint while sb's envd holds a new token, and returns that token.
 // The caller holds sb's lock.
 func (m *Manager) withSnapshotToken(ctx context.Context, sb *Sandbox, tpl *Template, checkpoint func() error) (string, error) {
+	return m.withSnapshotTokenThen(ctx, sb, tpl, checkpoint, nil)
+}
+
+// withSnapshotTokenThen is withSnapshotToken followed, once checkpoint succeeded, by then
+// (given the snapshot's token), which runs while envd gets sb's own token back instead of
+// after it (a step checkpoint records itself meanwhile: issue 18). It returns once both are
+// done: checkpoint's error, else then's. then must not change sb's fields /init sends.
+func (m *Manager) withSnapshotTokenThen(ctx context.Context, sb *Sandbox, tpl *Template, checkpoint func() error, then func(token string) error) (string, error) {
+	if then == nil {
+		then = func(string) error { return nil }
+	}
 	if sb.AccessToken == "" {
-		return "", checkpoint()
+		if err := checkpoint(); err != nil {
+			return "", err
+		}
+		return "", then("")
 	}
 	snapToken := randomHex(16)
 	marker := filepath.Join(m.sandboxDir(sb.ID), tokenSwapName)
 	if err := os.WriteFile(marker, []byte(snapToken), 0o600); err != nil {
 		return "", fmt.Errorf("snapshot: record the token swap: %w", err)
 	}
+	tIn := time.Now()
 	if err := m.setEnvdToken(ctx, sb, tpl, sb.AccessToken, snapToken); err != nil {
 		// envd may have taken it all the same (an answer lost): make sure it holds its own.
 		m.giveTokenBack(context.WithoutCancel(ctx), sb, tpl, snapToken)
 		return "", fmt.Errorf("snapshot: give envd the snapshot's token: %w", err)
 	}
+	tokenIn := time.Since(tIn)
 	crashPoint("snapshot-token")
+	tCk := time.Now()
 	err := checkpoint()
+	checkpointTook := time.Since(tCk)
 	crashPoint("snapshot-token-checkpointed")
-	m.giveTokenBack(context.WithoutCancel(ctx), sb, tpl, snapToken)
+	if err != nil {
+		m.giveTokenBack(context.WithoutCancel(ctx), sb, tpl, snapToken)
+		return snapToken, err
+	}
+	back := make(chan struct{})
+	id := *sb // then may change sb (its checkpoint head) meanwhile
+	t0 := time.Now()
+	var backTook time.Duration
+	go func() {
+		defer close(back)
+		m.giveTokenBack(context.WithoutCancel(ctx), &id, tpl, snapToken)
+		backTook = time.Since(t0)
+	}()
+	err = then(snapToken)
+	thenTook := time.Since(t0)
+	<-back
+	// Side by side they took both_ms; one after the other, token_back_ms + then_ms.
+	m.logger(sb.ID).Debug("token back and record", "token_in_ms", ms(tokenIn), "checkpoint_ms", ms(checkpointTook), "token_back_ms", ms(backTook), "then_ms", ms(thenTook), "both_ms", ms(time.Since(t0)))
 	return snapToken, err
 }
 

@@ -2,10 +2,12 @@ package sandbox_test
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -140,5 +142,61 @@ func TestCheckpointHasItsOwnToken(t *testing.T) {
 			t.Fatalf("rollback %d: the sandbox reads %q %v (with its own token)", i, v, err)
 		}
 		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// A rollback without a standby sends the restored instance's /init alongside the sandbox's
+// record (rollbackinit.go). When that /init fails, the rollback fails as a whole: the sandbox
+// runs on where it was, with its files, its own token and its record (a restart of the daemon
+// finds it there), and no token swap marker is left behind.
+func TestRollbackInitFailureKeepsTheSandbox(t *testing.T) {
+	var failInit atomic.Bool
+	n := newNode(t, func(c *sandbox.Config) {
+		c.Fail = func(p string) error {
+			if p == "rollback.init" && failInit.Load() {
+				return errors.New("boom")
+			}
+			return nil
+		}
+	})
+	n.m.CheckpointStandby(false) // every rollback restores
+	n.build("base")
+	ctx := context.Background()
+	sb := n.create(sandbox.CreateRequest{})
+	n.write(sb.ID, "/x", "at the checkpoint")
+	ck, err := n.m.Checkpoint(ctx, sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.write(sb.ID, "/x", "after")
+	before, _ := n.m.Get(ctx, sb.ID)
+	failInit.Store(true)
+	if _, err := n.m.Rollback(ctx, sb.ID, ck.ID); err == nil {
+		t.Fatal("the rollback succeeded although its /init failed")
+	}
+	n.settleHolds(1)
+	marker := filepath.Join(n.cfg.DataDir, "sandboxes", sb.ID, ".ember-token-swap")
+	if _, err := os.Stat(marker); !os.IsNotExist(err) {
+		t.Fatalf("token swap marker after the failed rollback: %v", err)
+	}
+	n.m.Close()
+	n.m = nil
+	n.start()
+	got, err := n.m.Get(ctx, sb.ID)
+	if err != nil || got.Runtime.InstanceID != before.Runtime.InstanceID || got.State != sandbox.StateRunning {
+		t.Fatalf("after the failed rollback and a restart: %+v %v, want running on %s", got, err, before.Runtime.InstanceID)
+	}
+	if v, err := n.read(sb.ID, "/x"); err != nil || v != "after" {
+		t.Fatalf("after the failed rollback the sandbox reads %q %v", v, err)
+	}
+	failInit.Store(false)
+	if _, err := n.m.Rollback(ctx, sb.ID, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := n.read(sb.ID, "/x"); err != nil || v != "at the checkpoint" {
+		t.Fatalf("after the rollback the sandbox reads %q %v (with its own token)", v, err)
+	}
+	if _, err := os.Stat(marker); !os.IsNotExist(err) {
+		t.Fatalf("token swap marker after the rollback: %v", err)
 	}
 }

@@ -304,6 +304,25 @@ func (s *Store) PutCheckpoint(_ context.Context, c *sandbox.Checkpoint) error {
 	return put(s.gc, bucketCheckpoints, c.SandboxID+"/"+c.ID, c)
 }
 
+// PutCheckpointHead records c and sb, whose head c now is, in one transaction (one fsync
+// instead of two; neither record is on disk without the other).
+func (s *Store) PutCheckpointHead(_ context.Context, c *sandbox.Checkpoint, sb *sandbox.Sandbox) error {
+	cb, err := json.Marshal(c)
+	if err != nil {
+		return err
+	}
+	sbb, err := json.Marshal(sb)
+	if err != nil {
+		return err
+	}
+	return s.gc.update(func(tx *bolt.Tx) error {
+		if err := tx.Bucket(bucketCheckpoints).Put([]byte(c.SandboxID+"/"+c.ID), cb); err != nil {
+			return err
+		}
+		return tx.Bucket(bucketSandboxes).Put([]byte(sb.ID), sbb)
+	})
+}
+
 // DeleteCheckpoint removes a step checkpoint record (ErrNotFound if absent).
 func (s *Store) DeleteCheckpoint(_ context.Context, sandboxID, id string) error {
 	return del(s.gc, bucketCheckpoints, sandboxID+"/"+id)
