@@ -219,7 +219,8 @@ func TestTemplateEnvdHoldsATokenFromBoot(t *testing.T) {
 func TestCreateFromPoolKeepsItsDirectoryAcrossRestart(t *testing.T) {
 	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 2 })
 	n.build("base")
-	testutil.Eventually(t, 5*time.Second, "pool filled", func() bool { return len(n.rig.Driver.Running()) == 2 })
+	// Ready, not only running: an instance still being restored is not the pool's yet.
+	testutil.Eventually(t, 5*time.Second, "pool filled", func() bool { return poolOf(n, "base", "restored").Ready == 2 })
 	pooled := n.rig.Driver.Running()
 	sb := n.create(sandbox.CreateRequest{})
 	if !slices.Contains(pooled, sb.Runtime.InstanceID) {
