@@ -65,7 +65,7 @@ func startNode(runsc string, poolSize int, mod func(*daemon.Config)) (*node, err
 	// EMBER_BENCH_LAYER_FS=host: the host filesystem as it is (captures copy on ext4).
 	layerMode := os.Getenv("EMBER_BENCH_LAYER_FS")
 	cfg := daemon.Config{
-		DataDir: dataDir, CacheDir: testnode.CacheDir(), Runsc: runsc, Envd: bins.Envd, PoolSize: poolSize, SlotPoolSize: -1,
+		DataDir: dataDir, CacheDir: testnode.CacheDir(), Runsc: runsc, Envd: bins.Envd, PoolSize: poolSize, SlotPoolSize: atoiOr(os.Getenv("EMBER_BENCH_SLOT_POOL"), -1), // -1: the default
 		PrestartSize: 1, PrestartMax: 8, // ember serve's defaults
 		// EMBER_BENCH_POOL_REFILL_WEIGHT=-1: refills at the sandboxes' CPU weight (an A/B of it).
 		PoolRefillWeight: atoiOr(os.Getenv("EMBER_BENCH_POOL_REFILL_WEIGHT"), 0),

@@ -175,7 +175,7 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&cfg.PauseMode, "pause-mode", "hot", "how a memory pause pauses: hot (frozen in place, its state written to disk in the background; resume thaws it) or checkpoint (checkpointed and its instance ended; resume restores it)")
 	f.IntVar(&cfg.PausedMemoryMB, "paused-memory-mb", 0, "memory the sandboxes paused in memory may hold (MiB; 0 = a quarter of the host's memory; -1 = none stays once its state is on disk); over it the least recently paused go to disk")
 	f.DurationVar(&cfg.HotPauseMax, "hot-pause-max", 10*time.Minute, "how long a sandbox stays paused in memory before it goes to disk")
-	f.IntVar(&cfg.SlotPoolSize, "slot-pool-size", 4, "network slots made ahead of need (0 disables)")
+	f.IntVar(&cfg.SlotPoolSize, "slot-pool-size", daemon.DefaultSlotPoolSize, "network slots made ahead of need (0 disables)")
 	f.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 500, "running sandboxes this node holds at most (pool instances included); a create over it waits in a fair admission queue for up to its X-Ember-Queue-Timeout (seconds, default 5), then answers 429 with Retry-After")
 	f.IntVar(&cfg.MaxQueued, "max-queued", 1000, "creates waiting for room at most (the admission queue's bound); one more answers 429 with Retry-After at once")
 	f.IntVar(&cfg.MaxBuilds, "max-builds", 2, "concurrent template builds at most")

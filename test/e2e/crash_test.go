@@ -14,6 +14,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	emberdaemon "github.com/ember-sandbox/ember/internal/daemon"
 )
 
 // TestCrashInjection (issue 7 item 7): rounds of a mixed workload against the real daemon
@@ -130,8 +132,8 @@ const (
 	// crashPrestarted bounds the pre-started instances (runsc state "created") of a settled
 	// node: ember's default --prestart-size (1) and one being made.
 	crashPrestarted = 2
-	crashSlotPool   = 4 // ember's default --slot-pool-size
-	crashMaxLive    = 5 // sandboxes kept alive across rounds
+	crashSlotPool   = emberdaemon.DefaultSlotPoolSize // ember's default --slot-pool-size
+	crashMaxLive    = 5                               // sandboxes kept alive across rounds
 )
 
 func envInt(name string, def int) int {

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	emberdaemon "github.com/ember-sandbox/ember/internal/daemon"
 	"github.com/ember-sandbox/ember/internal/testutil"
 	"net"
 	"net/netip"
@@ -20,7 +21,7 @@ import (
 // Issue 7 ("Nothing lost"), scenarios 1-3: a sandbox ember created keeps its processes and files
 // until it is killed, paused or times out, across daemon crashes and restarts, and a sandbox whose
 // instance dies is noticed. These tests run on node c1 (10.220.16.0/20, data dir <e2e dir>/c1)
-// with ember's default configuration (warm pool of 2, slot pool of 4).
+// with ember's default configuration (warm pool of 2, slot pool of daemon.DefaultSlotPoolSize).
 
 // lostNode starts (and at the end of t stops and cleans) the daemon of node c1. The data dir is
 // kept between tests so the base template is built once per run.
@@ -259,7 +260,7 @@ func contains(l []string, s string) bool {
 // looks for (a restore the killed daemon started lands after the next start reconciled) is hit
 // in about one kill in ten on a 2-core machine.
 func TestRestartsLeaveNoOrphanPoolInstances(t *testing.T) {
-	const poolSize, slotPool = 2, 4
+	const poolSize, slotPool = 2, emberdaemon.DefaultSlotPoolSize
 	rounds := 10
 	if v, err := strconv.Atoi(os.Getenv("EMBER_E2E_ROUNDS")); err == nil && v > 0 {
 		rounds = v
