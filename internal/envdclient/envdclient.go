@@ -24,8 +24,8 @@ import (
 	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 )
 
-// Port is where envd listens inside every sandbox. It is the one definition on the host side:
-// the network, the Manager, the API's sandbox plane, the CLI and the tests all use it.
+// Port is where envd listens inside every sandbox, its one definition: envd's own default
+// (cmd/envd), the network, the Manager, the API's sandbox plane, the CLI and the tests use it.
 const Port = 49983
 
 // Client talks to one envd. Create it with New; it is cheap (one per call is fine).

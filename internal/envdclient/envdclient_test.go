@@ -64,12 +64,6 @@ func ctx(t *testing.T) context.Context {
 	return c
 }
 
-func TestPortIsEnvds(t *testing.T) {
-	if envdclient.Port != envd.Port {
-		t.Fatalf("envdclient.Port %d, envd listens on %d", envdclient.Port, envd.Port)
-	}
-}
-
 func TestHealth(t *testing.T) {
 	url := realEnvd(t, envd.Config{AccessToken: "secret"})
 	// /health needs no token.
