@@ -1,5 +1,6 @@
-// Command envd is the in-sandbox agent that serves E2B's envd protocol on :49983. It runs as the
-// sandbox's init (pid 1), so it also reaps orphaned processes. Build it static: CGO_ENABLED=0.
+// Command envd is the in-sandbox agent that serves E2B's envd protocol on :49983 (envdclient.Port,
+// the port's one definition). It runs as the sandbox's init (pid 1), so it also reaps orphaned
+// processes. Build it static: CGO_ENABLED=0.
 package main
 
 import (
@@ -13,10 +14,11 @@ import (
 	"syscall"
 
 	"github.com/ember-sandbox/ember/internal/envd"
+	"github.com/ember-sandbox/ember/internal/envdclient"
 )
 
 func main() {
-	port := flag.Int("port", envd.Port, "TCP port to listen on (all addresses)")
+	port := flag.Int("port", envdclient.Port, "TCP port to listen on (all addresses)")
 	defaultUser := flag.String("default-user", "user", "user that runs commands when a request names none")
 	workdir := flag.String("default-workdir", "", "cwd of commands that name none (default: the user's home)")
 	debug := flag.Bool("debug", false, "log at debug level")

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // room is a fake owner of capacity: free slots, taken under its own lock.
@@ -37,12 +38,7 @@ func (r *room) give(q *Queue, n int) {
 // waitFor polls until the queue holds n waiters (bounded).
 func waitFor(t *testing.T, q *Queue, n int) {
 	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); q.Len() != n; {
-		if time.Now().After(deadline) {
-			t.Fatalf("queue holds %d waiters, want %d", q.Len(), n)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testutil.Eventually(t, 10*time.Second, fmt.Sprintf("the queue holds %d waiters", n), func() bool { return q.Len() == n })
 }
 
 // queued starts one caller of tenant that waits up to a minute, returns once it is queued,

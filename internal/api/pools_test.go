@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // POST /ember/pools/{template}/warm sets a pool's floor and answers its state; GET /ember/pools
@@ -22,20 +23,14 @@ func TestWarmPoolRoute(t *testing.T) {
 	if st.TemplateID != "base" || st.Kind != "restored" || st.Warm != 4 || st.Target != 4 || st.BudgetMB != 512 {
 		t.Fatalf("warm answered %+v", st)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		var all []sandbox.PoolState
+	var all []sandbox.PoolState
+	testutil.Eventually(t, 10*time.Second, "the pool warmed to 4", func() bool {
+		all = nil
 		e.ctl("GET", "/ember/pools", "").json(t, &all)
-		if len(all) == 1 && all[0].Ready == 4 {
-			if all[0].InstanceMB <= 0 || all[0].UsedMB != 4*all[0].InstanceMB || len(all[0].SandboxIDs) != 4 {
-				t.Fatalf("pool state %+v", all[0])
-			}
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("pool not warmed to 4: %+v", all)
-		}
-		time.Sleep(20 * time.Millisecond)
+		return len(all) == 1 && all[0].Ready == 4
+	})
+	if all[0].InstanceMB <= 0 || all[0].UsedMB != 4*all[0].InstanceMB || len(all[0].SandboxIDs) != 4 {
+		t.Fatalf("pool state %+v", all[0])
 	}
 	e.ctl("POST", "/ember/pools/base/warm", `{}`).wantError(t, 400)
 	e.ctl("POST", "/ember/pools/base/warm", `{"count":-1}`).wantError(t, 400)

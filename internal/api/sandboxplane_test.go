@@ -7,6 +7,7 @@ import (
 	"github.com/ember-sandbox/ember/api/gen/process"
 	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 	"github.com/ember-sandbox/ember/internal/runtime"
+	"github.com/ember-sandbox/ember/internal/testutil"
 	"io"
 	"net"
 	"net/http"
@@ -322,10 +323,7 @@ func TestConnectCallsToAnEndedSandboxSayWhy(t *testing.T) {
 	if err := e.fake.rig.Driver.Crash(sb.Runtime.InstanceID, runtime.ExitOOM); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(2 * time.Second)
-	for e.fake.state(sb.ID) != sandbox.StateKilled && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
+	testutil.Eventually(t, 2*time.Second, "the crashed sandbox ends", func() bool { return e.fake.state(sb.ID) == sandbox.StateKilled })
 	hc := &http.Client{Transport: headerTransport{id: sb.ID, token: sb.AccessToken}}
 	pc := processconnect.NewProcessClient(hc, e.api.URL)
 	no := false
@@ -372,9 +370,7 @@ func TestSandboxPlaneErrorBodiesAreE2Bs(t *testing.T) {
 	if err := e.fake.rig.Driver.Crash(ended.Runtime.InstanceID, runtime.ExitOOM); err != nil {
 		t.Fatal(err)
 	}
-	for deadline := time.Now().Add(2 * time.Second); e.fake.state(ended.ID) != sandbox.StateKilled && time.Now().Before(deadline); {
-		time.Sleep(5 * time.Millisecond)
-	}
+	testutil.Eventually(t, 2*time.Second, "the crashed sandbox ends", func() bool { return e.fake.state(ended.ID) == sandbox.StateKilled })
 	running := e.fake.add(sandbox.StateRunning, nil)
 	e.fake.closePort(running, 8080)
 	r := e.ctl("POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowPublicTraffic":false}}`)

@@ -22,6 +22,7 @@ import (
 	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/template/build"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // fakeProcesses is envd's process service in the guest of API tests: it records every command
@@ -398,17 +399,10 @@ func TestTemplateBuildFailureLeavesNothing(t *testing.T) {
 	}
 	e.ctl("GET", "/templates/aliases/broken", "").wantError(t, 404)
 	// Scratch trees go in the background: give them a moment.
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	testutil.Eventually(t, 5*time.Second, "the failed build's directory removed", func() bool {
 		_, err := os.Stat(filepath.Join(datadir.Templates(e.fake.dataDir), "broken"))
-		if os.IsNotExist(err) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the failed build left its directory: %v", err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return os.IsNotExist(err)
+	})
 	layers, _ := filepath.Glob(filepath.Join(datadir.Layers(e.fake.dataDir), "*"))
 	if len(layers) != len(layersBefore) {
 		t.Fatalf("the failed build left layers: %v", layers)

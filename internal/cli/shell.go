@@ -2,19 +2,18 @@ package cli
 
 import (
 	"context"
-	"encoding/base64"
+	"errors"
 	"fmt"
 	"net/http"
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 
-	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
-	"github.com/ember-sandbox/ember/api/gen/process"
-	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
+	"github.com/ember-sandbox/ember/internal/envdclient"
 )
 
 // shellCmd is `ember sandbox shell ID`: an interactive terminal in a sandbox, a login bash on a
@@ -52,7 +51,8 @@ func (c *client) shell(ctx context.Context, id, user, cwd string) (int, error) {
 		return -1, err
 	}
 	hc := &http.Client{Transport: &sandboxTransport{id: id, token: info.EnvdAccessToken, base: http.DefaultTransport}}
-	pc := processconnect.NewProcessClient(hc, c.base)
+	// The transport carries the access token with the routing headers.
+	ec := envdclient.New(hc, c.base, "")
 
 	in := int(os.Stdin.Fd())
 	isTerm := term.IsTerminal(in)
@@ -66,41 +66,23 @@ func (c *client) shell(ctx context.Context, id, user, cwd string) (int, error) {
 	if termName == "" || termName == "dumb" {
 		termName = "xterm-256color"
 	}
-	cfg := &process.ProcessConfig{Cmd: "/bin/bash", Args: []string{"-i", "-l"},
-		Envs: map[string]string{"TERM": termName, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}}
-	if cwd != "" {
-		cfg.Cwd = &cwd
-	}
-	req := connect.NewRequest(&process.StartRequest{Process: cfg, Pty: &process.PTY{Size: &process.PTY_Size{Cols: uint32(cols), Rows: uint32(rows)}}})
-	if user != "" {
-		req.Header().Set("Authorization", "Basic "+basicUser(user))
-	}
-	req.Header().Set("Keepalive-Ping-Interval", "50")
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	stream, err := pc.Start(sctx, req)
+	p, err := ec.Start(sctx, envdclient.Command{Argv: []string{"/bin/bash", "-i", "-l"}, User: user, Cwd: cwd,
+		Envs:      map[string]string{"TERM": termName, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
+		Pty:       &envdclient.PtySize{Cols: uint32(cols), Rows: uint32(rows)},
+		KeepAlive: 50 * time.Second})
 	if err != nil {
+		if errors.Is(err, envdclient.ErrNoEnd) {
+			return -1, fmt.Errorf("the shell did not start")
+		}
 		return -1, err
 	}
-	defer stream.Close()
-
-	var pid uint32
-	for pid == 0 && stream.Receive() {
-		if st := stream.Msg().GetEvent().GetStart(); st != nil {
-			pid = st.GetPid()
-		}
-	}
-	if pid == 0 {
-		if err := stream.Err(); err != nil {
-			return -1, err
-		}
-		return -1, fmt.Errorf("the shell did not start")
-	}
-	sel := &process.ProcessSelector{Selector: &process.ProcessSelector_Pid{Pid: pid}}
 
 	if isTerm {
 		old, err := term.MakeRaw(in)
 		if err != nil {
+			p.Close()
 			return -1, err
 		}
 		defer term.Restore(in, old)
@@ -117,8 +99,7 @@ func (c *client) shell(ctx context.Context, id, user, cwd string) (int, error) {
 					if err != nil {
 						continue
 					}
-					pc.Update(sctx, connect.NewRequest(&process.UpdateRequest{Process: sel,
-						Pty: &process.PTY{Size: &process.PTY_Size{Cols: uint32(w), Rows: uint32(h)}}}))
+					_ = ec.Resize(sctx, p.Pid, envdclient.PtySize{Cols: uint32(w), Rows: uint32(h)})
 				}
 			}
 		}()
@@ -130,9 +111,7 @@ func (c *client) shell(ctx context.Context, id, user, cwd string) (int, error) {
 		for {
 			n, err := os.Stdin.Read(buf)
 			if n > 0 {
-				data := append([]byte(nil), buf[:n]...)
-				if _, serr := pc.SendInput(sctx, connect.NewRequest(&process.SendInputRequest{Process: sel,
-					Input: &process.ProcessInput{Input: &process.ProcessInput_Pty{Pty: data}}})); serr != nil {
+				if serr := ec.SendInput(sctx, p.Pid, true, append([]byte(nil), buf[:n]...)); serr != nil {
 					return
 				}
 			}
@@ -141,28 +120,12 @@ func (c *client) shell(ctx context.Context, id, user, cwd string) (int, error) {
 			}
 		}
 	}()
-	for stream.Receive() {
-		ev := stream.Msg().GetEvent()
-		if d := ev.GetData(); d != nil {
-			if b := d.GetPty(); len(b) > 0 {
-				os.Stdout.Write(b)
-			}
-			if b := d.GetStdout(); len(b) > 0 {
-				os.Stdout.Write(b)
-			}
-			if b := d.GetStderr(); len(b) > 0 {
-				os.Stderr.Write(b)
-			}
-		}
-		if end := ev.GetEnd(); end != nil {
-			return int(end.GetExitCode()), nil
-		}
+	res, err := p.Wait(envdclient.Output{Stdout: func(b []byte) { os.Stdout.Write(b) }, Stderr: func(b []byte) { os.Stderr.Write(b) }})
+	if errors.Is(err, envdclient.ErrNoEnd) {
+		return -1, fmt.Errorf("the connection to the shell ended before it exited")
 	}
-	if err := stream.Err(); err != nil {
+	if err != nil {
 		return -1, err
 	}
-	return -1, fmt.Errorf("the connection to the shell ended before it exited")
+	return res.ExitCode, nil
 }
-
-// basicUser is envd's user selection (HTTP basic auth with the user name and no password).
-func basicUser(user string) string { return base64.StdEncoding.EncodeToString([]byte(user + ":")) }

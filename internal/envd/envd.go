@@ -21,9 +21,6 @@ import (
 	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 )
 
-// Port is the TCP port envd listens on inside every sandbox.
-const Port = 49983
-
 // Config presets a Server. Every field is optional; /init can change the same settings later.
 type Config struct {
 	// DefaultUser runs commands and owns written files when a request names no user. Default "user".

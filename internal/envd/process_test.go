@@ -15,6 +15,7 @@ import (
 
 	pb "github.com/ember-sandbox/ember/api/gen/process"
 	"github.com/ember-sandbox/ember/internal/envd"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 func TestStartCommands(t *testing.T) {
@@ -263,16 +264,10 @@ func TestTimeoutKillsProcess(t *testing.T) {
 	if r.stdout != "started\n" {
 		t.Errorf("stdout %q", r.stdout)
 	}
-	deadline := time.Now().Add(3 * time.Second)
-	for {
-		if _, err := os.Stat("/proc/" + strconv.Itoa(int(r.pid))); os.IsNotExist(err) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("process %d still alive after the timeout", r.pid)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	testutil.Eventually(t, 3*time.Second, fmt.Sprintf("process %d gone after the timeout", r.pid), func() bool {
+		_, err := os.Stat("/proc/" + strconv.Itoa(int(r.pid)))
+		return os.IsNotExist(err)
+	})
 }
 
 func TestKeepalive(t *testing.T) {

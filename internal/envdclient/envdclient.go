@@ -1,6 +1,6 @@
 // Package envdclient is the host side of envd's protocol, shared by everything in ember that
 // talks to envd from outside a sandbox: the sandbox Manager (health, /init, template start and
-// ready commands, build steps, pool warm-up), the CLI's `sandbox exec`, the end-to-end tests and
+// ready commands, build steps, pool warm-up), the CLI's `sandbox exec` and `sandbox shell`, the end-to-end tests and
 // the benchmarks. It owns envd's port, the /init body, and the consumption of a process Start
 // stream, and knows nothing of how the caller reaches envd (directly at a slot's address, or
 // through the daemon's sandbox plane): that is the http.Client it is given.
@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -24,8 +25,8 @@ import (
 	"github.com/ember-sandbox/ember/api/gen/process/processconnect"
 )
 
-// Port is where envd listens inside every sandbox. It is the one definition on the host side:
-// the network, the Manager, the API's sandbox plane, the CLI and the tests all use it.
+// Port is where envd listens inside every sandbox, its one definition: envd's own default
+// (cmd/envd), the network, the Manager, the API's sandbox plane, the CLI and the tests use it.
 const Port = 49983
 
 // Client talks to one envd. Create it with New; it is cheap (one per call is fine).
@@ -129,6 +130,8 @@ func (c *Client) do(req *http.Request, op string) error {
 type Command struct {
 	// Line is a bash command line, run as `bash -l -c Line` (as E2B's commands.run does).
 	Line string
+	// Argv, when set, is the program and its arguments, run as they are instead of Line.
+	Argv []string
 	User string // "" = envd's default user
 	Cwd  string
 	Envs map[string]string
@@ -139,6 +142,9 @@ type Command struct {
 	Pty *PtySize
 	// Stdin keeps the process's stdin open for SendInput (a Pty always has input).
 	Stdin bool
+	// KeepAlive, when set, asks envd to send an event at least that often while the process is
+	// quiet, so that proxies keep an idle stream (an interactive shell's) open.
+	KeepAlive time.Duration
 }
 
 // PtySize is a terminal's size.
@@ -177,6 +183,9 @@ type Process struct {
 func (c *Client) Start(ctx context.Context, cmd Command) (*Process, error) {
 	stdin := cmd.Stdin
 	cfg := &process.ProcessConfig{Cmd: "/bin/bash", Args: []string{"-l", "-c", cmd.Line}, Envs: cmd.Envs}
+	if len(cmd.Argv) > 0 {
+		cfg.Cmd, cfg.Args = cmd.Argv[0], cmd.Argv[1:]
+	}
 	if cmd.Cwd != "" {
 		cfg.Cwd = &cmd.Cwd
 	}
@@ -190,6 +199,9 @@ func (c *Client) Start(ctx context.Context, cmd Command) (*Process, error) {
 	req := connect.NewRequest(msg)
 	if cmd.User != "" {
 		req.Header().Set("Authorization", "Basic "+basic(cmd.User))
+	}
+	if cmd.KeepAlive > 0 {
+		req.Header().Set("Keepalive-Ping-Interval", strconv.Itoa(max(1, int(cmd.KeepAlive/time.Second))))
 	}
 	c.auth(req.Header())
 	sctx, cancel := context.WithCancel(ctx)

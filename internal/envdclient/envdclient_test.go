@@ -64,12 +64,6 @@ func ctx(t *testing.T) context.Context {
 	return c
 }
 
-func TestPortIsEnvds(t *testing.T) {
-	if envdclient.Port != envd.Port {
-		t.Fatalf("envdclient.Port %d, envd listens on %d", envdclient.Port, envd.Port)
-	}
-}
-
 func TestHealth(t *testing.T) {
 	url := realEnvd(t, envd.Config{AccessToken: "secret"})
 	// /health needs no token.
@@ -274,5 +268,38 @@ func TestRunStreamWithoutEnd(t *testing.T) {
 	res, err := stubClient(t, &stub{}, "").Run(context.Background(), envdclient.Command{Line: "x"}, envdclient.Output{})
 	if !errors.Is(err, envdclient.ErrNoEnd) || res.ExitCode != -1 || res.Pid != 42 {
 		t.Fatalf("got %+v %v", res, err)
+	}
+}
+
+// Argv runs a program as it is (the CLI's interactive shell) and KeepAlive asks envd for
+// keepalive events, which Wait passes over.
+func TestStartArgvAndKeepAlive(t *testing.T) {
+	s := &stub{end: true}
+	res, err := stubClient(t, s, "").Run(context.Background(),
+		envdclient.Command{Argv: []string{"/bin/bash", "-i", "-l"}, KeepAlive: 50 * time.Second}, envdclient.Output{})
+	if err != nil || res.ExitCode != 3 {
+		t.Fatalf("got %+v %v", res, err)
+	}
+	if strings.Join(s.gotArgs, " ") != "/bin/bash -i -l" {
+		t.Fatalf("args %v", s.gotArgs)
+	}
+	if got := s.gotHdr.Get("Keepalive-Ping-Interval"); got != "50" {
+		t.Fatalf("Keepalive-Ping-Interval %q, want 50", got)
+	}
+
+	url := realEnvd(t, envd.Config{})
+	c := envdclient.New(nil, url, "")
+	sh, err := c.Start(ctx(t), envdclient.Command{Argv: []string{"/bin/sh", "-c", "read x; sleep 1.5; echo argv-$x"},
+		Pty: &envdclient.PtySize{Cols: 80, Rows: 24}, KeepAlive: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.SendInput(ctx(t), sh.Pid, true, []byte("hi\n")); err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	res, err = sh.Wait(envdclient.Collect(&out))
+	if err != nil || res.ExitCode != 0 || !strings.Contains(out.String(), "argv-hi") {
+		t.Fatalf("argv on a pty: %+v %v %q", res, err, out.String())
 	}
 }

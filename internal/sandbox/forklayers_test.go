@@ -3,6 +3,7 @@ package sandbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // forkLayerDirs lists the fork layers in n's data dir.
@@ -22,13 +24,7 @@ func (n *node) forkLayerDirs() []string {
 // waitForkLayers waits (bounded) until n's data dir holds want fork layers.
 func (n *node) waitForkLayers(want int) {
 	n.t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for len(n.forkLayerDirs()) != want {
-		if time.Now().After(deadline) {
-			n.t.Fatalf("fork layers %v, want %d", n.forkLayerDirs(), want)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	testutil.Eventually(n.t, 5*time.Second, fmt.Sprintf("%d fork layers", want), func() bool { return len(n.forkLayerDirs()) == want })
 }
 
 // A fork over a captured layer: the children stack it over the source's stack, and it lives

@@ -52,6 +52,14 @@ func Runsc(t testing.TB) string {
 	return p
 }
 
+// NotApplicable skips a test that does not apply to the implementation or configuration under
+// test (a driver without an optional interface, a run that ignores cgroups). It is not for a
+// missing prerequisite: that goes through Need, which CI turns into a failure.
+func NotApplicable(t testing.TB, reason string) {
+	t.Helper()
+	t.Skip("not applicable: " + reason)
+}
+
 // SkipShort skips the test under `go test -short`: for tests that are slow or only measure.
 // -short is an explicit request, so EMBER_REQUIRE_ALL does not turn this skip into a failure
 // (CI runs without -short, so there they run).

@@ -16,6 +16,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/overlayfs"
 	rt "github.com/ember-sandbox/ember/internal/runtime"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // testPrestart: instances pre-started from a checkpoint image's layer and later restored into
@@ -26,7 +27,7 @@ func (s *suite) testPrestart(t *testing.T) {
 	e := s.env(t)
 	ps, ok := e.d.(rt.Prestarter)
 	if !ok {
-		t.Skipf("%s does not implement runtime.Prestarter", e.d.Name())
+		testutil.NotApplicable(t, e.d.Name()+" does not implement runtime.Prestarter")
 	}
 	src := e.start()
 	pid := e.spawn(src.ID, "exec sleep 1000")
@@ -186,9 +187,8 @@ func newNetNS(t *testing.T, ip string) string {
 		}
 		errc <- unix.Mount(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()), path, "", unix.MS_BIND, "")
 	}()
-	if err := <-errc; err != nil {
-		t.Skipf("network namespace: %v", err)
-	}
+	err := <-errc
+	testutil.Need(t, err == nil, fmt.Sprint("network namespace: ", err))
 	t.Cleanup(func() { _ = unix.Unmount(path, unix.MNT_DETACH) })
 	for _, args := range [][]string{
 		{"ip", "link", "add", "v0", "type", "veth", "peer", "name", "v1"},
@@ -197,9 +197,8 @@ func newNetNS(t *testing.T, ip string) string {
 		{"ip", "link", "set", "v1", "up"},
 		{"ip", "link", "set", "lo", "up"},
 	} {
-		if out, err := exec.Command("nsenter", append([]string{"--net=" + path}, args...)...).CombinedOutput(); err != nil {
-			t.Skipf("%s: %v: %s", strings.Join(args, " "), err, out)
-		}
+		out, err := exec.Command("nsenter", append([]string{"--net=" + path}, args...)...).CombinedOutput()
+		testutil.Need(t, err == nil, fmt.Sprintf("%s: %v: %s", strings.Join(args, " "), err, out))
 	}
 	return path
 }

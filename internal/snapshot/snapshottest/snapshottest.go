@@ -20,6 +20,7 @@ import (
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/snapshot"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // smallChunk keeps the suite fast while still giving files many chunks.
@@ -123,7 +124,7 @@ func testBlobs(t *testing.T, b snapshot.Backend) {
 	t.Run("create only if absent", func(t *testing.T) {
 		c, ok := b.(snapshot.Creator)
 		if !ok {
-			t.Skip("backend does not implement snapshot.Creator")
+			testutil.NotApplicable(t, "backend does not implement snapshot.Creator")
 		}
 		if err := c.Create(ctx, "create/new", strings.NewReader("one"), 3); err != nil {
 			t.Fatalf("Create of a new key: %v", err)
