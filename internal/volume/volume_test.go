@@ -510,9 +510,7 @@ func (s *limitStore) Limited(_ context.Context, id string) (bool, error) {
 // sees is the holder's, as if the S3 server's): a write past the limit fails with no space;
 // once the volume is destroyed, the holder drops its image.
 func TestSharedVolumeLimits(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("volume limits need root (loop and bind mounts)")
-	}
+	testutil.RequireRoot(t) // loop and bind mounts
 	ctx := context.Background()
 	shared := t.TempDir()
 	st := &limitStore{memStore: &memStore{vols: map[string]volume.Volume{}}, limited: map[string]bool{}}
