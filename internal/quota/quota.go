@@ -3,9 +3,10 @@
 // would take a team past one is refused with a 429 that names the quota, in E2B's words for
 // the sandbox limit. Usage is read from the node's sandboxes, templates and builds (plus what
 // is being admitted right now), so it needs no bookkeeping of its own that could drift. In a
-// cluster (SetBlocks) the running part of a quota (sandboxes, vCPUs, memory) holds across the
-// nodes: a node admits a change only within the block of the team's quota it holds
-// (cluster.QuotaBlocks), growing it when needed; the other quotas are counted per node.
+// cluster (SetBlocks) every quota but templates' disk (sandboxes, vCPUs, memory, paused disk,
+// builds) holds across the nodes: a node admits a change only within the block of the team's
+// quota it holds (cluster.QuotaBlocks), growing it when needed; templates' disk is counted per
+// node.
 package quota
 
 import (
@@ -75,7 +76,7 @@ func New(src Source, builds Builds, teams Teams, defaultDiskMB int) *Quotas {
 	return &Quotas{src: src, builds: builds, teams: teams, defaultDiskMB: defaultDiskMB, pending: map[string]Usage{}}
 }
 
-// SetBlocks makes the running part of the quotas hold across a cluster: each node within
+// SetBlocks makes the quotas but templates' disk hold across a cluster: each node within
 // the block of a team's quota it holds (call it before serving).
 func (q *Quotas) SetBlocks(b Blocks) { q.blocks = b }
 
@@ -238,7 +239,7 @@ func (q *Quotas) Admit(ctx context.Context, team string, more Usage) (release fu
 			q.mu.Unlock()
 		})
 	}
-	if q.blocks != nil && (more.Sandboxes > 0 || more.CPUs > 0 || more.MemoryMB > 0) {
+	if q.blocks != nil && (more.Sandboxes > 0 || more.CPUs > 0 || more.MemoryMB > 0 || more.PausedDiskMB > 0 || more.Builds > 0) {
 		// The cluster's other nodes hold the rest of the quota: this node's block must cover
 		// what it holds with the change (pending: the changes admitted here meanwhile too).
 		need := q.withPending(team, all[team])
