@@ -106,7 +106,12 @@ func TestTeamsTemplatesAndSnapshots(t *testing.T) {
 		t.Errorf("create from another team's snapshot: %s; from a missing one: %s", got.body, want.body)
 	}
 	for _, rt := range []struct{ method, path string }{{"GET", "/templates/mine"}, {"DELETE", "/templates/mine"}, {"GET", "/templates/aliases/mine"}} {
-		e.as(b, rt.method, rt.path, "").wantError(t, http.StatusNotFound)
+		got := e.as(b, rt.method, rt.path, "")
+		want := e.as(b, rt.method, strings.ReplaceAll(rt.path, "mine", "nosuch"), "")
+		got.wantError(t, http.StatusNotFound)
+		if strings.ReplaceAll(string(got.body), "mine", "nosuch") != string(want.body) || want.status != got.status {
+			t.Errorf("%s %s of another team's: %s; of a missing one: %d %s", rt.method, rt.path, got.body, want.status, want.body)
+		}
 	}
 	// Building under its name, or from it, is refused.
 	e.as(b, "POST", "/v3/templates", `{"name":"mine"}`).wantError(t, http.StatusConflict)
