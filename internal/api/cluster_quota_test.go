@@ -1,11 +1,14 @@
 package api
 
 import (
+	"encoding/json"
 	"net/http"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
@@ -183,4 +186,45 @@ func TestClusterQuotaBuildsAndPausedDiskAcrossNodes(t *testing.T) {
 		t.Fatalf("pause on a: %d %s", r.status, r.body)
 	}
 	want429(t, nodes[0].env.as(b, "POST", "/sandboxes/"+on[1]+"/pause", ""), "pausedDiskMB")
+}
+
+// A quota set on a team that already runs sandboxes on several nodes holds across them: each
+// node raises its block to what it holds of the team, so no edge admits past the quota (real
+// etcd, two nodes; before, the nodes that held the team's sandboxes had no block, and any
+// node let the team start a whole quota more).
+func TestClusterQuotaSetOnRunningTeam(t *testing.T) {
+	e := clustertest.Start(t, 1)
+	nodes := twoNodes(t, e, nil)
+	admin := nodes[0].env
+	testutil.Eventually(t, 5*time.Second, "both nodes see both", func() bool {
+		return len(nodes[0].cl.Live()) == 2 && len(nodes[1].cl.Live()) == 2
+	})
+	b, bt := admin.addTeam()
+	// Sandboxes of the team on both nodes, with no quota yet.
+	for i := 0; teamRunning(t, nodes[0], bt) == 0 || teamRunning(t, nodes[1], bt) == 0; i++ {
+		if i == 12 {
+			t.Fatal("no sandbox of the team placed on each node")
+		}
+		nodes[i%2].env.createAs(b)
+	}
+	n := teamRunning(t, nodes[0], bt) + teamRunning(t, nodes[1], bt)
+	admin.setQuota(bt, `{"sandboxes":`+itoa(int64(n))+`}`)
+	c := e.Client(t)
+	testutil.Eventually(t, 10*time.Second, "the blocks raised to what the nodes run", func() bool {
+		resp, err := c.Get(t.Context(), "/ember/quota/"+bt+"/", clientv3.WithPrefix())
+		if err != nil {
+			return false
+		}
+		sum := 0
+		for _, kv := range resp.Kvs {
+			var q struct{ Sandboxes int }
+			if json.Unmarshal(kv.Value, &q) == nil {
+				sum += q.Sandboxes
+			}
+		}
+		return sum == n
+	})
+	for _, nd := range nodes {
+		want429(t, nd.env.as(b, "POST", "/sandboxes", `{"templateID":"base"}`), "sandboxes")
+	}
 }

@@ -26,8 +26,9 @@ import (
 // once the team goes idle here; a dead node's blocks go with its lease. No node watches
 // another's blocks: the work per create is O(1), whatever the number of nodes.
 
-// QuotaHeld reports what the node holds of every team's quotas now (its running sandboxes
-// and the changes being admitted), by team, in the quota's units.
+// QuotaHeld reports what the node holds now of the quotas of every team that has a quota
+// counted in blocks (its sandboxes, builds and the changes being admitted), by team, in the
+// quota's units. A team left out has its blocks lowered to nothing.
 type QuotaHeld func(ctx context.Context) (map[string]auth.Quota, error)
 
 // QuotaBlocks is this node's blocks of the teams' quotas.
@@ -35,8 +36,9 @@ type QuotaBlocks struct {
 	cl   *Cluster
 	held QuotaHeld
 
-	mu    sync.Mutex
-	teams map[string]*teamBlock
+	mu     sync.Mutex
+	teams  map[string]*teamBlock
+	raised time.Time // the last raise (tend's goroutine only)
 }
 
 type teamBlock struct {
@@ -52,13 +54,14 @@ type teamBlock struct {
 const quotaIdle = blockIdle
 
 // NewQuotaBlocks returns the node's quota blocks; held reads what the node holds of a team's
-// quota (what an idle block is lowered to). It gives idle blocks back until the cluster closes.
+// quota (what an idle block is lowered to, and what a block is raised to when it holds less).
+// It raises blocks and gives idle ones back until the cluster closes.
 func (cl *Cluster) NewQuotaBlocks(held QuotaHeld) *QuotaBlocks {
 	qb := &QuotaBlocks{cl: cl, held: held, teams: map[string]*teamBlock{}}
 	cl.wg.Add(1)
 	go func() {
 		defer cl.wg.Done()
-		every(cl.bgCtx, quotaIdle/4, qb.returnIdle)
+		every(cl.bgCtx, quotaIdle/4, qb.tend)
 	}()
 	return qb
 }
@@ -204,6 +207,53 @@ func (qb *QuotaBlocks) Held(team string) auth.Quota {
 		return auth.Quota{}
 	}
 	return tb.have
+}
+
+// tend raises the blocks to what the node holds (once a quotaIdle) and lowers the idle ones.
+func (qb *QuotaBlocks) tend(ctx context.Context) {
+	if time.Since(qb.raised) >= quotaIdle {
+		qb.raised = time.Now()
+		if held, err := qb.held(ctx); err == nil {
+			for team, h := range held {
+				qb.raise(ctx, team, blockPart(h))
+			}
+		}
+	}
+	qb.returnIdle(ctx)
+}
+
+// raise makes team's block cover h, what the node holds of the team already: sandboxes (or
+// builds, paused disk) it held before the team had a quota, or before the quota was lowered,
+// which no Cover asked a block for. The other nodes' Covers count them from then on. Such a
+// block may take the team's blocks past the quota: the other nodes then refuse the team
+// until it is back under it.
+func (qb *QuotaBlocks) raise(ctx context.Context, team string, h auth.Quota) {
+	if h == (auth.Quota{}) {
+		return
+	}
+	tb := qb.block(team)
+	tb.mu.Lock()
+	defer tb.mu.Unlock()
+	epoch := qb.cl.epoch.Load()
+	if epoch == 0 {
+		return
+	}
+	have := tb.have
+	if tb.epoch != epoch {
+		have = auth.Quota{}
+	}
+	want := zipQuota(have, h, func(a, b int) int { return max(a, b) })
+	if tb.epoch == epoch && want == tb.have {
+		return
+	}
+	ctx, done := qb.cl.opCtx(ctx, qb.cl.cfg.OpTimeout)
+	defer done()
+	b, _ := json.Marshal(want)
+	// Raising to what the node holds needs no compare: it claims nothing not already used.
+	if _, err := qb.cl.c.Put(ctx, qb.cl.key("quota", team, qb.cl.cfg.NodeID), string(b), clientv3.WithLease(clientv3.LeaseID(epoch))); err != nil {
+		return
+	}
+	tb.have, tb.epoch = want, epoch
 }
 
 // returnIdle lowers the blocks of teams idle here to what the node holds of them (the block

@@ -80,19 +80,26 @@ func New(src Source, builds Builds, teams Teams, defaultDiskMB int) *Quotas {
 // the block of a team's quota it holds (call it before serving).
 func (q *Quotas) SetBlocks(b Blocks) { q.blocks = b }
 
-// Held is what this node holds of every team's quotas now, by team, with the changes being
-// admitted (cluster.QuotaHeld).
+// Held is what this node holds now of the quotas of the teams with a quota counted in blocks
+// (any but templates' disk), by team, with the changes being admitted (cluster.QuotaHeld).
 func (q *Quotas) Held(ctx context.Context) (map[string]Usage, error) {
+	ts, err := q.teams.ListTeams(ctx)
+	if err != nil {
+		return nil, err
+	}
 	all, err := q.usage(ctx)
 	if err != nil {
 		return nil, err
 	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	for team, p := range q.pending {
-		all[team] = add(all[team], p, 1)
+	out := map[string]Usage{}
+	for _, t := range ts {
+		if l := t.Quota; l.Sandboxes > 0 || l.CPUs > 0 || l.MemoryMB > 0 || l.PausedDiskMB > 0 || l.Builds > 0 {
+			out[t.ID] = add(all[t.ID], q.pending[t.ID], 1)
+		}
 	}
-	return all, nil
+	return out, nil
 }
 
 // Usage counts what team holds now ("" : every team's, by team).
