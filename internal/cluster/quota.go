@@ -67,8 +67,8 @@ func (cl *Cluster) NewQuotaBlocks(held QuotaHeld) *QuotaBlocks {
 }
 
 // blockPart is the part of a quota counted across the cluster in blocks: all but templates'
-// disk, still counted per node (a template loaded onto several nodes is in each one's store:
-// blocks of what each node holds would count it once per node).
+// disk, which every node counts from the cluster's templates (the same on every node: blocks
+// of it would count a template once per node).
 func blockPart(q auth.Quota) auth.Quota {
 	return auth.Quota{Sandboxes: q.Sandboxes, CPUs: q.CPUs, MemoryMB: q.MemoryMB, PausedDiskMB: q.PausedDiskMB, Builds: q.Builds}
 }

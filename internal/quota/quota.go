@@ -5,8 +5,10 @@
 // is being admitted right now), so it needs no bookkeeping of its own that could drift. In a
 // cluster (SetBlocks) every quota but templates' disk (sandboxes, vCPUs, memory, paused disk,
 // builds) holds across the nodes: a node admits a change only within the block of the team's
-// quota it holds (cluster.QuotaBlocks), growing it when needed; templates' disk is counted per
-// node.
+// quota it holds (cluster.QuotaBlocks), growing it when needed. Templates' disk needs no
+// blocks: the templates are the cluster's (Source lists them alike on every node); what one
+// node alone counts is a build or snapshot still in flight there (and a snapshot still
+// uploading), so a team can exceed it by what it makes at the same moment on other nodes.
 package quota
 
 import (
