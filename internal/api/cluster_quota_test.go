@@ -1,14 +1,11 @@
 package api
 
 import (
-	"encoding/json"
 	"net/http"
 	"strings"
 	"sync"
 	"testing"
 	"time"
-
-	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
@@ -211,18 +208,8 @@ func TestClusterQuotaSetOnRunningTeam(t *testing.T) {
 	admin.setQuota(bt, `{"sandboxes":`+itoa(int64(n))+`}`)
 	c := e.Client(t)
 	testutil.Eventually(t, 10*time.Second, "the blocks raised to what the nodes run", func() bool {
-		resp, err := c.Get(t.Context(), "/ember/quota/"+bt+"/", clientv3.WithPrefix())
-		if err != nil {
-			return false
-		}
-		sum := 0
-		for _, kv := range resp.Kvs {
-			var q struct{ Sandboxes int }
-			if json.Unmarshal(kv.Value, &q) == nil {
-				sum += q.Sandboxes
-			}
-		}
-		return sum == n
+		sum, ok := clustertest.QuotaBlocks(t.Context(), c, bt)
+		return ok && sum.Sandboxes == n
 	})
 	for _, nd := range nodes {
 		want429(t, nd.env.as(b, "POST", "/sandboxes", `{"templateID":"base"}`), "sandboxes")

@@ -1,38 +1,15 @@
 package e2e
 
 import (
-	"bytes"
 	"encoding/json"
-	"io"
 	"net/http"
 	"strings"
 	"testing"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
-
+	"github.com/ember-sandbox/ember/internal/cluster/clustertest"
 	"github.com/ember-sandbox/ember/internal/testutil"
 )
-
-// as calls d's API with key: status, body and headers.
-func (d *daemon) as(t *testing.T, key, method, path string, in any) (int, string, http.Header) {
-	t.Helper()
-	var body io.Reader
-	if in != nil {
-		b, _ := json.Marshal(in)
-		body = bytes.NewReader(b)
-	}
-	req, _ := http.NewRequest(method, "http://"+d.addr+path, body)
-	req.Header.Set("X-API-Key", key)
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatalf("%s %s: %v", method, path, err)
-	}
-	defer resp.Body.Close()
-	data, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(data), resp.Header
-}
 
 // asJSON is as that decodes a 2xx body into out and fails unless the status is want.
 func (d *daemon) asJSON(t *testing.T, key, method, path string, in any, want int, out any) {
@@ -195,18 +172,8 @@ func TestClusterTeamsRealNodes(t *testing.T) {
 	nodes[0].asJSON(t, admin, "PUT", "/ember/teams/"+tb.ID+"/quota", map[string]any{"sandboxes": len(bIDs)}, 200, nil)
 	c := etcd.Client(t)
 	testutil.Eventually(t, 15*time.Second, "the quota's blocks cover B's sandboxes", func() bool {
-		resp, err := c.Get(t.Context(), "/ember/quota/"+tb.ID+"/", clientv3.WithPrefix())
-		if err != nil {
-			return false
-		}
-		sum := 0
-		for _, kv := range resp.Kvs {
-			var q struct{ Sandboxes int }
-			if json.Unmarshal(kv.Value, &q) == nil {
-				sum += q.Sandboxes
-			}
-		}
-		return sum == len(bIDs)
+		sum, ok := clustertest.QuotaBlocks(t.Context(), c, tb.ID)
+		return ok && sum.Sandboxes == len(bIDs)
 	})
 	code, body, h := nodes[2].as(t, b, "POST", "/v2/sandboxes", map[string]any{"templateID": "base"})
 	if code != http.StatusTooManyRequests || !strings.Contains(body, "(quota sandboxes)") || h.Get("Retry-After") == "" {
