@@ -145,3 +145,73 @@ func twoNodes(t *testing.T, e *clustertest.Etcd, cmod func(*cluster.Config), amo
 	}
 	return nodes
 }
+
+// A team's quotas of builds at once and of paused sandboxes' disk hold across the cluster
+// (real etcd, two nodes): counted per node, each node would let the team use its whole quota.
+func TestClusterQuotaBuildsAndPausedDiskAcrossNodes(t *testing.T) {
+	e := clustertest.Start(t, 1)
+	nodes := twoNodes(t, e, nil, func(c *Config, _ *cluster.Cluster, svc *service) { c.Builds = svc.builds() })
+	admin := nodes[0].env
+	testutil.Eventually(t, 5*time.Second, "both nodes see both", func() bool {
+		return len(nodes[0].cl.Live()) == 2 && len(nodes[1].cl.Live()) == 2
+	})
+	b, bt := admin.addTeam()
+	_, _, disk := baseResources(t, admin)
+	admin.setQuota(bt, `{"builds":1,"pausedDiskMB":`+itoa(int64(disk))+`}`)
+
+	// Builds: the first one, on a, takes the quota; b refuses the second.
+	if r := nodes[0].env.as(b, "POST", "/v3/templates", `{"name":"one"}`); r.status != http.StatusAccepted {
+		t.Fatalf("first build: %d %s", r.status, r.body)
+	}
+	want429(t, nodes[1].env.as(b, "POST", "/v3/templates", `{"name":"two"}`), "builds")
+
+	// Paused disk: a sandbox of the team on each node; pausing the first takes the quota, the
+	// pause of the other (on the other node) is refused.
+	var on [2]string
+	for i := 0; on[0] == "" || on[1] == ""; i++ {
+		if i == 12 {
+			t.Fatal("no sandbox of the team placed on each node")
+		}
+		id := nodes[i%2].env.createAs(b)
+		for k, nd := range nodes {
+			if nd.holds(id) && on[k] == "" {
+				on[k] = id
+			}
+		}
+	}
+	if r := nodes[0].env.as(b, "POST", "/sandboxes/"+on[0]+"/pause", ""); r.status != http.StatusNoContent {
+		t.Fatalf("pause on a: %d %s", r.status, r.body)
+	}
+	want429(t, nodes[0].env.as(b, "POST", "/sandboxes/"+on[1]+"/pause", ""), "pausedDiskMB")
+}
+
+// A quota set on a team that already runs sandboxes on several nodes holds across them: each
+// node raises its block to what it holds of the team, so no edge admits past the quota (real
+// etcd, two nodes; before, the nodes that held the team's sandboxes had no block, and any
+// node let the team start a whole quota more).
+func TestClusterQuotaSetOnRunningTeam(t *testing.T) {
+	e := clustertest.Start(t, 1)
+	nodes := twoNodes(t, e, nil)
+	admin := nodes[0].env
+	testutil.Eventually(t, 5*time.Second, "both nodes see both", func() bool {
+		return len(nodes[0].cl.Live()) == 2 && len(nodes[1].cl.Live()) == 2
+	})
+	b, bt := admin.addTeam()
+	// Sandboxes of the team on both nodes, with no quota yet.
+	for i := 0; teamRunning(t, nodes[0], bt) == 0 || teamRunning(t, nodes[1], bt) == 0; i++ {
+		if i == 12 {
+			t.Fatal("no sandbox of the team placed on each node")
+		}
+		nodes[i%2].env.createAs(b)
+	}
+	n := teamRunning(t, nodes[0], bt) + teamRunning(t, nodes[1], bt)
+	admin.setQuota(bt, `{"sandboxes":`+itoa(int64(n))+`}`)
+	c := e.Client(t)
+	testutil.Eventually(t, 10*time.Second, "the blocks raised to what the nodes run", func() bool {
+		sum, ok := clustertest.QuotaBlocks(t.Context(), c, bt)
+		return ok && sum.Sandboxes == n
+	})
+	for _, nd := range nodes {
+		want429(t, nd.env.as(b, "POST", "/sandboxes", `{"templateID":"base"}`), "sandboxes")
+	}
+}

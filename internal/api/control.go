@@ -522,7 +522,7 @@ func (s *server) deleteTemplate(w http.ResponseWriter, r *http.Request, p params
 		return notFound("template %s not found", quoteID(id))
 	}
 	if err := s.svc.DeleteTemplate(r.Context(), id); err != nil {
-		return err
+		return templateNotFoundE2B(err) // as another team's answers (teams.go)
 	}
 	w.WriteHeader(http.StatusNoContent)
 	return nil

@@ -34,15 +34,17 @@ type quotaBlocker interface {
 	NewQuotaBlocks(held cluster.QuotaHeld) *cluster.QuotaBlocks
 }
 
-// quotaSource counts a node's sandboxes and templates.
+// quotaSource counts a node's sandboxes and the cluster's templates.
 type quotaSource struct{ s *server }
 
 func (q quotaSource) List(ctx context.Context, f sandbox.ListFilter) ([]*sandbox.Sandbox, error) {
 	return q.s.node.List(ctx, f)
 }
 
+// ListTemplates lists the cluster's templates (the node's own in one): a template counts
+// against its team's disk quota once, on every node, wherever it was built.
 func (q quotaSource) ListTemplates(ctx context.Context) ([]*sandbox.Template, error) {
-	return q.s.node.ListTemplates(ctx)
+	return q.s.shared.ListTemplates(ctx)
 }
 
 // admit admits more for the caller's team (nothing to do without a caller).

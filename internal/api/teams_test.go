@@ -106,10 +106,23 @@ func TestTeamsTemplatesAndSnapshots(t *testing.T) {
 		t.Errorf("create from another team's snapshot: %s; from a missing one: %s", got.body, want.body)
 	}
 	for _, rt := range []struct{ method, path string }{{"GET", "/templates/mine"}, {"DELETE", "/templates/mine"}, {"GET", "/templates/aliases/mine"}} {
-		e.as(b, rt.method, rt.path, "").wantError(t, http.StatusNotFound)
+		got := e.as(b, rt.method, rt.path, "")
+		want := e.as(b, rt.method, strings.ReplaceAll(rt.path, "mine", "nosuch"), "")
+		got.wantError(t, http.StatusNotFound)
+		if strings.ReplaceAll(string(got.body), "mine", "nosuch") != string(want.body) || want.status != got.status {
+			t.Errorf("%s %s of another team's: %s; of a missing one: %d %s", rt.method, rt.path, got.body, want.status, want.body)
+		}
 	}
-	// Building under its name, or from it, is refused.
+	// Building under its name, or from it, is refused: from it as from a missing one.
 	e.as(b, "POST", "/v3/templates", `{"name":"mine"}`).wantError(t, http.StatusConflict)
+	var req struct{ TemplateID, BuildID string }
+	e.as(b, "POST", "/v3/templates", `{"name":"from-mine"}`).json(t, &req)
+	got = e.as(b, "POST", "/v2/templates/"+req.TemplateID+"/builds/"+req.BuildID, `{"fromTemplate":"mine","steps":[]}`)
+	want = e.as(b, "POST", "/v2/templates/"+req.TemplateID+"/builds/"+req.BuildID, `{"fromTemplate":"nosuch","steps":[]}`)
+	got.wantError(t, http.StatusNotFound)
+	if strings.ReplaceAll(string(got.body), "mine", "nosuch") != string(want.body) || want.status != got.status {
+		t.Errorf("a build from another team's snapshot: %s; from a missing one: %d %s", got.body, want.status, want.body)
+	}
 	// The other team uses base.
 	if r := e.as(b, "POST", "/sandboxes", `{"templateID":"base"}`); r.status != http.StatusCreated {
 		t.Fatalf("the other team's create from base: %d %s", r.status, r.body)

@@ -233,8 +233,12 @@ func (s *server) startTemplateBuild(w http.ResponseWriter, r *http.Request, p pa
 	if err := s.decodeJSON(w, r, &req, true); err != nil {
 		return err
 	}
-	if err := s.checkTemplate(r.Context(), req.FromTemplate, false); req.FromTemplate != "" && err != nil {
-		return err // another team's template is not there to build from (teams.go)
+	if req.FromTemplate != "" {
+		// Another team's template is not there to build from (teams.go), and answers as a
+		// missing one, which is refused here too (not accepted to fail later).
+		if _, err := s.lookupTemplate(r.Context(), req.FromTemplate, false); err != nil {
+			return err
+		}
 	}
 	for i := range req.Steps {
 		if req.Steps[i].FilesHash != "" {

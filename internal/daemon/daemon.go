@@ -29,6 +29,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/api"
 	"github.com/ember-sandbox/ember/internal/auth"
 	"github.com/ember-sandbox/ember/internal/cluster"
+	"github.com/ember-sandbox/ember/internal/cluster/edge"
 	"github.com/ember-sandbox/ember/internal/codeinterp"
 	"github.com/ember-sandbox/ember/internal/datadir"
 	"github.com/ember-sandbox/ember/internal/egress"
@@ -360,6 +361,9 @@ func open(ctx context.Context, cfg Config) (*Node, error) {
 		acfg.Startup = starting
 	}
 	var cl *cluster.Cluster
+	// quotaSrc is what the teams' quotas count: this node's sandboxes and builds, and the
+	// templates it lists (the cluster's when it shares them).
+	var quotaSrc quota.Source = mgr
 	var moves *cluster.Moves
 	if len(cfg.EtcdEndpoints) > 0 {
 		if cl, err = openCluster(ctx, cfg, etcd, etcdCounters, seal, mgr, builtins, met.PlacementRetry); err != nil {
@@ -385,6 +389,7 @@ func open(ctx context.Context, cfg Config) (*Node, error) {
 		var tpls *cluster.Templates
 		if shareTemplates {
 			tpls = cluster.NewTemplates(cl, mgr)
+			quotaSrc = edge.ShareTemplates(mgr, tpls) // the cluster's templates count once
 			if err := startTemplates(ctx, cfg, mgr, builds, tpls); err != nil {
 				cl.Close()
 				mgr.Close()
@@ -408,9 +413,9 @@ func open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	_, _, diskMB := mgr.TemplateResources(&sandbox.Template{})
-	acfg.Quotas = quota.New(mgr, builds, keys, diskMB) // the teams' quotas, counted on this node
+	acfg.Quotas = quota.New(quotaSrc, builds, keys, diskMB) // the teams' quotas, counted on this node
 	if cl != nil {
-		// ... and their running part across the cluster, in blocks (cluster/quota.go).
+		// ... and all but templates' disk across the cluster, in blocks (cluster/quota.go).
 		acfg.Quotas.SetBlocks(cl.NewQuotaBlocks(acfg.Quotas.Held))
 	}
 	met.SetTeams(acfg.Quotas)

@@ -3,9 +3,12 @@
 // would take a team past one is refused with a 429 that names the quota, in E2B's words for
 // the sandbox limit. Usage is read from the node's sandboxes, templates and builds (plus what
 // is being admitted right now), so it needs no bookkeeping of its own that could drift. In a
-// cluster (SetBlocks) the running part of a quota (sandboxes, vCPUs, memory) holds across the
-// nodes: a node admits a change only within the block of the team's quota it holds
-// (cluster.QuotaBlocks), growing it when needed; the other quotas are counted per node.
+// cluster (SetBlocks) every quota but templates' disk (sandboxes, vCPUs, memory, paused disk,
+// builds) holds across the nodes: a node admits a change only within the block of the team's
+// quota it holds (cluster.QuotaBlocks), growing it when needed. Templates' disk needs no
+// blocks: the templates are the cluster's (Source lists them alike on every node); what one
+// node alone counts is a build or snapshot still in flight there (and a snapshot still
+// uploading), so a team can exceed it by what it makes at the same moment on other nodes.
 package quota
 
 import (
@@ -75,23 +78,30 @@ func New(src Source, builds Builds, teams Teams, defaultDiskMB int) *Quotas {
 	return &Quotas{src: src, builds: builds, teams: teams, defaultDiskMB: defaultDiskMB, pending: map[string]Usage{}}
 }
 
-// SetBlocks makes the running part of the quotas hold across a cluster: each node within
+// SetBlocks makes the quotas but templates' disk hold across a cluster: each node within
 // the block of a team's quota it holds (call it before serving).
 func (q *Quotas) SetBlocks(b Blocks) { q.blocks = b }
 
-// Held is what this node holds of every team's quotas now, by team, with the changes being
-// admitted (cluster.QuotaHeld).
+// Held is what this node holds now of the quotas of the teams with a quota counted in blocks
+// (any but templates' disk), by team, with the changes being admitted (cluster.QuotaHeld).
 func (q *Quotas) Held(ctx context.Context) (map[string]Usage, error) {
+	ts, err := q.teams.ListTeams(ctx)
+	if err != nil {
+		return nil, err
+	}
 	all, err := q.usage(ctx)
 	if err != nil {
 		return nil, err
 	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	for team, p := range q.pending {
-		all[team] = add(all[team], p, 1)
+	out := map[string]Usage{}
+	for _, t := range ts {
+		if l := t.Quota; l.Sandboxes > 0 || l.CPUs > 0 || l.MemoryMB > 0 || l.PausedDiskMB > 0 || l.Builds > 0 {
+			out[t.ID] = add(all[t.ID], q.pending[t.ID], 1)
+		}
 	}
-	return all, nil
+	return out, nil
 }
 
 // Usage counts what team holds now ("" : every team's, by team).
@@ -238,7 +248,7 @@ func (q *Quotas) Admit(ctx context.Context, team string, more Usage) (release fu
 			q.mu.Unlock()
 		})
 	}
-	if q.blocks != nil && (more.Sandboxes > 0 || more.CPUs > 0 || more.MemoryMB > 0) {
+	if q.blocks != nil && (more.Sandboxes > 0 || more.CPUs > 0 || more.MemoryMB > 0 || more.PausedDiskMB > 0 || more.Builds > 0) {
 		// The cluster's other nodes hold the rest of the quota: this node's block must cover
 		// what it holds with the change (pending: the changes admitted here meanwhile too).
 		need := q.withPending(team, all[team])

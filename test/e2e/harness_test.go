@@ -393,13 +393,28 @@ func (d *daemon) api(t *testing.T, method, path string, in, out any) int {
 // apiBody is api that also returns the raw response body.
 func (d *daemon) apiBody(t *testing.T, method, path string, in, out any) (int, string) {
 	t.Helper()
+	code, data, _ := d.as(t, d.key, method, path, in)
+	if out != nil && code/100 == 2 && len(data) > 0 {
+		if err := json.Unmarshal([]byte(data), out); err != nil {
+			t.Fatalf("%s %s: decode %q: %v", method, path, data, err)
+		}
+	}
+	if code/100 != 2 {
+		t.Logf("%s %s -> %d %s", method, path, code, data)
+	}
+	return code, data
+}
+
+// as calls d's API with key: status, body and headers.
+func (d *daemon) as(t *testing.T, key, method, path string, in any) (int, string, http.Header) {
+	t.Helper()
 	var body io.Reader
 	if in != nil {
 		b, _ := json.Marshal(in)
 		body = bytes.NewReader(b)
 	}
 	req, _ := http.NewRequest(method, "http://"+d.addr+path, body)
-	req.Header.Set("X-API-Key", d.key)
+	req.Header.Set("X-API-Key", key)
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -407,15 +422,7 @@ func (d *daemon) apiBody(t *testing.T, method, path string, in, out any) (int, s
 	}
 	defer resp.Body.Close()
 	data, _ := io.ReadAll(resp.Body)
-	if out != nil && resp.StatusCode/100 == 2 && len(data) > 0 {
-		if err := json.Unmarshal(data, out); err != nil {
-			t.Fatalf("%s %s: decode %q: %v", method, path, data, err)
-		}
-	}
-	if resp.StatusCode/100 != 2 {
-		t.Logf("%s %s -> %d %s", method, path, resp.StatusCode, data)
-	}
-	return resp.StatusCode, string(data)
+	return resp.StatusCode, string(data), resp.Header
 }
 
 // call is api for goroutines and tests that expect failures: bounded by timeout, no t; err is a

@@ -13,6 +13,7 @@ package clustertest
 import (
 	"context"
 	"crypto/tls"
+	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -28,6 +29,8 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
+
+	"github.com/ember-sandbox/ember/internal/auth"
 
 	"github.com/ember-sandbox/ember/internal/cluster"
 	"github.com/ember-sandbox/ember/internal/testutil"
@@ -365,4 +368,24 @@ func freePorts(n int) ([]int, error) {
 		return nil, fmt.Errorf("fewer than %d free ports in %d-%d", n, lo, hi)
 	}
 	return out, nil
+}
+
+// QuotaBlocks sums the blocks of team's quota the nodes hold (cluster/quota.go) as c reads
+// them now; ok false when etcd could not be read.
+func QuotaBlocks(ctx context.Context, c *clientv3.Client, team string) (sum auth.Quota, ok bool) {
+	resp, err := c.Get(ctx, "/ember/quota/"+team+"/", clientv3.WithPrefix())
+	if err != nil {
+		return auth.Quota{}, false
+	}
+	for _, kv := range resp.Kvs {
+		var q auth.Quota
+		if json.Unmarshal(kv.Value, &q) == nil {
+			sum.Sandboxes += q.Sandboxes
+			sum.CPUs += q.CPUs
+			sum.MemoryMB += q.MemoryMB
+			sum.PausedDiskMB += q.PausedDiskMB
+			sum.Builds += q.Builds
+		}
+	}
+	return sum, true
 }

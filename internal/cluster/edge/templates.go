@@ -70,6 +70,23 @@ func (s *sharedService) ListTemplates(ctx context.Context) ([]*sandbox.Template,
 	return out, nil
 }
 
+// ListSnapshots lists the cluster's named snapshots (optionally of one source sandbox), and
+// this node's own that the cluster does not have yet, as ListTemplates lists templates: the
+// same through every edge, wherever the snapshot was taken.
+func (s *sharedService) ListSnapshots(ctx context.Context, sandboxID string) ([]*sandbox.Template, error) {
+	all, err := s.ListTemplates(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var out []*sandbox.Template
+	for _, t := range all {
+		if t.Kind == "snapshot" && (sandboxID == "" || t.SourceSandbox == sandboxID) {
+			out = append(out, t)
+		}
+	}
+	return out, nil
+}
+
 // DeleteTemplate deletes the template here and from the cluster's templates (other nodes'
 // copies stay for the sandboxes that run on them; no new create finds them).
 func (s *sharedService) DeleteTemplate(ctx context.Context, id string) error {
