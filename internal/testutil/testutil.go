@@ -74,11 +74,18 @@ func SkipShort(t testing.TB, reason string) {
 // polls often at first and backs off to every 100 ms; it returns how long it took.
 func Eventually(t testing.TB, within time.Duration, what string, f func() bool) time.Duration {
 	t.Helper()
+	return eventually(t, within, f, func() { t.Fatalf("not within %v: %s", within, what) })
+}
+
+// eventually polls f, often at first and then every 100 ms, calling fail (which must end the
+// test) when within passes before f is true.
+func eventually(t testing.TB, within time.Duration, f func() bool, fail func()) time.Duration {
+	t.Helper()
 	start := time.Now()
 	wait := 5 * time.Millisecond
 	for !f() {
 		if time.Since(start) > within {
-			t.Fatalf("not within %v: %s", within, what)
+			fail()
 		}
 		time.Sleep(wait)
 		if wait < 100*time.Millisecond {
@@ -86,4 +93,17 @@ func Eventually(t testing.TB, within time.Duration, what string, f func() bool) 
 		}
 	}
 	return time.Since(start)
+}
+
+// EventuallyLast is Eventually for a state worth showing: f reports whether it is reached and
+// describes what it saw. When within passes first it fails the test with what and f's last
+// description, so the failure says where the state was stuck. It returns how long it took.
+func EventuallyLast(t testing.TB, within time.Duration, what string, f func() (done bool, last string)) time.Duration {
+	t.Helper()
+	var last string
+	return eventually(t, within, func() bool {
+		var done bool
+		done, last = f()
+		return done
+	}, func() { t.Fatalf("not within %v: %s (last seen: %s)", within, what, last) })
 }

@@ -1,0 +1,50 @@
+package testutil
+
+import (
+	"fmt"
+	"runtime"
+	"testing"
+	"time"
+)
+
+// fatalRecorder records the first Fatalf and ends its goroutine the way testing.T does.
+type fatalRecorder struct {
+	testing.TB
+	msg string
+}
+
+func (r *fatalRecorder) Helper() {}
+
+func (r *fatalRecorder) Fatalf(format string, args ...any) {
+	r.msg = fmt.Sprintf(format, args...)
+	runtime.Goexit()
+}
+
+func TestEventuallyLastReportsTheLastValueSeen(t *testing.T) {
+	r := &fatalRecorder{TB: t}
+	n := 0
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		EventuallyLast(r, 50*time.Millisecond, "n reaches -1", func() (bool, string) {
+			n++
+			return false, fmt.Sprintf("n=%d", n)
+		})
+	}()
+	<-done
+	want := fmt.Sprintf("not within 50ms: n reaches -1 (last seen: n=%d)", n)
+	if n < 2 || r.msg != want {
+		t.Fatalf("after %d polls: failure %q, want %q", n, r.msg, want)
+	}
+}
+
+func TestEventuallyLastReturnsOnceDone(t *testing.T) {
+	n := 0
+	EventuallyLast(t, 5*time.Second, "n reaches 3", func() (bool, string) {
+		n++
+		return n == 3, fmt.Sprint(n)
+	})
+	if n != 3 {
+		t.Fatalf("polled %d times, want 3", n)
+	}
+}
