@@ -95,15 +95,11 @@ func eventually(t testing.TB, within time.Duration, f func() bool, fail func()) 
 	return time.Since(start)
 }
 
-// EventuallyLast is Eventually for a state worth showing: f reports whether it is reached and
-// describes what it saw. When within passes first it fails the test with what and f's last
-// description, so the failure says where the state was stuck. It returns how long it took.
-func EventuallyLast(t testing.TB, within time.Duration, what string, f func() (done bool, last string)) time.Duration {
+// EventuallyOr is Eventually with a failure message worth computing: when within passes before f
+// is true it fails the test with failure(), called once then, which can show what f saw on its
+// last round (through the variables they share) and logs too costly to gather every round. It
+// returns how long it took.
+func EventuallyOr(t testing.TB, within time.Duration, f func() bool, failure func() string) time.Duration {
 	t.Helper()
-	var last string
-	return eventually(t, within, func() bool {
-		var done bool
-		done, last = f()
-		return done
-	}, func() { t.Fatalf("not within %v: %s (last seen: %s)", within, what, last) })
+	return eventually(t, within, f, func() { t.Fatalf("not within %v: %s", within, failure()) })
 }

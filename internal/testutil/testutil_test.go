@@ -20,30 +20,26 @@ func (r *fatalRecorder) Fatalf(format string, args ...any) {
 	runtime.Goexit()
 }
 
-func TestEventuallyLastReportsTheLastValueSeen(t *testing.T) {
+func TestEventuallyOrFailsWithWhatWasSeenLast(t *testing.T) {
 	r := &fatalRecorder{TB: t}
 	n := 0
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		EventuallyLast(r, 50*time.Millisecond, "n reaches -1", func() (bool, string) {
-			n++
-			return false, fmt.Sprintf("n=%d", n)
-		})
+		EventuallyOr(r, 50*time.Millisecond, func() bool { n++; return false },
+			func() string { return fmt.Sprintf("n reaches -1: n=%d", n) })
 	}()
 	<-done
-	want := fmt.Sprintf("not within 50ms: n reaches -1 (last seen: n=%d)", n)
+	want := fmt.Sprintf("not within 50ms: n reaches -1: n=%d", n)
 	if n < 2 || r.msg != want {
 		t.Fatalf("after %d polls: failure %q, want %q", n, r.msg, want)
 	}
 }
 
-func TestEventuallyLastReturnsOnceDone(t *testing.T) {
+func TestEventuallyOrReturnsOnceTrue(t *testing.T) {
 	n := 0
-	EventuallyLast(t, 5*time.Second, "n reaches 3", func() (bool, string) {
-		n++
-		return n == 3, fmt.Sprint(n)
-	})
+	EventuallyOr(t, 5*time.Second, func() bool { n++; return n == 3 },
+		func() string { return "never called" })
 	if n != 3 {
 		t.Fatalf("polled %d times, want 3", n)
 	}
