@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // BenchmarkCheckpoint prints what a step checkpoint and a rollback cost through ember's API
@@ -98,8 +99,7 @@ func BenchmarkCheckpoint(b *testing.B) {
 			b.Fatal(err)
 		}
 		// The standby is ready (restored and frozen) after a think time; wait for it.
-		deadline := time.Now().Add(time.Minute)
-		for {
+		testutil.Eventually(b, time.Minute, "a standby of "+c.CheckpointID, func() bool {
 			var list []struct {
 				CheckpointID string `json:"checkpointID"`
 				Standby      bool   `json:"standby"`
@@ -109,14 +109,8 @@ func BenchmarkCheckpoint(b *testing.B) {
 			for _, l := range list {
 				ready = ready || (l.CheckpointID == c.CheckpointID && l.Standby)
 			}
-			if ready {
-				break
-			}
-			if time.Now().After(deadline) {
-				b.Fatalf("no standby of %s within a minute", c.CheckpointID)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
+			return ready
+		})
 		swap = append(swap, call("POST", base+"/rollback", map[string]any{"checkpointID": c.CheckpointID}, nil))
 		if out, err := n.run(sb, "test -e /home/user/try && echo try-left || echo rolled-back"); err != nil || out != "rolled-back\n" {
 			b.Fatalf("after a rollback by standby: %q %v", out, err)

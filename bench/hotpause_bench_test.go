@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/sandbox"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // BenchmarkHotPause (issue 18 items 1-2) measures, on one sandbox, alternated in one run:
@@ -60,12 +61,10 @@ func BenchmarkHotPause(b *testing.B) {
 	pause := func() time.Duration { return post("/sandboxes/"+sb.ID+"/pause", "{}", 204) }
 	resume := func() time.Duration { return post("/v2/sandboxes/"+sb.ID+"/connect", `{"timeout":3600}`, 201) }
 	onDisk := func() {
-		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-			if got, err := n.Manager.Get(ctx, sb.ID); err == nil && got.Runtime.Image != "" {
-				return
-			}
-		}
-		b.Fatal("the background checkpoint did not finish")
+		testutil.Eventually(b, 30*time.Second, "the background checkpoint finishes", func() bool {
+			got, err := n.Manager.Get(ctx, sb.ID)
+			return err == nil && got.Runtime.Image != ""
+		})
 	}
 	resumeReady := func() bool {
 		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {

@@ -139,9 +139,8 @@ func (e *env) requestBuild(name string) (string, string) {
 // waitBuild polls the build's status until it is not building.
 func (e *env) waitBuild(tpl, build string) buildInfo {
 	e.t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
 	var all buildInfo
-	for {
+	testutil.EventuallyOr(e.t, 10*time.Second, func() bool {
 		r := e.ctl("GET", fmt.Sprintf("/templates/%s/builds/%s/status?logsOffset=%d", tpl, build, len(all.LogEntries)), "")
 		if r.status != http.StatusOK {
 			e.t.Fatalf("status: %d %s", r.status, r.body)
@@ -150,14 +149,9 @@ func (e *env) waitBuild(tpl, build string) buildInfo {
 		r.json(e.t, &bi)
 		all.LogEntries = append(all.LogEntries, bi.LogEntries...)
 		all.Status, all.Reason, all.Logs = bi.Status, bi.Reason, bi.Logs
-		if bi.Status != "building" && bi.Status != "waiting" && len(bi.LogEntries) == 0 {
-			return all
-		}
-		if time.Now().After(deadline) {
-			e.t.Fatalf("build still %s; logs:\n%s", bi.Status, all.messages())
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return bi.Status != "building" && bi.Status != "waiting" && len(bi.LogEntries) == 0
+	}, func() string { return fmt.Sprintf("build still %s; logs:\n%s", all.Status, all.messages()) })
+	return all
 }
 
 func gzTar(t *testing.T, name, body string) []byte {

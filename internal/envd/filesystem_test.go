@@ -12,6 +12,7 @@ import (
 
 	fspb "github.com/ember-sandbox/ember/api/gen/filesystem"
 	"github.com/ember-sandbox/ember/internal/envd"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 func TestFilesystemRPCs(t *testing.T) {
@@ -233,7 +234,7 @@ func TestWatcherPolling(t *testing.T) {
 		t.Fatal(err)
 	}
 	var found *fspb.FilesystemEvent
-	for deadline := time.Now().Add(5 * time.Second); found == nil && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+	testutil.Eventually(t, 5*time.Second, "the watcher reports the create event of p.txt", func() bool {
 		r, err := h.fs.GetWatcherEvents(ctx, connect.NewRequest(&fspb.GetWatcherEventsRequest{WatcherId: id}))
 		if err != nil {
 			t.Fatal(err)
@@ -243,8 +244,9 @@ func TestWatcherPolling(t *testing.T) {
 				found = ev
 			}
 		}
-	}
-	if found == nil || found.GetEntry().GetPath() != dir+"/p.txt" {
+		return found != nil
+	})
+	if found.GetEntry().GetPath() != dir+"/p.txt" {
 		t.Fatalf("create event with entry not seen: %v", found)
 	}
 	if _, err := h.fs.RemoveWatcher(ctx, connect.NewRequest(&fspb.RemoveWatcherRequest{WatcherId: id})); err != nil {

@@ -6,6 +6,7 @@ import (
 	"crypto/tls"
 	"encoding/binary"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -20,6 +21,7 @@ import (
 
 	pb "github.com/ember-sandbox/ember/api/gen/process"
 	"github.com/ember-sandbox/ember/internal/envd"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // envelope frames one Connect streaming message.
@@ -246,16 +248,11 @@ func TestReaper(t *testing.T) {
 	for e := range errs {
 		t.Error(e)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	testutil.EventuallyOr(t, 5*time.Second, func() bool {
 		_, err := os.Stat("/proc/" + strconv.Itoa(orphan))
-		if os.IsNotExist(err) {
-			break
-		}
-		if time.Now().After(deadline) {
-			b, _ := os.ReadFile("/proc/" + strconv.Itoa(orphan) + "/stat")
-			t.Fatalf("orphan %d not reaped: %s", orphan, b)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return os.IsNotExist(err)
+	}, func() string {
+		b, _ := os.ReadFile("/proc/" + strconv.Itoa(orphan) + "/stat")
+		return fmt.Sprintf("orphan %d not reaped: %s", orphan, b)
+	})
 }

@@ -557,14 +557,10 @@ func TestEgressUpdate(t *testing.T) {
 	t.Cleanup(stopClient)
 	await := func(want int32, what string) {
 		t.Helper()
-		deadline := time.Now().Add(5 * time.Second)
 		open.Store(0)
-		for open.Load() != want {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: client still sees %d after 5 s, want %d", what, open.Load(), want)
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+		testutil.EventuallyOr(t, 5*time.Second, func() bool { return open.Load() == want }, func() string {
+			return fmt.Sprintf("%s: client sees %d, want %d", what, open.Load(), want)
+		})
 	}
 	await(1, "default rules")
 

@@ -771,13 +771,9 @@ func TestPool(t *testing.T) {
 
 func waitPool(t testing.TB, m *Manager) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for m.PoolLen() < m.Config().PoolSize {
-		if time.Now().After(deadline) {
-			t.Fatalf("pool has %d of %d slots after 10s", m.PoolLen(), m.Config().PoolSize)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testutil.EventuallyOr(t, 10*time.Second, func() bool { return m.PoolLen() >= m.Config().PoolSize }, func() string {
+		return fmt.Sprintf("pool has %d of %d slots", m.PoolLen(), m.Config().PoolSize)
+	})
 }
 
 // BenchmarkAcquireRelease runs Acquire then Release back to back and reports each part. The

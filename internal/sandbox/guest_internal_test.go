@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -10,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // connCounter is a test server that counts the connections it accepted and the ones closed.
@@ -93,20 +96,16 @@ func TestGuestStopClosesIdleConnections(t *testing.T) {
 			get(t, g, srv.URL)
 			gt := g.byAddr[u.Hostname()]
 			tc.stop(g, u.Hostname())
-			deadline := time.Now().Add(2 * time.Second)
-			for {
+			var tracked, opened, closed int
+			testutil.EventuallyOr(t, 2*time.Second, func() bool {
 				gt.mu.Lock()
-				tracked := len(gt.conns)
+				tracked = len(gt.conns)
 				gt.mu.Unlock()
-				opened, closed := cc.get()
-				if tracked == 0 && opened == 1 && closed == 1 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("after the stop: %d connections tracked, server saw %d opened and %d closed; want 0, 1, 1", tracked, opened, closed)
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
+				opened, closed = cc.get()
+				return tracked == 0 && opened == 1 && closed == 1
+			}, func() string {
+				return fmt.Sprintf("after the stop: %d connections tracked, server saw %d opened and %d closed; want 0, 1, 1", tracked, opened, closed)
+			})
 			if tc.name == "address reused by a new sandbox" {
 				get(t, g, srv.URL)
 				if opened, _ := cc.get(); opened != 2 {
@@ -167,19 +166,11 @@ func TestGuestOpenWarmsAConnection(t *testing.T) {
 	port, _ := strconv.Atoi(u.Port())
 	g := newGuestTransports(nil, port)
 	g.open(u.Hostname(), "inst-1", true)
-	deadline := time.Now().Add(2 * time.Second)
-	for {
+	testutil.Eventually(t, 2*time.Second, "open made no request of its own", func() bool {
 		mu.Lock()
-		n := len(paths)
-		mu.Unlock()
-		if n == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("open made no request of its own")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+		defer mu.Unlock()
+		return len(paths) == 1
+	})
 	time.Sleep(20 * time.Millisecond) // the warm-up's connection back to idle
 	get(t, g, srv.URL+"/process.Process/Start")
 	mu.Lock()

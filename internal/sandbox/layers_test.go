@@ -13,6 +13,7 @@ import (
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 	"github.com/ember-sandbox/ember/internal/template/build"
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // A template record (ember.db, or etcd in a cluster) whose stack names the data directory
@@ -38,8 +39,7 @@ func TestTemplateStackNamingTheDataDirIsRefused(t *testing.T) {
 		if err := n.b.StartBuild(ctx, "child", b.ID, build.StepBuildRequest{FromTemplate: "base", Steps: []build.Step{{Type: "ENV", Args: []string{"A", "1"}}}}); err != nil {
 			t.Fatal(err)
 		}
-		deadline := time.Now().Add(10 * time.Second)
-		for {
+		testutil.Eventually(t, 10*time.Second, "build never ended", func() bool {
 			got, err := n.b.GetBuild(ctx, "child", b.ID)
 			if err != nil {
 				t.Fatal(err)
@@ -48,16 +48,13 @@ func TestTemplateStackNamingTheDataDirIsRefused(t *testing.T) {
 				if !strings.Contains(got.Reason.Message, "not a layer ember made") {
 					t.Fatalf("build failed for another reason: %s", got.Reason.Message)
 				}
-				break
+				return true
 			}
 			if got.Status == build.BuildReady {
 				t.Fatalf("a step build composed from a stack naming %s", bad)
 			}
-			if time.Now().After(deadline) {
-				t.Fatal("build never ended")
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
+			return false
+		})
 	}
 }
 

@@ -74,11 +74,18 @@ func SkipShort(t testing.TB, reason string) {
 // polls often at first and backs off to every 100 ms; it returns how long it took.
 func Eventually(t testing.TB, within time.Duration, what string, f func() bool) time.Duration {
 	t.Helper()
+	return eventually(t, within, f, func() { t.Fatalf("not within %v: %s", within, what) })
+}
+
+// eventually polls f, often at first and then every 100 ms, calling fail (which must end the
+// test) when within passes before f is true.
+func eventually(t testing.TB, within time.Duration, f func() bool, fail func()) time.Duration {
+	t.Helper()
 	start := time.Now()
 	wait := 5 * time.Millisecond
 	for !f() {
 		if time.Since(start) > within {
-			t.Fatalf("not within %v: %s", within, what)
+			fail()
 		}
 		time.Sleep(wait)
 		if wait < 100*time.Millisecond {
@@ -86,4 +93,13 @@ func Eventually(t testing.TB, within time.Duration, what string, f func() bool) 
 		}
 	}
 	return time.Since(start)
+}
+
+// EventuallyOr is Eventually with a failure message worth computing: when within passes before f
+// is true it fails the test with failure(), called once then, which can show what f saw on its
+// last round (through the variables they share) and logs too costly to gather every round. It
+// returns how long it took.
+func EventuallyOr(t testing.TB, within time.Duration, f func() bool, failure func() string) time.Duration {
+	t.Helper()
+	return eventually(t, within, f, func() { t.Fatalf("not within %v: %s", within, failure()) })
 }

@@ -551,11 +551,9 @@ func TestSharedVolumeLimits(t *testing.T) {
 	if err := other.Destroy(ctx, "", v.ID); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for _, err := os.Stat(filepath.Join(shared, v.ID)); !os.IsNotExist(err); _, err = os.Stat(filepath.Join(shared, v.ID)) {
-		if time.Now().After(deadline) {
-			t.Fatalf("the destroyed volume's image is still mounted: %v", err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	var statErr error
+	testutil.EventuallyOr(t, 10*time.Second, func() bool {
+		_, statErr = os.Stat(filepath.Join(shared, v.ID))
+		return os.IsNotExist(statErr)
+	}, func() string { return fmt.Sprintf("the destroyed volume's image is still mounted: %v", statErr) })
 }

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -9,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 type checkpointItem struct {
@@ -135,17 +138,10 @@ func TestCheckpointRollback(t *testing.T) {
 	// files, memory and processes.
 	d.run(t, s, "echo X > /home/user/f; echo X > /dev/shm/m")
 	poke(t, d, s)
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	testutil.EventuallyOr(t, 30*time.Second, func() bool {
 		d.api(t, "GET", base+"/checkpoints", nil, &list)
-		if len(list) == 3 && list[2].Standby {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no standby of the head within 30 s: %+v\n%s", list, d.logs())
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return len(list) == 3 && list[2].Standby
+	}, func() string { return fmt.Sprintf("no standby of the head: %+v\n%s", list, d.logs()) })
 	rollback(c.CheckpointID)
 	swapped := func() bool {
 		for _, l := range strings.Split(d.allLogs(), "\n") {
@@ -239,13 +235,9 @@ func TestCheckpointRollback(t *testing.T) {
 	}
 	waitLayers := func(want int) {
 		t.Helper()
-		deadline := time.Now().Add(20 * time.Second)
-		for len(layers()) != want {
-			if time.Now().After(deadline) {
-				t.Fatalf("checkpoint layers %v, want %d", layers(), want)
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
+		testutil.EventuallyOr(t, 20*time.Second, func() bool { return len(layers()) == want }, func() string {
+			return fmt.Sprintf("checkpoint layers %v, want %d", layers(), want)
+		})
 	}
 	waitLayers(2) // B's (the fork child) and the other sandbox's
 	for _, id := range []string{child.SandboxID, other.SandboxID} {

@@ -329,13 +329,9 @@ func TestEgressFromSandboxes(t *testing.T) {
 			resp.Body.Close()
 			return resp.StatusCode
 		}
-		deadline := time.Now().Add(10 * time.Second)
-		for get(*s.TrafficAccessToken) != 200 {
-			if time.Now().After(deadline) {
-				t.Fatal("guest http server not reachable with the token")
-			}
-			time.Sleep(200 * time.Millisecond)
-		}
+		testutil.Eventually(t, 10*time.Second, "guest http server reachable with the token", func() bool {
+			return get(*s.TrafficAccessToken) == 200
+		})
 		if code := get(""); code != 403 {
 			t.Errorf("without token: %d, want 403", code)
 		}
@@ -355,7 +351,7 @@ func TestEgressFromSandboxes(t *testing.T) {
 		d.background(t, s, `cd /tmp && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout k.pem -out c.pem -days 1 -subj /CN=sandbox 2>/dev/null && `+
 			`exec python3 -c 'import http.server, ssl; s = http.server.HTTPServer(("0.0.0.0", 8443), http.server.SimpleHTTPRequestHandler); c = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); c.load_cert_chain("c.pem", "k.pem"); s.socket = c.wrap_socket(s.socket, server_side=True); s.serve_forever()'`)
 		code, body := 0, ""
-		for deadline := time.Now().Add(20 * time.Second); code != 200 && time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		testutil.EventuallyOr(t, 20*time.Second, func() bool {
 			req, _ := http.NewRequest("GET", "http://"+d.addr+"/c.pem", nil)
 			req.Header.Set("E2b-Sandbox-Id", s.SandboxID)
 			req.Header.Set("E2b-Sandbox-Port", "8443")
@@ -366,8 +362,9 @@ func TestEgressFromSandboxes(t *testing.T) {
 			b, _ := io.ReadAll(resp.Body)
 			resp.Body.Close()
 			code, body = resp.StatusCode, string(b)
-		}
-		if code != 200 || !strings.Contains(body, "BEGIN CERTIFICATE") {
+			return code == 200
+		}, func() string { return fmt.Sprintf("GET through the plane to the HTTPS port: %d %q", code, body) })
+		if !strings.Contains(body, "BEGIN CERTIFICATE") {
 			t.Fatalf("GET through the plane to the HTTPS port: %d %q", code, body)
 		}
 	})

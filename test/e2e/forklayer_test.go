@@ -1,10 +1,13 @@
 package e2e
 
 import (
+	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // forkLayers lists the fork layers (the sources' layers captured read-only) in d's data dir.
@@ -106,13 +109,9 @@ time.sleep(600)`
 		t.Errorf("the last child reads %q", r.stdout)
 	}
 	d.api(t, "DELETE", "/sandboxes/"+kids[3].SandboxID, nil, nil)
-	deadline := time.Now().Add(15 * time.Second)
-	for d.forkLayers()[layer] || mountedUnder(d, layer) {
-		if time.Now().After(deadline) {
-			t.Fatalf("fork layer %s still there (mounted: %v) 15 s after its last child was killed\n%s", layer, mountedUnder(d, layer), d.logs())
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	testutil.EventuallyOr(t, 15*time.Second, func() bool { return !d.forkLayers()[layer] && !mountedUnder(d, layer) }, func() string {
+		return fmt.Sprintf("fork layer %s still there (mounted: %v) after its last child was killed\n%s", layer, mountedUnder(d, layer), d.logs())
+	})
 }
 
 // mountedUnder reports whether anything is mounted at or below dir.

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // Hot pause (issue 18 items 1-3) against real runsc: a pause freezes the sandbox in place and a
@@ -145,24 +147,18 @@ func TestHotPause(t *testing.T) {
 			time.Sleep(200 * time.Millisecond)
 		}
 		want := []string{"disk", "memory", "memory"}
-		deadline := time.Now().Add(20 * time.Second)
-		for {
-			got := make([]string, 3)
+		var got []string
+		testutil.EventuallyOr(t, 20*time.Second, func() bool {
+			got = make([]string, 3)
 			for i, hs := range hss {
 				_, got[i] = d.tier(t, hs.sbx)
 			}
-			if fmt.Sprint(got) == fmt.Sprint(want) {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("tiers %v, want %v\n%s", got, want, d.logs())
-			}
-			time.Sleep(200 * time.Millisecond)
-		}
+			return fmt.Sprint(got) == fmt.Sprint(want)
+		}, func() string { return fmt.Sprintf("tiers %v, want %v\n%s", got, want, d.logs()) })
 		// The demoted sandbox's memory went back to the host: its instance and processes are gone
 		// (the record says disk first; the instance ends right after).
 		left := ""
-		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		testutil.EventuallyOr(t, 10*time.Second, func() bool {
 			left = ""
 			for _, i := range d.instances() {
 				if i.ID == hss[0].inst {
@@ -174,13 +170,8 @@ func TestHotPause(t *testing.T) {
 					left = "process " + p.args
 				}
 			}
-			if left == "" {
-				break
-			}
-		}
-		if left != "" {
-			t.Fatalf("the demoted sandbox still holds %s", left)
-		}
+			return left == ""
+		}, func() string { return "the demoted sandbox still holds " + left })
 		for i, hs := range hss {
 			if thawed := d.resumeAndCheck(t, hs); thawed != (i > 0) {
 				t.Errorf("sandbox %d (tier %s): thawed %v", i, want[i], thawed)

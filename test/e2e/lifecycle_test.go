@@ -10,6 +10,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 func TestDaemonCrashAndRestart(t *testing.T) {
@@ -192,12 +194,13 @@ func TestCorruptSnapshotIsRefused(t *testing.T) {
 	// The snapshot answers once captured; its upload to the store follows. This node then
 	// keeps its own capture as the local copy: remove it, so that the create below loads the
 	// snapshot from the store, as another node would.
-	for deadline := time.Now().Add(2 * time.Minute); d.snapshotState(t, snap.SnapshotID) != "stored"; {
-		if time.Now().After(deadline) {
-			t.Fatalf("snapshot %s not stored after 2 min\n%s", snap.SnapshotID, d.logs())
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	snapState := ""
+	testutil.EventuallyOr(t, 2*time.Minute, func() bool {
+		snapState = d.snapshotState(t, snap.SnapshotID)
+		return snapState == "stored"
+	}, func() string {
+		return fmt.Sprintf("snapshot %s %q, not stored\n%s", snap.SnapshotID, snapState, d.logs())
+	})
 	if err := os.RemoveAll(filepath.Join(d.dataDir, "images", snap.SnapshotID)); err != nil {
 		t.Fatal(err)
 	}
@@ -256,19 +259,16 @@ func TestTimeoutKillsOrAutoPauses(t *testing.T) {
 	killed := d.create(t, map[string]any{"timeout": 2})
 	paused := d.create(t, map[string]any{"timeout": 2, "autoPause": true})
 	d.run(t, paused, "echo kept > /home/user/auto.txt")
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+	codeK, pausedState := 0, ""
+	testutil.EventuallyOr(t, 20*time.Second, func() bool {
 		var info sbx
-		codeK := d.api(t, "GET", "/sandboxes/"+killed.SandboxID, nil, nil)
+		codeK = d.api(t, "GET", "/sandboxes/"+killed.SandboxID, nil, nil)
 		d.api(t, "GET", "/sandboxes/"+paused.SandboxID, nil, &info)
-		if codeK == 404 && info.State == "paused" {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after the timeout: plain sandbox status %d (want 404), autoPause sandbox state %q (want paused)", codeK, info.State)
-		}
-		time.Sleep(500 * time.Millisecond)
-	}
+		pausedState = info.State
+		return codeK == 404 && pausedState == "paused"
+	}, func() string {
+		return fmt.Sprintf("after the timeout: plain sandbox status %d (want 404), autoPause sandbox state %q (want paused)", codeK, pausedState)
+	})
 	var again sbx
 	if code := d.api(t, "POST", "/v2/sandboxes/"+paused.SandboxID+"/connect", map[string]any{"timeout": 60}, &again); code != 201 {
 		t.Fatalf("resume auto-paused: %d", code)

@@ -1,9 +1,12 @@
 package e2e
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // A process that allocates far past the sandbox's memory (1 GiB by default) does not hang its
@@ -24,26 +27,25 @@ func TestMemoryLimitStopsTheSandboxWithAReason(t *testing.T) {
 	if took > 30*time.Second {
 		t.Fatalf("the command took %s: it hung instead of failing", took)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		code, body := d.apiBody(t, "GET", "/sandboxes/"+s.SandboxID, nil, nil)
+	code, body := 0, ""
+	testutil.EventuallyOr(t, 5*time.Second, func() bool {
+		code, body = d.apiBody(t, "GET", "/sandboxes/"+s.SandboxID, nil, nil)
 		if code == 404 && strings.Contains(body, "out of memory") {
 			t.Logf("GET: %s", body)
-			break
+			return true
 		}
 		if code == 200 && (err != nil || r.exitCode != 0) {
 			// The process alone was killed (by envd's guard: "signal: killed") and the
 			// sandbox lives on: the usual case now.
 			if rr := d.run(t, s, "echo alive"); rr.stdout == "alive\n" {
 				t.Logf("the sandbox survived, the process was killed")
-				break
+				return true
 			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("5 s after the allocation: GET %d %s, want 404 naming out of memory", code, body)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return false
+	}, func() string {
+		return fmt.Sprintf("after the allocation: GET %d %s, want 404 naming out of memory", code, body)
+	})
 }
 
 // A file written just before a pause is there after the resume, round after round: the

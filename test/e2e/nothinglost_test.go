@@ -53,22 +53,18 @@ func (d *daemon) createdHow(id string) string {
 // waitInstances waits (bounded) until runsc runs at least n instances under the daemon's root.
 func (d *daemon) waitInstances(t *testing.T, n int, bound time.Duration) {
 	t.Helper()
-	deadline := time.Now().Add(bound)
-	for {
-		running := 0
+	running := 0
+	testutil.EventuallyOr(t, bound, func() bool {
+		running = 0
 		for _, i := range d.instances() {
 			if i.Status == "running" {
 				running++
 			}
 		}
-		if running >= n {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("node %s: %d instances running after %s, want %d (warm pool)\n%s", d.nodeID, running, bound, n, d.logs())
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return running >= n
+	}, func() string {
+		return fmt.Sprintf("node %s: %d instances running, want %d (warm pool)\n%s", d.nodeID, running, n, d.logs())
+	})
 }
 
 const guestIPCmd = `python3 -c "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect(('10.255.255.255',1)); print(s.getsockname()[0])"`

@@ -1,12 +1,15 @@
 package e2e
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 type poolJSON struct {
@@ -87,17 +90,12 @@ func TestPoolFollowsABurstWithinItsBudget(t *testing.T) {
 		"--prestart-size", "0", "--prestart-max", "0"}})
 	settled := func(what string, within time.Duration, ok func(p poolJSON) bool) poolJSON {
 		t.Helper()
-		deadline := time.Now().Add(within)
-		for {
-			p := d.restoredPool(t)
-			if ok(p) {
-				return p
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: not within %s: %+v\n%s", what, within, p, d.logs())
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
+		var p poolJSON
+		testutil.EventuallyOr(t, within, func() bool {
+			p = d.restoredPool(t)
+			return ok(p)
+		}, func() string { return fmt.Sprintf("%s: %+v\n%s", what, p, d.logs()) })
+		return p
 	}
 	settled("pool at its minimum", 2*time.Minute, func(p poolJSON) bool { return p.Ready == 1 && p.RefillsInFlight == 0 })
 	// The pool's instance was restored at the refills' low CPU weight; the create that takes it
@@ -160,9 +158,7 @@ func TestPoolFollowsABurstWithinItsBudget(t *testing.T) {
 	}
 	// Idle, it shrinks back to its minimum, step by step.
 	settled("pool back at its minimum", 90*time.Second, func(p poolJSON) bool { return p.Ready == 1 && p.Target == 1 })
-	for deadline := time.Now().Add(20 * time.Second); len(d.instances()) != 1; time.Sleep(100 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("runsc instances %+v with a pool of 1 and no sandbox", d.instances())
-		}
-	}
+	testutil.EventuallyOr(t, 20*time.Second, func() bool { return len(d.instances()) == 1 }, func() string {
+		return fmt.Sprintf("runsc instances %+v with a pool of 1 and no sandbox", d.instances())
+	})
 }

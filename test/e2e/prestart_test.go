@@ -1,54 +1,54 @@
 package e2e
 
 import (
+	"fmt"
 	"regexp"
 	"slices"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // waitPrestarted waits (bounded) until runsc holds at least n pre-started instances (state
 // "created") under the daemon's root.
 func (d *daemon) waitPrestarted(t *testing.T, n int, bound time.Duration) []instance {
 	t.Helper()
-	deadline := time.Now().Add(bound)
-	for {
-		var pre []instance
+	var pre []instance
+	testutil.EventuallyOr(t, bound, func() bool {
+		pre = nil
 		for _, i := range d.instances() {
 			if i.Status == "created" {
 				pre = append(pre, i)
 			}
 		}
-		if len(pre) >= n {
-			return pre
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("node %s: %d pre-started instances after %s, want %d\n%s", d.nodeID, len(pre), bound, n, d.logs())
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return len(pre) >= n
+	}, func() string {
+		return fmt.Sprintf("node %s: %d pre-started instances, want %d\n%s", d.nodeID, len(pre), n, d.logs())
+	})
+	return pre
 }
 
 // waitResumeInstance waits (bounded) until GET /ember/pools shows an instance pre-started for
 // the resume of paused sandbox id.
 func (d *daemon) waitResumeInstance(t *testing.T, id string) {
 	t.Helper()
-	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+	testutil.EventuallyOr(t, 30*time.Second, func() bool {
 		var pools []struct {
 			Kind       string   `json:"kind"`
 			SandboxIDs []string `json:"sandboxIDs"`
 		}
 		if code, _, err := d.call(10*time.Second, "GET", "/ember/pools", nil, &pools); err != nil || code != 200 {
-			continue
+			return false
 		}
 		for _, p := range pools {
 			if p.Kind == "resume" && slices.Contains(p.SandboxIDs, id) {
-				return
+				return true
 			}
 		}
-	}
-	t.Fatalf("no instance pre-started for the resume of %s within 30 s\n%s", id, d.logs())
+		return false
+	}, func() string { return fmt.Sprintf("no instance pre-started for the resume of %s\n%s", id, d.logs()) })
 }
 
 // TestPoolMissRestoresIntoPrestarted: with the restored pool off, a create restores the

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"fmt"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -11,6 +12,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // Named snapshots answer before their upload (issue 11 lever 6). These tests run on node c1
@@ -197,19 +200,17 @@ func TestDeleteSnapshotDuringUpload(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(d.dataDir, "images", "updel")); !os.IsNotExist(err) {
 		t.Fatalf("capture after delete: %v", err)
 	}
-	deadline := time.Now().Add(time.Minute)
-	for {
-		_, merr := os.Stat(filepath.Join(d.dataDir, "snapshots", "manifests", "updel.json"))
-		n := d.chunkFiles()
-		stages, _ := filepath.Glob(filepath.Join(d.dataDir, "images", ".*"))
-		if os.IsNotExist(merr) && n <= before && len(stages) == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("left behind a minute after the delete: manifest %v, %d chunks (before %d), stages %v\n%s", merr, n, before, stages, d.logs())
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	var merr error
+	var chunks int
+	var stages []string
+	testutil.EventuallyOr(t, time.Minute, func() bool {
+		_, merr = os.Stat(filepath.Join(d.dataDir, "snapshots", "manifests", "updel.json"))
+		chunks = d.chunkFiles()
+		stages, _ = filepath.Glob(filepath.Join(d.dataDir, "images", ".*"))
+		return os.IsNotExist(merr) && chunks <= before && len(stages) == 0
+	}, func() string {
+		return fmt.Sprintf("left behind after the delete: manifest %v, %d chunks (before %d), stages %v\n%s", merr, chunks, before, stages, d.logs())
+	})
 	if !strings.Contains(d.logs(), `msg="snapshot upload stopped" snapshot=updel why="snapshot deleted"`) {
 		t.Errorf("no log line of the cancelled upload\n%s", d.logs())
 	}

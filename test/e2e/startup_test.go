@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // TestAPIServesWhileStartupTemplatesBuild: a daemon building its start-up templates (here base,
@@ -31,13 +33,9 @@ func TestAPIServesWhileStartupTemplatesBuild(t *testing.T) {
 		b, _ := io.ReadAll(resp.Body)
 		return resp.StatusCode, string(b)
 	}
-	deadline := time.Now().Add(10 * time.Minute)
-	for {
+	testutil.EventuallyOr(t, 10*time.Minute, func() bool {
 		if !d.running() {
 			t.Fatalf("ember serve exited: %v\n%s", d.exitErr, d.logs())
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the API did not answer within 10 min\n%s", d.logs())
 		}
 		code, body := health()
 		if code == http.StatusOK {
@@ -51,10 +49,10 @@ func TestAPIServesWhileStartupTemplatesBuild(t *testing.T) {
 			if err := json.Unmarshal([]byte(body), &h); err != nil || h.Status != "starting" || len(h.Building) != 1 || h.Building[0] != "base" {
 				t.Fatalf("/health while base builds: %s", body)
 			}
-			break
+			return true
 		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return false
+	}, func() string { return "the API did not answer\n" + d.logs() })
 	key, err := os.ReadFile(filepath.Join(d.dataDir, "api-key"))
 	if err != nil {
 		t.Fatal(err)

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
+
+	"github.com/ember-sandbox/ember/internal/testutil"
 )
 
 // stepBuild drives E2B's template build API (the SDK's Template.build) to its end: request,
@@ -25,8 +27,8 @@ func (d *daemon) stepBuild(t *testing.T, name string, body map[string]any) (stri
 		t.Fatalf("start build: %d %s", code, b)
 	}
 	var logs []string
-	deadline := time.Now().Add(5 * time.Minute)
-	for {
+	status := ""
+	testutil.EventuallyOr(t, 5*time.Minute, func() bool {
 		var st struct {
 			Status     string
 			LogEntries []struct{ Message string }
@@ -36,17 +38,16 @@ func (d *daemon) stepBuild(t *testing.T, name string, body map[string]any) (stri
 		for _, e := range st.LogEntries {
 			logs = append(logs, e.Message)
 		}
+		status = st.Status
 		if st.Status != "building" && st.Status != "waiting" && len(st.LogEntries) == 0 {
 			if st.Reason != nil {
 				logs = append(logs, "REASON step "+st.Reason.Step+": "+st.Reason.Message)
 			}
-			return st.Status, strings.Join(logs, "\n")
+			return true
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("build still %s:\n%s", st.Status, strings.Join(logs, "\n"))
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return false
+	}, func() string { return fmt.Sprintf("build still %s:\n%s", status, strings.Join(logs, "\n")) })
+	return status, strings.Join(logs, "\n")
 }
 
 // tryStepBuild is stepBuild for goroutines: no t.

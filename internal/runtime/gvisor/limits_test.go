@@ -241,20 +241,13 @@ func TestMemoryLimitStopsSandbox(t *testing.T) {
 	if ctx.Err() != nil {
 		t.Fatalf("the allocating exec hung: %v", err)
 	}
-	deadline := time.Now().Add(2 * time.Second)
-	for {
+	testutil.Eventually(t, 2*time.Second, "the sandbox stops after its over-limit exec returned", func() bool {
 		st, err := d.State(context.Background(), sp.ID)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if st.State == runtime.StateStopped {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("sandbox still runs 2 s after its over-limit exec returned")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return st.State == runtime.StateStopped
+	})
 	t.Logf("MemoryMB=256, 1000 MiB allocated: exec returned after %v, sandbox stopped after %v", returned, time.Since(t0))
 	if n := cgroupInt(t, d, sp.ID, "memory.oom_control", "oom_kill"); n < 1 {
 		t.Errorf("memory.oom_control oom_kill = %d, want >= 1 (how Wait tells out of memory)", n)
@@ -314,20 +307,13 @@ func TestPidsHostBackstop(t *testing.T) {
 	sp := runtime.Spec{ID: "gv-pidslim2", RootFS: drivertest.BusyboxRootFS(t), StateDir: t.TempDir(), Args: []string{"/bin/sleep", "100000"}, PidsLimit: 16}
 	startInstance(t, d, sp)
 	_, _, _ = d.Exec(context.Background(), sp.ID, []string{"sh", "-c", "for i in $(seq 1 120); do sleep 1000 & done; wait"})
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	testutil.Eventually(t, 10*time.Second, "the sandbox with 120 tasks over a host bound of 160 host tasks stops", func() bool {
 		st, err := d.State(context.Background(), sp.ID)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if st.State == runtime.StateStopped {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("sandbox with 120 tasks over a host bound of 160 host tasks still runs")
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return st.State == runtime.StateStopped
+	})
 	if n := cgroupInt(t, d, sp.ID, "pids.events", "max"); n < 1 {
 		t.Errorf("pids.events max = %d, want >= 1", n)
 	}
