@@ -527,3 +527,45 @@ func TestTemplateBuildValidation(t *testing.T) {
 		t.Fatalf("a requested build is waiting: %s", r.body)
 	}
 }
+
+// A template's image that cannot be restored (CI saw one: gVisor panicked on every restore of
+// it) is made again before the template is published: the build succeeds and its sandboxes
+// start, instead of a ready template whose every create fails.
+func TestTemplateImageThatDoesNotRestoreIsMadeAgain(t *testing.T) {
+	e := newEnv(t)
+	tplDir := datadir.Templates(e.fake.dataDir)
+	var mu sync.Mutex
+	checkpoints, poisoned := 0, false
+	e.fake.rig.Driver.Image = func(op, dir string) error {
+		if !strings.HasPrefix(dir, tplDir+string(os.PathSeparator)+"flaky") {
+			return nil
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		switch op {
+		case "Checkpoint":
+			checkpoints++
+			poisoned = checkpoints == 1 // the first image made is bad
+		case "Restore":
+			if poisoned {
+				return fmt.Errorf("fake: restore: panic: unexpected tcp state in processor: BOUND")
+			}
+		}
+		return nil
+	}
+	tpl, bid := e.requestBuild("flaky")
+	e.ctl("POST", "/v2/templates/flaky/builds/"+bid, buildBody(`{"type":"RUN","args":["echo fine"]}`))
+	if bi := e.waitBuild(tpl, bid); bi.Status != "ready" {
+		t.Fatalf("build %s: %+v\n%s", bi.Status, bi.Reason, bi.messages())
+	}
+	for i := 0; i < 2; i++ {
+		if r := e.ctl("POST", "/sandboxes", `{"templateID":"flaky"}`); r.status != http.StatusCreated {
+			t.Fatalf("create %d from the built template: %d %s", i, r.status, r.body)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if checkpoints != 2 {
+		t.Fatalf("%d checkpoints of the template; want 2 (the bad image made again)", checkpoints)
+	}
+}

@@ -28,6 +28,10 @@ type BuildSandboxSpec struct {
 	Template *Template
 	// Token is envd's access token from its first moments.
 	Token string
+	// Image, when set, is restored (read, not consumed) instead of booting Template's stack:
+	// its envd already holds Token. A template build restores its new image once before it
+	// publishes it.
+	Image string
 	// Resources (0: the node's defaults) and egress.
 	CPUCount, MemoryMB, DiskMB int
 	Internet                   bool
@@ -53,6 +57,9 @@ func (h BuildHost) LaunchBuildSandbox(ctx context.Context, spec BuildSandboxSpec
 		cpu: orDefault(spec.CPUCount, m.cfg.CPUCount), memMB: orDefault(spec.MemoryMB, m.cfg.MemoryMB), diskMB: orDefault(spec.DiskMB, m.cfg.DiskMB)}
 	if spec.Internet {
 		ls.egress = Egress{AllowInternet: true}
+	}
+	if spec.Image != "" {
+		ls.image, ls.initToken = spec.Image, spec.Token
 	}
 	p, err := m.launch(ctx, ls)
 	if err != nil {

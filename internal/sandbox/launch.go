@@ -101,10 +101,20 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 	}
 	t0 := time.Now()
 	if spec.into != nil {
+		if err := m.startSlot(ctx); err != nil {
+			return p, err
+		}
+		defer m.startDone()
 		return p, m.restoreInto(ctx, spec, p, t0)
 	}
 	if err := m.admit(ctx, inst); err != nil {
 		return p, err
+	}
+	if !spec.prestart {
+		if err := m.startSlot(ctx); err != nil {
+			return p, err
+		}
+		defer m.startDone()
 	}
 	slot, err := m.cfg.Network.Acquire(ctx, spec.egress)
 	if err != nil {
@@ -161,6 +171,27 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 	}
 	return p, m.launched(ctx, spec, p, t0, t1)
 }
+
+// startSlot waits for one of the node's MaxStarting tokens (startDone gives it back).
+func (m *Manager) startSlot(ctx context.Context) error {
+	select {
+	case m.starting <- struct{}{}:
+		return nil
+	default:
+	}
+	t0 := time.Now()
+	select {
+	case m.starting <- struct{}{}:
+		if w := time.Since(t0); w > time.Second {
+			m.cfg.Logger.Debug("waited to start an instance", "wait_ms", ms(w), "max_starting", cap(m.starting))
+		}
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("waiting to start an instance (%d are starting): %w", cap(m.starting), context.Cause(ctx))
+	}
+}
+
+func (m *Manager) startDone() { <-m.starting }
 
 // restoreInto is launch's path for a pre-started instance: spec.image is restored into the
 // instance of p, then envd and /init as for any launch.
@@ -377,14 +408,12 @@ func (m *Manager) identify(ctx context.Context, client *http.Client, base string
 	return m.trustEgressCA(ctx, client, base, spec.init) // egressca.go
 }
 
-// initTimeout bounds envd's /init (a wedged guest must not hold a create forever).
-const initTimeout = 10 * time.Second
-
 // initEnvd gives the sandbox its identity through client: env vars and access token. oldToken
 // authenticates against an envd that already holds one (template, pool instance, snapshot or
-// fork).
+// fork). envd has EnvdTimeout to answer (a wedged guest must not hold a create forever); one
+// that does not is the guest's failure to start (503 saying so), not an internal error.
 func (m *Manager) initEnvd(ctx context.Context, client *http.Client, base string, sb *Sandbox, oldToken string, tpl *Template) error {
-	ctx, cancel := context.WithTimeout(ctx, initTimeout)
+	ictx, cancel := context.WithTimeout(ctx, m.cfg.EnvdTimeout)
 	defer cancel()
 	user, workdir := "user", "/home/user"
 	env := sb.EnvVars
@@ -414,7 +443,11 @@ func (m *Manager) initEnvd(ctx context.Context, client *http.Client, base string
 		Timestamp:      time.Now().UTC(),
 	}
 	envd := envdclient.New(client, base, oldToken)
-	return m.sendWhenUp(ctx, func(ctx context.Context) error { return envd.Init(ctx, body) })
+	err := m.sendWhenUp(ictx, func(ctx context.Context) error { return envd.Init(ctx, body) })
+	if err != nil && ctx.Err() == nil && ictx.Err() != nil && !errors.Is(err, errdefs.ErrUnavailable) {
+		return fmt.Errorf("envd did not answer /init within %s (the node may be overloaded): %v: %w", m.cfg.EnvdTimeout, err, errdefs.ErrUnavailable)
+	}
+	return err
 }
 
 // ---- fault injection (tests) ----

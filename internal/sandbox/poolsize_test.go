@@ -90,7 +90,7 @@ func TestPoolShrinksSlowlyAfterABurst(t *testing.T) {
 func TestPoolRefillsRunConcurrentlyWithinTheirBound(t *testing.T) {
 	var cur, peak atomic.Int32
 	var mu sync.Mutex
-	hold := true
+	hold := false // from the build's return on: the build restores its image once itself
 	release := make(chan struct{})
 	n := newNode(t, func(c *sandbox.Config) { c.PoolSize = 1; c.PoolRefills = 3 })
 	n.rig.Driver.Fail = func(op, id string) error {
@@ -115,6 +115,9 @@ func TestPoolRefillsRunConcurrentlyWithinTheirBound(t *testing.T) {
 		return nil
 	}
 	tpl := n.build("base")
+	mu.Lock()
+	hold = true
+	mu.Unlock()
 	if _, err := n.m.WarmPool(context.Background(), tpl.ID, 8); err != nil {
 		t.Fatal(err)
 	}

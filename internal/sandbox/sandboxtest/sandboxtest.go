@@ -174,6 +174,9 @@ type Driver struct {
 	// Fail, when set, is consulted by every method with the method's name; a non-nil error is
 	// returned from it.
 	Fail func(op, id string) error
+	// Image, when set, is called with "Checkpoint" or "Restore" and the image directory before
+	// either runs; an error fails the call (an image that cannot be restored, say).
+	Image func(op, imageDir string) error
 	// Memory, when set, is the memory Stats reports for an instance (default 1 MiB).
 	Memory func(id string) uint64
 	// Calls counts calls by method name.
@@ -214,6 +217,16 @@ type image struct {
 	Token     string            `json:"token"`
 	Args      []string          `json:"args"`
 	FilesOnly bool              `json:"filesOnly,omitempty"`
+}
+
+func (d *Driver) image(op, imageDir string) error {
+	d.mu.Lock()
+	f := d.Image
+	d.mu.Unlock()
+	if f != nil {
+		return f(op, imageDir)
+	}
+	return nil
 }
 
 func (d *Driver) fail(op, id string) error {
@@ -281,6 +294,9 @@ func (d *Driver) Start(ctx context.Context, spec runtime.Spec) error {
 // Restore implements runtime.Driver.
 func (d *Driver) Restore(ctx context.Context, spec runtime.Spec, imageDir string) error {
 	if err := d.fail("Restore", spec.ID); err != nil {
+		return err
+	}
+	if err := d.image("Restore", imageDir); err != nil {
 		return err
 	}
 	return d.restore(spec, imageDir)
@@ -421,6 +437,9 @@ func (d *Driver) get(id string) (*Instance, error) {
 // Checkpoint implements runtime.Driver.
 func (d *Driver) Checkpoint(ctx context.Context, id, imageDir string, opts runtime.CheckpointOptions) error {
 	if err := d.fail("Checkpoint", id); err != nil {
+		return err
+	}
+	if err := d.image("Checkpoint", imageDir); err != nil {
 		return err
 	}
 	in, err := d.get(id)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
+	"github.com/ember-sandbox/ember/internal/overlayfs"
 	"github.com/ember-sandbox/ember/internal/runtime"
 	"github.com/ember-sandbox/ember/internal/sandbox"
 )
@@ -102,7 +103,50 @@ func (m *Manager) BuildTemplate(ctx context.Context, req BuildRequest, progress 
 // warm boots tpl's rootfs, gives its envd the template's token, runs the start and ready
 // commands and checkpoints the instance into image. The instance goes through the one launch
 // path under a throw-away owner id; its directory is removed when warm returns.
+//
+// The image is restored once before warm returns, and made again if it does not restore: an
+// image that cannot be restored would fail every create of the template. (CI saw one: every
+// restore panicked in gVisor's netstack, "unexpected tcp state in processor: BOUND", an
+// endpoint saved with segments queued while its connection was being set up or closed.)
 func (m *Manager) warm(ctx context.Context, tpl *Template, req BuildRequest, image string, progress func(string)) error {
+	var err error
+	for attempt := 1; attempt <= warmAttempts; attempt++ {
+		if err = m.warmOnce(ctx, tpl, req, image, progress); err != nil {
+			return err
+		}
+		t0 := time.Now()
+		if err = m.tryRestore(ctx, tpl, image); err == nil {
+			progress(fmt.Sprintf("image restored in %s", time.Since(t0).Round(time.Millisecond)))
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		m.log.Warn("a template image did not restore", "template", tpl.ID, "attempt", attempt, "err", err)
+		progress(fmt.Sprintf("the image did not restore (%v)", err))
+		if rerr := overlayfs.RemoveTree(image, overlayfs.DetachMounts); rerr != nil {
+			return rerr
+		}
+	}
+	return fmt.Errorf("the template's image did not restore after %d attempts: %w", warmAttempts, err)
+}
+
+// warmAttempts bounds the warm-ups of one template build.
+const warmAttempts = 2
+
+// tryRestore restores image (an instance of tpl, envd answering /init) and tears it down.
+func (m *Manager) tryRestore(ctx context.Context, tpl *Template, image string) error {
+	p, err := m.launch(ctx, sandbox.BuildSandboxSpec{Kind: 't', Template: tpl, Token: tpl.InitToken, Image: image,
+		CPUCount: tpl.CPUCount, MemoryMB: tpl.MemoryMB, DiskMB: tpl.DiskMB})
+	if err != nil {
+		return err
+	}
+	p.Close(context.WithoutCancel(ctx))
+	return nil
+}
+
+// warmOnce is one warm-up of warm: boot, start and ready commands, checkpoint.
+func (m *Manager) warmOnce(ctx context.Context, tpl *Template, req BuildRequest, image string, progress func(string)) error {
 	t0 := time.Now()
 	// envd holds a token from its first moments: every instance restored from this image (the
 	// pool's among them) answers only to the daemon until /init gives it its sandbox's token.
