@@ -1,6 +1,7 @@
 package api
 
 import (
+	"context"
 	"net/http"
 	"strconv"
 
@@ -68,6 +69,16 @@ func (s *server) createSandbox(w http.ResponseWriter, r *http.Request, _ params)
 	sj, err := s.createFrom(w, r, edge.ReservationOf(r.Context()))
 	if err != nil {
 		return err
+	}
+	if cause := context.Cause(r.Context()); cause != nil {
+		// The caller is gone (a client timeout in a burst): nobody has the sandbox's id, and it
+		// would hold the node's room until its timeout.
+		s.log.Warn("create abandoned by its caller: killing the sandbox", "sandbox_id", sj.SandboxID, "cause", cause)
+		if err := s.svc.Kill(context.WithoutCancel(r.Context()), sj.SandboxID); err != nil {
+			s.log.Warn("kill an abandoned sandbox", "sandbox_id", sj.SandboxID, "err", err)
+		}
+		return nil // nobody to answer
+
 	}
 	writeJSON(w, http.StatusCreated, sj)
 	return nil

@@ -177,6 +177,7 @@ func serveCmd() *cobra.Command {
 	f.DurationVar(&cfg.HotPauseMax, "hot-pause-max", 10*time.Minute, "how long a sandbox stays paused in memory before it goes to disk")
 	f.IntVar(&cfg.SlotPoolSize, "slot-pool-size", daemon.DefaultSlotPoolSize, "network slots made ahead of need (0 disables)")
 	f.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 500, "running sandboxes this node holds at most (pool instances included); a create over it waits in a fair admission queue for up to its X-Ember-Queue-Timeout (seconds, default 5), then answers 429 with Retry-After")
+	f.IntVar(&cfg.MaxStarting, "max-starting", 0, "instances booting or restoring at once at most (0 = no bound); more wait their turn")
 	f.IntVar(&cfg.MaxQueued, "max-queued", 1000, "creates waiting for room at most (the admission queue's bound); one more answers 429 with Retry-After at once")
 	f.IntVar(&cfg.MaxBuilds, "max-builds", 2, "concurrent template builds at most")
 	f.IntVar(&cfg.VolumeSizeMB, "volume-size-mb", 1024, "disk limit of each new volume (MiB; a sparse ext4 image: a write past it fails with ENOSPC)")

@@ -97,6 +97,8 @@ type Config struct {
 	MaxSandboxes, MaxBuilds, MaxConns int
 	// MaxQueued bounds the creates waiting for room in the admission queue (0 = 1000).
 	MaxQueued int
+	// MaxStarting bounds the instances booting or restoring at once (0 = no bound).
+	MaxStarting int
 	// DiskMB is the default disk of a sandbox's writable layer, and the disk of build
 	// sandboxes and template warm-ups (0 = the Manager's default, 2048).
 	DiskMB int
@@ -327,6 +329,7 @@ func open(ctx context.Context, cfg Config) (*Node, error) {
 		PauseMode: cfg.PauseMode, PausedMemoryMB: cfg.PausedMemoryMB, HotPauseMax: cfg.HotPauseMax,
 		MaxSandboxes: cfg.MaxSandboxes,
 		MaxQueued:    cfg.MaxQueued,
+		MaxStarting:  cfg.MaxStarting,
 		DiskMB:       cfg.DiskMB,
 		// How the pools size themselves and refill.
 		PoolRefills: cfg.PoolRefills, PoolDecay: cfg.PoolDecay, PoolRefillWeight: cfg.PoolRefillWeight,

@@ -174,6 +174,9 @@ func (m *Manager) launch(ctx context.Context, spec launchSpec) (p Placement, err
 
 // startSlot waits for one of the node's MaxStarting tokens (startDone gives it back).
 func (m *Manager) startSlot(ctx context.Context) error {
+	if m.starting == nil {
+		return nil
+	}
 	select {
 	case m.starting <- struct{}{}:
 		return nil
@@ -191,7 +194,11 @@ func (m *Manager) startSlot(ctx context.Context) error {
 	}
 }
 
-func (m *Manager) startDone() { <-m.starting }
+func (m *Manager) startDone() {
+	if m.starting != nil {
+		<-m.starting
+	}
+}
 
 // restoreInto is launch's path for a pre-started instance: spec.image is restored into the
 // instance of p, then envd and /init as for any launch.

@@ -919,3 +919,48 @@ func TestRestartRemovesUnfinishedUploads(t *testing.T) {
 		t.Errorf("a finished import was removed: %v", err)
 	}
 }
+
+// With MaxStarting, no more instances boot or restore at once than it says: a create waits for
+// the one starting, then starts; a create that gives up while waiting leaves nothing.
+func TestMaxStartingBoundsInstancesStartingAtOnce(t *testing.T) {
+	n := newNode(t, func(c *sandbox.Config) { c.MaxStarting = 1 })
+	n.build("base")
+	entered := make(chan struct{}, 4)
+	release := make(chan struct{})
+	var hold atomic.Bool
+	hold.Store(true)
+	n.rig.Driver.Fail = func(op, id string) error {
+		if (op == "Restore" || op == "Start") && hold.Load() {
+			entered <- struct{}{}
+			<-release
+		}
+		return nil
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := n.m.Create(context.Background(), sandbox.CreateRequest{TemplateID: "base"})
+		done <- err
+	}()
+	<-entered
+	// A second create cannot reach the runtime while the first one starts; one that gives up
+	// says why.
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	if _, err := n.m.Create(ctx, sandbox.CreateRequest{TemplateID: "base"}); err == nil || !strings.Contains(err.Error(), "starting") {
+		t.Fatalf("a second create while the first starts: %v; want it to wait and give up", err)
+	}
+	select {
+	case <-entered:
+		t.Fatal("two instances started at once with MaxStarting 1")
+	default:
+	}
+	hold.Store(false)
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	n.create(sandbox.CreateRequest{})
+	if got := len(n.rig.Driver.Running()); got != 2 {
+		t.Fatalf("%d instances run; want the 2 created", got)
+	}
+}

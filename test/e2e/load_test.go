@@ -17,10 +17,11 @@ import (
 // without a message, no hang: every request is bounded), and afterwards the daemon's runsc
 // processes, its open fds (small tolerance), netns, veths, mounts and MemAvailable (tolerance)
 // return to the baseline within 30 s. The wall time and creates/s are figures, not assertions.
-// Bound: ~3 min (requests 2 min each at most). EMBER_LOAD_N changes the count.
+// Bound: ~3 min (requests 2 min each at most). EMBER_LOAD_N changes the count, EMBER_LOAD_FLAGS
+// adds daemon flags (e.g. "--max-starting 8").
 func TestLoadHundredCreates(t *testing.T) {
 	n := envInt("EMBER_LOAD_N", 100)
-	d := lostNode(t)
+	d := lostNode(t, strings.Fields(os.Getenv("EMBER_LOAD_FLAGS"))...)
 	d.waitInstances(t, crashPoolSize, 90*time.Second)
 	base := d.settledUsage(t)
 	t.Logf("baseline: %s", base)
