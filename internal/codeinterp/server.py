@@ -19,6 +19,7 @@ its executions run one at a time. An execution whose client goes away
 standard library and jupyter_client are used (no web framework).
 """
 
+import http.client
 import json
 import os
 import queue
@@ -30,7 +31,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -38,7 +38,7 @@ from jupyter_client import KernelManager
 
 PORT = int(os.environ.get("EMBER_CODE_INTERPRETER_PORT", "49999"))
 DEFAULT_CWD = os.environ.get("EMBER_CODE_INTERPRETER_CWD", "/home/user")
-ENVD_URL = "http://127.0.0.1:49983"
+ENVD_HOST, ENVD_PORT = "127.0.0.1", 49983
 # Languages and their canonical names: Python on a Jupyter kernel; bash on a shell of ember's
 # own (BashContext: Debian has no bash Jupyter kernel).
 LANGUAGES = {"python": "python", "python3": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
@@ -87,6 +87,33 @@ def __ember_setup():
     disp.formatters["e2b/chart"] = f
     if disp.active_types and "e2b/chart" not in disp.active_types:
         disp.active_types = list(disp.active_types) + ["e2b/chart"]
+
+    # Every execution ends with a flush of stdout and stderr, each a round trip through the
+    # kernel's iopub thread, and a 0.5 ms sleep: under gVisor, more than half of a
+    # runCode('1+1') in the kernel. A stream with nothing written since its last flush has
+    # nothing to send (this server waits for the kernel's idle status on iopub, which comes
+    # after any output, not for the reply on the shell channel).
+    kernel = getattr(get_ipython(), "kernel", None)
+    if kernel is not None and hasattr(kernel, "_execute_sleep"):
+        kernel._execute_sleep = 0
+    import sys
+    try:
+        from ipykernel.iostream import OutStream
+    except ImportError:
+        return
+    if not all(isinstance(s, OutStream) and hasattr(s, "_buffer") and hasattr(s, "_buffer_lock") and hasattr(s, "_flush_pending")
+               for s in (sys.stdout, sys.stderr)):
+        return  # an ipykernel whose streams are not as read here: left as it is
+    flush = OutStream.flush
+
+    def lazy_flush(self):
+        if not self._flush_pending and not getattr(self, "_subprocess_flush_pending", False):
+            with self._buffer_lock:
+                if self._buffer.tell() == 0:
+                    return
+        flush(self)
+
+    OutStream.flush = lazy_flush
 
 __ember_setup()
 del __ember_setup, __ember_chart
@@ -350,12 +377,18 @@ class Context(BaseContext):
             self.stop()
             self._start()
 
-    def _run(self, code, silent, on_msg, gone=None):
+    def _run(self, code, silent, on_msg, gone=None, prelude=None):
         """Runs code and passes its iopub messages to on_msg until the kernel is idle again.
         Returns the execution count. When gone() says the client left (or on_msg raises Gone),
-        the kernel is interrupted and the run drained, so the context stays usable."""
+        the kernel is interrupted and the run drained, so the context stays usable. prelude,
+        if any, is code run silently just before, sent with it (the kernel runs its requests
+        in order: no round trip of its own); its errors are logged."""
         while self.shell.poll(0):  # replies nobody waited for
             self._recv(self.shell)
+        pre_id = None
+        if prelude:
+            pre_id = self._send("execute_request", {"code": prelude, "silent": True, "store_history": False,
+                                                    "user_expressions": {}, "allow_stdin": False, "stop_on_error": False})
         msg_id = self._send("execute_request", {"code": code, "silent": silent, "store_history": not silent,
                                                 "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
         interrupted = False
@@ -367,7 +400,15 @@ class Context(BaseContext):
                 interrupted = True
                 self.km.interrupt_kernel()
 
+        flush = getattr(on_msg, "flush", None)
         while True:
+            if flush is not None and not interrupted and not self.iopub.poll(0):
+                # Nothing more is ready: what was emitted goes out before the wait (one write
+                # for the messages of a burst, streamed all the same).
+                try:
+                    flush()
+                except Gone:
+                    interrupt()
             if not self.iopub.poll(100):
                 if not self.km.is_alive():
                     raise KernelError("the kernel died")
@@ -375,7 +416,10 @@ class Context(BaseContext):
                     interrupt()
                 continue
             msg = self._recv(self.iopub)
-            if msg["parent_header"].get("msg_id") != msg_id:
+            parent = msg["parent_header"].get("msg_id")
+            if parent != msg_id:
+                if parent == pre_id and msg["msg_type"] == "error":
+                    log("prelude: %s: %s" % (msg["content"].get("ename"), msg["content"].get("evalue")))
                 continue
             kind, content = msg["msg_type"], msg["content"]
             if kind == "status":
@@ -404,29 +448,29 @@ class Context(BaseContext):
             raise KernelError(errors[0])
 
     def sync_sandbox_env(self, token):
-        """Applies the sandbox's environment (envd's /envs: the envs given at create) once per
-        sandbox: a template's kernel was started before the sandbox existed."""
+        """The code that applies the sandbox's environment (envd's /envs: the envs given at
+        create) once per sandbox, or None: a template's kernel was started before the sandbox
+        existed."""
         key = (socket.gethostname(), token)
         if key == self.env_key:
-            return
+            return None
         envs = sandbox_envs(token)
         if envs is None:
-            return
+            return None
+        self.env_key = key
         # The kernel started with this server's environment: only what differs is sent.
         changed = {k: v for k, v in envs.items() if self.sandbox_env.get(k, os.environ.get(k)) != v}
-        if changed:
-            self.silent("import os as __o\n__o.environ.update(%r)\ndel __o" % (changed,))
-            self.sandbox_env.update(changed)
-        self.env_key = key
+        if not changed:
+            return None
+        self.sandbox_env.update(changed)
+        return "import os as __o\n__o.environ.update(%r)\ndel __o\n" % (changed,)
 
     def execute(self, code, env_vars, token, emit, gone):
         with self.lock:
-            self.sync_sandbox_env(token)
+            prelude = self.sync_sandbox_env(token) or ""
             if env_vars:
-                self.silent(
-                    "import os as __o\n__ember_saved_env = {k: __o.environ.get(k) for k in %r}\n"
-                    "__o.environ.update(%r)\ndel __o" % (list(env_vars), env_vars)
-                )
+                prelude += ("import os as __o\n__ember_saved_env = {k: __o.environ.get(k) for k in %r}\n"
+                            "__o.environ.update(%r)\ndel __o\n" % (list(env_vars), env_vars))
             def on_msg(kind, content):
                 if kind == "stream":
                     emit({"type": "stderr" if content.get("name") == "stderr" else "stdout", "text": content.get("text", ""),
@@ -437,8 +481,9 @@ class Context(BaseContext):
                     emit({"type": "error", "name": content.get("ename", ""), "value": content.get("evalue", ""),
                           "traceback": "\n".join(content.get("traceback", []))})
 
+            on_msg.flush = getattr(emit, "flush", None)
             try:
-                n = self._run(code, False, on_msg, gone)
+                n = self._run(code, False, on_msg, gone, prelude)
             finally:
                 if env_vars:
                     self.silent(
@@ -452,16 +497,22 @@ class Context(BaseContext):
 
 
 def sandbox_envs(token):
-    """The sandbox's environment (envd's /envs: the envs given at create), or None."""
-    req = urllib.request.Request(ENVD_URL + "/envs")
-    if token:
-        req.add_header("X-Access-Token", token)
+    """The sandbox's environment (envd's /envs: the envs given at create), or None. Asked
+    with http.client: urllib's first request in a sandbox (its opener, the proxy settings)
+    took several times as long, on the first runCode after a create."""
+    conn = http.client.HTTPConnection(ENVD_HOST, ENVD_PORT, timeout=2)
     try:
-        with urllib.request.urlopen(req, timeout=2) as r:
-            return json.load(r) or {}
+        conn.request("GET", "/envs", headers={"X-Access-Token": token} if token else {})
+        r = conn.getresponse()
+        body = r.read()
+        if r.status != 200:
+            raise OSError("HTTP %d: %s" % (r.status, body[:200].decode(errors="replace")))
+        return json.loads(body) or {}
     except Exception as e:
         log("envd /envs:", e)
         return None
+    finally:
+        conn.close()
 
 
 class BashContext(BaseContext):
@@ -566,6 +617,9 @@ class BashContext(BaseContext):
                         open_fds.remove(fd)
                         break
                     emit({"type": names[fd], "text": line.decode(errors="replace") + "\n", "timestamp": time.time_ns() // 1000})
+            flush = getattr(emit, "flush", None)
+            if flush is not None:
+                flush()
         return rc
 
 
@@ -632,6 +686,9 @@ def language_of(value):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY: a response's last segment is not held back waiting for the client's
+    # (delayed) ACK of the one before it.
+    disable_nagle_algorithm = True
     server_version = "ember-code-interpreter"
 
     def log_message(self, fmt, *args):
@@ -732,22 +789,35 @@ class Handler(BaseHTTPRequestHandler):
                 return
         else:
             ctx = CONTEXTS.default_for(language_of(body.get("language")))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-ndjson")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
         state = {"gone": False}
+        # What is emitted and not yet written, the response's head first: a short run's whole
+        # response is one write.
+        pending = [b"HTTP/1.1 200 OK\r\nServer: %s\r\nContent-Type: application/x-ndjson\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n" % self.server_version.encode()]
 
         def emit(msg):
+            """Queues one JSON line; it is written by the next flush (the kernel's loop flushes
+            whenever it waits, so output streams as it comes, in as few writes as can be)."""
             if state["gone"]:
                 raise Gone()
             data = json.dumps(msg).encode() + b"\n"
+            pending.append(b"%x\r\n%s\r\n" % (len(data), data))
+
+        def flush(end=b""):
+            if state["gone"]:
+                raise Gone()
+            data = b"".join(pending) + end
+            pending.clear()
+            if not data:
+                return
             try:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.write(data)
                 self.wfile.flush()
             except OSError:
                 state["gone"] = True
                 raise Gone()
+
+        emit.flush = flush
 
         def gone():
             if not state["gone"] and self._client_gone():
@@ -768,9 +838,8 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         try:
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        except OSError:
+            flush(b"0\r\n\r\n")  # the last lines and the end of the body in one write
+        except Gone:
             self.close_connection = True
 
 
