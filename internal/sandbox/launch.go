@@ -180,15 +180,6 @@ func (m *Manager) startSlot(ctx context.Context) error {
 	select {
 	case m.starting <- struct{}{}:
 		return nil
-	default:
-	}
-	t0 := time.Now()
-	select {
-	case m.starting <- struct{}{}:
-		if w := time.Since(t0); w > time.Second {
-			m.cfg.Logger.Debug("waited to start an instance", "wait_ms", ms(w), "max_starting", cap(m.starting))
-		}
-		return nil
 	case <-ctx.Done():
 		return fmt.Errorf("waiting to start an instance (%d are starting): %w", cap(m.starting), context.Cause(ctx))
 	}

@@ -136,8 +136,9 @@ const warmAttempts = 2
 
 // tryRestore restores image (an instance of tpl, envd answering /init) and tears it down.
 func (m *Manager) tryRestore(ctx context.Context, tpl *Template, image string) error {
-	p, err := m.launch(ctx, sandbox.BuildSandboxSpec{Kind: 't', Template: tpl, Token: tpl.InitToken, Image: image,
-		CPUCount: tpl.CPUCount, MemoryMB: tpl.MemoryMB, DiskMB: tpl.DiskMB})
+	spec := warmSpec(tpl)
+	spec.Image = image
+	p, err := m.launch(ctx, spec)
 	if err != nil {
 		return err
 	}
@@ -145,14 +146,20 @@ func (m *Manager) tryRestore(ctx context.Context, tpl *Template, image string) e
 	return nil
 }
 
+// warmSpec is the build sandbox of tpl's warm-up: envd holds the template's token from its
+// first moments, and a disk limit as a sandbox's keeps the start command from filling the
+// node's disk.
+func warmSpec(tpl *Template) sandbox.BuildSandboxSpec {
+	return sandbox.BuildSandboxSpec{Kind: 't', Template: tpl, Token: tpl.InitToken,
+		CPUCount: tpl.CPUCount, MemoryMB: tpl.MemoryMB, DiskMB: tpl.DiskMB}
+}
+
 // warmOnce is one warm-up of warm: boot, start and ready commands, checkpoint.
 func (m *Manager) warmOnce(ctx context.Context, tpl *Template, req BuildRequest, image string, progress func(string)) error {
 	t0 := time.Now()
 	// envd holds a token from its first moments: every instance restored from this image (the
 	// pool's among them) answers only to the daemon until /init gives it its sandbox's token.
-	// A disk limit as a sandbox's: the start command cannot fill the node's disk.
-	p, err := m.launch(ctx, sandbox.BuildSandboxSpec{Kind: 't', Template: tpl, Token: tpl.InitToken,
-		CPUCount: tpl.CPUCount, MemoryMB: tpl.MemoryMB, DiskMB: tpl.DiskMB})
+	p, err := m.launch(ctx, warmSpec(tpl))
 	if err != nil {
 		return err
 	}
