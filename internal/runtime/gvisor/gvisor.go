@@ -689,6 +689,7 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 			if err != nil {
 				return d.explain(ctx, id, err)
 			}
+			tl.Mark("freeze")
 			sw := runtime.StopWatchFrom(ctx) // how long the processes were stopped, for the caller
 			// Resumed once its layer can no longer change the clone (cloneUpper's frozen): a
 			// disk-limited layer is copied while the instance runs again, its writes waiting.
@@ -706,7 +707,7 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 					}()
 				})
 			}
-			defer func() { resume(); <-resumed }()
+			defer func() { resume(); <-resumed; tl.Mark("thaw") }()
 		}
 	}
 	if !opts.LeaveRunning {
@@ -725,6 +726,7 @@ func (d *Driver) checkpoint(ctx context.Context, id, imageDir string, opts runti
 	privateFiles(imageDir)
 	if opts.LeaveRunning {
 		if stateDir != "" && capture != nil {
+			defer tl.Mark("capture")
 			return capture(stateDir, resume)
 		}
 		if stateDir != "" {
