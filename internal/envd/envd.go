@@ -106,6 +106,7 @@ func New(cfg Config) *Server {
 	if cfg.OOMGuard {
 		ctx, cancel := context.WithCancel(context.Background())
 		s.stopOOM, s.oom = cancel, newOOMGuard(s.log, oomGuardConfig{})
+		s.procs.oom = s.oom
 		go s.oom.run(ctx)
 	}
 	s.handler = s.routes()

@@ -50,6 +50,10 @@ type oomGuardConfig struct {
 	Kill func(pid int, sig syscall.Signal) error
 	// Protect lists pids never killed besides pid 1 and envd's own.
 	Protect []int
+	// IdleCheck is how often, while the memory is not low, the guard looks whether any process
+	// but pid 1 and envd is left (default 1 s). With none, nothing but envd can allocate, so the
+	// guard stops looking until envd starts a process (Wake): an idle sandbox costs no CPU.
+	IdleCheck time.Duration
 }
 
 type oomGuard struct {
@@ -57,6 +61,7 @@ type oomGuard struct {
 	log     *slog.Logger
 	self    int
 	stopped chan struct{}
+	wake    chan struct{} // a process is about to start (Wake)
 }
 
 // oomVictim is a process the guard chose.
@@ -88,7 +93,38 @@ func newOOMGuard(log *slog.Logger, cfg oomGuardConfig) *oomGuard {
 	if cfg.Kill == nil {
 		cfg.Kill = syscall.Kill
 	}
-	return &oomGuard{cfg: cfg, log: log, self: os.Getpid(), stopped: make(chan struct{})}
+	if cfg.IdleCheck <= 0 {
+		cfg.IdleCheck = time.Second
+	}
+	return &oomGuard{cfg: cfg, log: log, self: os.Getpid(), stopped: make(chan struct{}), wake: make(chan struct{}, 1)}
+}
+
+// Wake tells the guard a process is about to start: every process in a sandbox is envd's or a
+// descendant of one that exists, so after a look that found none but envd the guard waits for
+// this (see IdleCheck). Never blocks.
+func (g *oomGuard) Wake() {
+	select {
+	case g.wake <- struct{}{}:
+	default:
+	}
+}
+
+// alone reports whether no process but pid 1 and envd is alive (a zombie holds no memory).
+func (g *oomGuard) alone() bool {
+	ents, err := os.ReadDir(g.cfg.Proc)
+	if err != nil {
+		return false
+	}
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid <= 1 || pid == g.self {
+			continue
+		}
+		if g.alive(pid) {
+			return false
+		}
+	}
+	return true
 }
 
 // reserve is how much free memory the guard keeps: below it, the guest is out of memory.
@@ -128,6 +164,7 @@ func (g *oomGuard) run(ctx context.Context) {
 	g.log.Debug("out-of-memory guard on", "total_mib", m.total>>20, "reserve_mib", reserve(m.total)>>20)
 	var nothing bool // nothing left to kill: logged once until memory is back
 	var stalled bool // the guard has stopped every process
+	lastIdleCheck := time.Now()
 	defer func() {
 		if stalled {
 			g.resume()
@@ -169,6 +206,23 @@ func (g *oomGuard) run(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-time.After(g.interval(m)):
+		}
+		if !stalled && !m.low() && time.Since(lastIdleCheck) >= g.cfg.IdleCheck {
+			lastIdleCheck = time.Now()
+			// A Wake from before this look is stale: the look sees that process, or its exit.
+			select {
+			case <-g.wake:
+			default:
+			}
+			if g.alone() {
+				// Nothing but envd: no process can allocate until envd starts one.
+				select {
+				case <-ctx.Done():
+					return
+				case <-g.wake:
+				}
+				lastIdleCheck = time.Now()
+			}
 		}
 		if n, err := g.meminfo(); err == nil && n.total > 0 {
 			m = n

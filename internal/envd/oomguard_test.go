@@ -103,12 +103,65 @@ func (f *fakeProc) kill(killed chan<- int) func(int, syscall.Signal) error {
 }
 
 func startGuard(t *testing.T, f *fakeProc, protect ...int) <-chan int {
+	killed, _ := startGuardWith(t, f, oomGuardConfig{Protect: protect})
+	return killed
+}
+
+func startGuardWith(t *testing.T, f *fakeProc, cfg oomGuardConfig) (<-chan int, *oomGuard) {
 	killed := make(chan int, 16)
-	g := newOOMGuard(slog.New(slog.DiscardHandler), oomGuardConfig{Proc: f.dir, Kill: f.kill(killed), Protect: protect, MaxInterval: 20 * time.Millisecond, Settle: 200 * time.Millisecond})
+	cfg.Proc, cfg.Kill, cfg.MaxInterval, cfg.Settle = f.dir, f.kill(killed), 20*time.Millisecond, 200*time.Millisecond
+	g := newOOMGuard(slog.New(slog.DiscardHandler), cfg)
 	ctx, cancel := context.WithCancel(context.Background())
 	go g.run(ctx)
 	t.Cleanup(func() { cancel(); <-g.stopped })
-	return killed
+	return killed, g
+}
+
+// A guest with no process but envd costs no CPU: the guard stops looking (a look every 50 ms
+// was about 1.5 % of a core per idle sandbox under gVisor) until envd starts a process, and
+// then guards as before. Every process in a sandbox is started by envd or by a process that
+// exists, so one that appears without a Wake (only possible in this test) goes unseen.
+func TestOOMGuardRestsWhileOnlyEnvdRuns(t *testing.T) {
+	f := newFakeProc(t, 1024, 40)
+	f.set(1, 10)
+	f.set(os.Getpid(), 5)
+	f.set(20, 30)
+	killed, g := startGuardWith(t, f, oomGuardConfig{IdleCheck: 20 * time.Millisecond})
+	f.set(20, 0) // the last command exits (a zombie until reaped)
+	time.Sleep(200 * time.Millisecond)
+	f.set(30, 990) // appears without envd starting it: a resting guard does not look
+	select {
+	case pid := <-killed:
+		t.Fatalf("killed %d: the guard kept looking with only envd left", pid)
+	case <-time.After(300 * time.Millisecond):
+	}
+	g.Wake() // envd starts a process
+	select {
+	case pid := <-killed:
+		if pid != 30 {
+			t.Fatalf("killed %d, want 30", pid)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("nothing killed 2 s after envd started a process that ran the memory out")
+	}
+}
+
+// While a process runs, the guard keeps looking, however long it runs.
+func TestOOMGuardKeepsLookingWhileAProcessRuns(t *testing.T) {
+	f := newFakeProc(t, 1024, 40)
+	f.set(1, 10)
+	f.set(20, 5)
+	killed, _ := startGuardWith(t, f, oomGuardConfig{IdleCheck: 20 * time.Millisecond})
+	time.Sleep(200 * time.Millisecond)
+	f.set(20, 980)
+	select {
+	case pid := <-killed:
+		if pid != 20 {
+			t.Fatalf("killed %d, want 20", pid)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("nothing killed: the guard stopped looking while a process ran")
+	}
 }
 
 // When the guest's memory runs out the guard kills the largest process, never pid 1, envd or a
@@ -223,6 +276,8 @@ func TestOOMGuardWaitsForMemoryComingBack(t *testing.T) {
 	f.set(1, 20)
 	f.set(20, 30) // the next command
 	killed := make(chan int, 16)
+	var returning sync.WaitGroup
+	t.Cleanup(returning.Wait) // before the fake /proc goes: the memory coming back writes to it
 	kill := func(pid int, sig syscall.Signal) error {
 		if sig != syscall.SIGKILL {
 			return nil
@@ -238,7 +293,9 @@ func TestOOMGuardWaitsForMemoryComingBack(t *testing.T) {
 		}
 		f.sync()
 		killed <- pid
+		returning.Add(1)
 		go func() { // back after 150 ms, in 10 steps over 400 ms
+			defer returning.Done()
 			time.Sleep(150 * time.Millisecond)
 			for i := 0; i < 10; i++ {
 				time.Sleep(40 * time.Millisecond)

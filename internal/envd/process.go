@@ -29,7 +29,8 @@ const outputGrace = time.Second
 // processManager owns the commands envd started, by pid.
 type processManager struct {
 	log    *slog.Logger
-	reaper *reaper // nil unless envd reaps orphans
+	reaper *reaper   // nil unless envd reaps orphans
+	oom    *oomGuard // nil unless envd guards the guest's memory
 
 	mu    sync.Mutex
 	procs map[uint32]*proc
@@ -273,6 +274,9 @@ func (m *processManager) start(spec *startSpec) (*proc, *subscriber, error) {
 	}
 	sub := p.subscribe()
 
+	if m.oom != nil {
+		m.oom.Wake() // the guard watches again before the process can allocate
+	}
 	var err error
 	if m.reaper != nil {
 		err = m.reaper.startTracked(cmd)
