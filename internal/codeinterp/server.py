@@ -937,6 +937,51 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
+# A restore (a create from the template's checkpoint, be it into the warm pool, or from a
+# snapshot or a fork) brings this process and the kernels back with their memory cold: the
+# first runCode after it paid some 25 ms more than the next, in page faults. A restore cannot be
+# waited for, but it shows as a sleep that overran (the clocks count the time the sandbox was
+# checkpointed): then every idle kernel runs a silent cell through its formatters, and the
+# server's own HTTP path and envd's /envs are asked once, so that the first runCode finds them
+# warm. A pool instance is restored well before its create claims it. The watch wakes every
+# RESTORE_CHECK seconds; an overrun of more than RESTORE_SLACK (a host that stalled this long
+# also gets a warm-up, which is harmless) is taken as a restore.
+RESTORE_CHECK, RESTORE_SLACK = 2.0, 1.0
+WARM_RUN = "get_ipython().display_formatter.format(2)"
+
+
+def watch_restores():
+    while True:
+        t = time.monotonic()
+        time.sleep(RESTORE_CHECK)
+        if time.monotonic() - t > RESTORE_CHECK + RESTORE_SLACK:
+            try:
+                warm_up()
+            except Exception as e:  # never fatal: the next runCode is only slower
+                log("warm-up after a restore:", e)
+
+
+def warm_up():
+    for ctx in CONTEXTS.all():
+        # A context that is running something is warm already (and is not to be kept waiting).
+        if isinstance(ctx, Context) and ctx.lock.acquire(blocking=False):
+            try:
+                if ctx.shell is not None:
+                    ctx.silent(WARM_RUN)
+            finally:
+                ctx.lock.release()
+    for port, path in ((PORT, "/health"), (ENVD_PORT, "/envs")):
+        # /envs without the sandbox's token is refused: only its path is wanted here.
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        try:
+            conn.request("GET", path)
+            conn.getresponse().read()
+        except Exception:
+            pass
+        finally:
+            conn.close()
+
+
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -951,6 +996,7 @@ def main():
     ctx.silent(WARM)
     READY.set()
     log("default python context %s ready in %.1fs" % (ctx.id, time.monotonic() - t0))
+    threading.Thread(target=watch_restores, daemon=True).start()
     threading.Event().wait()
 
 
