@@ -195,6 +195,38 @@ plt.show()`)
     assert.equal((await sbx.runCode("import os\nos.environ.get('SUITE_VAR')")).text, 'hello-env')
   })
 
+  test("a call without the sandbox's access token: envd's refused /envs is asked once, not on every call", { timeout: TEST_TIMEOUT }, async () => {
+    // The server's own code (its module, loaded in the kernel) with a bash context of its own,
+    // against the sandbox's real envd: three calls without a token, /envs counted.
+    const ex = await sbx.runCode(`import http.client, importlib.util, json
+spec = importlib.util.spec_from_file_location('ember_ci_server', '/opt/ember/code-interpreter/server.py')
+srv = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(srv)
+c = http.client.HTTPConnection('127.0.0.1', 49983)
+c.request('GET', '/envs')
+refused = c.getresponse().status
+c.close()
+asked, request = [], http.client.HTTPConnection.request
+def counting(self, method, url, *a, **k):
+    asked.append(url)
+    return request(self, method, url, *a, **k)
+http.client.HTTPConnection.request = counting
+out = []
+try:
+    ctx = srv.BashContext('bash', '/tmp')
+    for _ in range(3):
+        ctx.execute('echo hi', {}, None, out.append, lambda: False)
+    ctx.stop()
+finally:
+    http.client.HTTPConnection.request = request
+print(json.dumps({'refused': refused, 'asked': asked.count('/envs'), 'out': [m['text'] for m in out if m['type'] == 'stdout']}))`)
+    assert.equal(ex.error, undefined, JSON.stringify(ex.error))
+    const r = JSON.parse(ex.logs.stdout.join(''))
+    assert.equal(r.refused, 401, 'envd answers /envs without the token')
+    assert.deepEqual(r.out, ['hi\n', 'hi\n', 'hi\n'])
+    assert.equal(r.asked, 1, `/envs asked ${r.asked} times in 3 calls`)
+  })
+
   test('contexts: create with a cwd, isolated state, list, restart, remove', { timeout: TEST_TIMEOUT }, async () => {
     const ctx = await sbx.createCodeContext({ cwd: '/tmp', language: 'python' })
     assert.ok(ctx.id, JSON.stringify(ctx))
