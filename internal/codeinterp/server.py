@@ -120,8 +120,9 @@ del __ember_setup, __ember_chart
 """
 
 # The e2b/chart formatter (the SDK's Result.chart): what a matplotlib figure shows, read from its
-# artists. One axes is a line, scatter, bar or pie chart; several are a superchart of them. A
-# figure it cannot read gives no chart (never an error: the PNG is shown all the same).
+# artists, in the form of the SDKs' chart types (ChartTypes in @e2b/code-interpreter). One axes is
+# a line, scatter, bar, pie or box-and-whisker chart; several are a superchart of them. A figure
+# it cannot read gives no chart (never an error: the PNG is shown all the same).
 CHARTS = r"""
 def __ember_chart(fig):
     import math, re
@@ -130,7 +131,7 @@ def __ember_chart(fig):
         import matplotlib.dates as mdates
         from matplotlib.container import BarContainer
         from matplotlib.collections import PathCollection
-        from matplotlib.patches import Wedge
+        from matplotlib.patches import PathPatch, Wedge
     except Exception:
         return None
 
@@ -170,11 +171,15 @@ def __ember_chart(fig):
             labels = [str(t) for t in locs]
         return [value(axis, kind)(t) for t in locs], labels
 
-    def base(ax, kind, xy=True):
+    def base(ax, kind, xy=True, swap=False):
+        # x_* name the category axis of a bar or box chart, as E2B's: a horizontal one's y axis.
         out = {"type": kind, "title": ax.get_title(), "elements": []}
         if xy:
-            out["x_label"], out["y_label"] = ax.get_xlabel(), ax.get_ylabel()
-            out["x_unit"], out["y_unit"] = unit(out["x_label"]), unit(out["y_label"])
+            x, y = ax.get_xlabel() or None, ax.get_ylabel() or None
+            if swap:
+                x, y = y, x
+            out["x_label"], out["y_label"] = x, y
+            out["x_unit"], out["y_unit"] = unit(x), unit(y)
         return out
 
     def points(ax, kind, series):
@@ -187,6 +192,99 @@ def __ember_chart(fig):
         out["elements"] = [{"label": label, "points": [[fx(x), fy(y)] for x, y in xy]} for label, xy in series]
         return out
 
+    def at(axis, loc):
+        # The category (tick label) at a bar's or a box's position on axis.
+        kind = scale(axis)
+        if kind in ("categorical", "datetime"):
+            return str(value(axis, kind)(loc))
+        locs, labels = ticks(axis, kind)
+        for l, name in zip(locs, labels):
+            if isinstance(l, float) and abs(l - loc) < 1e-9 * max(1.0, abs(loc)):
+                return name
+        return str(number(loc))
+
+    def text(v):
+        # A bar's value as the SDKs type it (a string), in Python's shortest form ("10", "2.5").
+        v = number(v)
+        if isinstance(v, float) and v.is_integer() and abs(v) < 1e16:
+            return str(int(v))
+        return str(v)
+
+    def bar(ax, bars):
+        horizontal = all(getattr(c, "orientation", None) == "horizontal" for c in bars)
+        out = base(ax, "bar", swap=horizontal)
+        axis = ax.yaxis if horizontal else ax.xaxis
+        for c in bars:
+            group = c.get_label() or ""
+            if re.fullmatch(r"_container\d+", group):  # no label given: matplotlib's name, as E2B shows it
+                group = "Group %s" % group[len("_container"):]
+            for r in c.patches:
+                loc = r.get_y() + r.get_height() / 2 if horizontal else r.get_x() + r.get_width() / 2
+                out["elements"].append({"label": at(axis, loc), "value": text(r.get_width() if horizontal else r.get_height()),
+                                        "group": group})
+        return out
+
+    def box_and_whisker(ax):
+        # What ax.boxplot drew, read back: a box (a closed line, or a PathPatch with patch_artist)
+        # spans the quartiles; a whisker is a segment on the box's centre line from an edge; the
+        # median the widest cross segment inside the box; outliers the markers on the centre line.
+        shapes, segs, marks = [], [], []
+        for l in ax.get_lines():
+            xs = [float(v) for v in l.get_xdata(orig=False)]
+            ys = [float(v) for v in l.get_ydata(orig=False)]
+            if str(l.get_linestyle()).lower() in ("none", "", " "):
+                marks.append((xs, ys))
+            elif len(xs) >= 5 and xs[0] == xs[-1] and ys[0] == ys[-1]:
+                shapes.append((min(xs), max(xs), min(ys), max(ys)))
+            elif len(xs) == 2:
+                segs.append((xs, ys))
+            else:
+                return None
+        for p in ax.patches:
+            if not isinstance(p, PathPatch):
+                return None
+            e = p.get_path().get_extents()  # not the vertices: a closed path's last one is a placeholder
+            shapes.append((float(e.x0), float(e.x1), float(e.y0), float(e.y1)))
+        if not shapes:
+            return None
+
+        def near(a, b):
+            return abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b))
+
+        def read(shape, vertical):
+            # The whiskers run from the quartiles (not the box's extent: a notch can reach past them).
+            p0, p1, v0, v1 = shape if vertical else shape[2:] + shape[:2]
+            mid, tol = (p0 + p1) / 2, 1e-9 * max(1.0, abs(v0), abs(v1))
+            whiskers, cross = [], []
+            for xs, ys in segs:
+                pos, val = (xs, ys) if vertical else (ys, xs)
+                if near(pos[0], mid) and near(pos[1], mid) and any(v0 - tol <= v <= v1 + tol for v in val):
+                    whiskers.append(sorted(val))
+                elif val[0] == val[1] and p0 - tol <= min(pos) and max(pos) <= p1 + tol:
+                    cross.append((max(pos) - min(pos), val[0]))
+            if len(whiskers) != 2:
+                return mid, None
+            (lo, q1), (q3, hi) = sorted(whiskers)
+            inside = [c for c in cross if q1 <= c[1] <= q3]
+            outliers = []
+            for xs, ys in marks:
+                pos, val = (xs, ys) if vertical else (ys, xs)
+                outliers += [v for p, v in zip(pos, val) if near(p, mid)]
+            return mid, {"min": lo, "first_quartile": q1, "median": max(inside)[1] if inside else None,
+                         "third_quartile": q3, "max": hi, "outliers": outliers}
+
+        found = {v: [read(s, v) for s in shapes] for v in (True, False)}
+        vertical = all(b is not None for _, b in found[True])
+        if not vertical and not all(b is not None for _, b in found[False]):
+            return None
+        out = base(ax, "box_and_whisker", swap=not vertical)
+        axis = ax.xaxis if vertical else ax.yaxis
+        for mid, b in found[vertical]:
+            el = {"label": at(axis, mid)}
+            el.update({k: [number(o) for o in v] if k == "outliers" else number(v) for k, v in b.items()})
+            out["elements"].append(el)
+        return out
+
     def chart(ax):
         wedges = [p for p in ax.patches if isinstance(p, Wedge)]
         if wedges:
@@ -196,19 +294,10 @@ def __ember_chart(fig):
             return out
         bars = [c for c in ax.containers if isinstance(c, BarContainer)]
         if bars:
-            out = base(ax, "bar")
-            for c in bars:
-                horizontal = getattr(c, "orientation", None) == "horizontal"
-                axis = ax.yaxis if horizontal else ax.xaxis
-                kind = scale(axis)
-                locs, labels = ticks(axis, kind)
-                by_loc = dict(zip(axis.get_ticklocs(), labels))
-                for r in c.patches:
-                    at = r.get_y() + r.get_height() / 2 if horizontal else r.get_x() + r.get_width() / 2
-                    label = value(axis, kind)(at) if kind in ("categorical", "datetime") else by_loc.get(at, str(number(at)))
-                    out["elements"].append({"label": str(label), "value": number(r.get_width() if horizontal else r.get_height()),
-                                            "group": c.get_label()})
-            return out
+            return bar(ax, bars)
+        box = box_and_whisker(ax)
+        if box is not None:
+            return box
         dots = [c for c in ax.collections if isinstance(c, PathCollection)]
         if dots:
             return points(ax, "scatter", [(c.get_label(), c.get_offsets()) for c in dots])
@@ -497,14 +586,19 @@ class Context(BaseContext):
 
 
 def sandbox_envs(token):
-    """The sandbox's environment (envd's /envs: the envs given at create), or None. Asked
-    with http.client: urllib's first request in a sandbox (its opener, the proxy settings)
-    took several times as long, on the first runCode after a create."""
+    """The sandbox's environment (envd's /envs: the envs given at create), or None when it
+    could not be had this time. Refused (a request without the sandbox's access token): {},
+    nothing to apply, so that the caller does not ask again for the same token. Asked with
+    http.client: urllib's first request in a sandbox (its opener, the proxy settings) took
+    several times as long, on the first runCode after a create."""
     conn = http.client.HTTPConnection(ENVD_HOST, ENVD_PORT, timeout=2)
     try:
         conn.request("GET", "/envs", headers={"X-Access-Token": token} if token else {})
         r = conn.getresponse()
         body = r.read()
+        if r.status in (401, 403):
+            log("envd /envs refused (HTTP %d): the sandbox's environment is not applied for this token" % r.status)
+            return {}
         if r.status != 200:
             raise OSError("HTTP %d: %s" % (r.status, body[:200].decode(errors="replace")))
         return json.loads(body) or {}
@@ -843,6 +937,51 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
+# A restore (a create from the template's checkpoint, be it into the warm pool, or from a
+# snapshot or a fork) brings this process and the kernels back with their memory cold: the
+# first runCode after it paid some 25 ms more than the next, in page faults. A restore cannot be
+# waited for, but it shows as a sleep that overran (the clocks count the time the sandbox was
+# checkpointed): then every idle kernel runs a silent cell through its formatters, and the
+# server's own HTTP path and envd's /envs are asked once, so that the first runCode finds them
+# warm. A pool instance is restored well before its create claims it. The watch wakes every
+# RESTORE_CHECK seconds; an overrun of more than RESTORE_SLACK (a host that stalled this long
+# also gets a warm-up, which is harmless) is taken as a restore.
+RESTORE_CHECK, RESTORE_SLACK = 2.0, 1.0
+WARM_RUN = "get_ipython().display_formatter.format(2)"
+
+
+def watch_restores():
+    while True:
+        t = time.monotonic()
+        time.sleep(RESTORE_CHECK)
+        if time.monotonic() - t > RESTORE_CHECK + RESTORE_SLACK:
+            try:
+                warm_up()
+            except Exception as e:  # never fatal: the next runCode is only slower
+                log("warm-up after a restore:", e)
+
+
+def warm_up():
+    for ctx in CONTEXTS.all():
+        # A context that is running something is warm already (and is not to be kept waiting).
+        if isinstance(ctx, Context) and ctx.lock.acquire(blocking=False):
+            try:
+                if ctx.shell is not None:
+                    ctx.silent(WARM_RUN)
+            finally:
+                ctx.lock.release()
+    for port, path in ((PORT, "/health"), (ENVD_PORT, "/envs")):
+        # /envs without the sandbox's token is refused: only its path is wanted here.
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        try:
+            conn.request("GET", path)
+            conn.getresponse().read()
+        except Exception:
+            pass
+        finally:
+            conn.close()
+
+
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -857,6 +996,7 @@ def main():
     ctx.silent(WARM)
     READY.set()
     log("default python context %s ready in %.1fs" % (ctx.id, time.monotonic() - t0))
+    threading.Thread(target=watch_restores, daemon=True).start()
     threading.Event().wait()
 
 

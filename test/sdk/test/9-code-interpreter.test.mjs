@@ -109,7 +109,7 @@ plt.show()`)
     assert.equal(sq[3][1], 9)
   })
 
-  test('scatter, bar and pie charts, and a superchart of several axes', { timeout: TEST_TIMEOUT }, async () => {
+  test('scatter, bar, pie and box-and-whisker charts, and a superchart of several axes', { timeout: TEST_TIMEOUT }, async () => {
     const chartOf = async (code) => {
       const ex = await sbx.runCode(`import matplotlib.pyplot as plt\n${code}\nplt.show()`)
       assert.equal(ex.error, undefined, JSON.stringify(ex.error))
@@ -122,16 +122,32 @@ plt.show()`)
     assert.equal(scatter.title, 'Dots')
     assert.deepEqual(scatter.elements, [{ label: 'a', points: [[1, 4], [2, 5], [3, 6]] }, { label: 'b', points: [[1, 7], [2, 8]] }])
 
-    const bar = await chartOf("fig, ax = plt.subplots()\nax.bar(['A', 'B', 'C'], [10, 20, 30], label='2024')\nax.set_title('Sales')\nax.set_ylabel('Units')")
+    const bar = await chartOf("fig, ax = plt.subplots()\nax.bar(['A', 'B', 'C'], [10, 20.5, 30], label='2024')\nax.set_title('Sales')\nax.set_ylabel('Units')")
     assert.equal(bar.type, 'bar')
     assert.equal(bar.title, 'Sales')
     assert.equal(bar.y_label, 'Units')
-    assert.deepEqual(bar.elements, [{ label: 'A', value: 10, group: '2024' }, { label: 'B', value: 20, group: '2024' }, { label: 'C', value: 30, group: '2024' }])
+    // A bar's value is a string (the SDKs' BarData); an empty axis label is null, as E2B's.
+    assert.equal(bar.x_label, null)
+    assert.deepEqual(bar.elements, [{ label: 'A', value: '10', group: '2024' }, { label: 'B', value: '20.5', group: '2024' }, { label: 'C', value: '30', group: '2024' }])
 
     const pie = await chartOf("fig, ax = plt.subplots()\nax.pie([90, 10], labels=['No', 'Yes'], autopct='%1.1f%%', startangle=90)\nplt.title('Early?')")
     assert.equal(pie.type, 'pie')
     assert.equal(pie.title, 'Early?')
     assert.deepEqual(pie.elements, [{ label: 'No', angle: 324, radius: 1 }, { label: 'Yes', angle: 36, radius: 1 }])
+
+    // ax.boxplot: the quartiles, whiskers and outliers of each box (matplotlib's: linear
+    // percentiles, whiskers at 1.5 IQR). x_* name the category axis, also of a horizontal one.
+    const box = await chartOf("fig, ax = plt.subplots()\nax.boxplot([list(range(1, 10)), list(range(1, 10)) + [40]], labels=['A', 'B'])\nax.set_title('Spread')\nax.set_xlabel('Group')\nax.set_ylabel('Size (cm)')")
+    assert.equal(box.type, 'box_and_whisker')
+    assert.deepEqual([box.title, box.x_label, box.y_label, box.x_unit, box.y_unit], ['Spread', 'Group', 'Size (cm)', null, 'cm'])
+    assert.deepEqual(box.elements, [
+      { label: 'A', min: 1, first_quartile: 3, median: 5, third_quartile: 7, max: 9, outliers: [] },
+      { label: 'B', min: 1, first_quartile: 3.25, median: 5.5, third_quartile: 7.75, max: 9, outliers: [40] },
+    ])
+    const hbox = await chartOf("fig, ax = plt.subplots()\nax.boxplot([[1, 2, 3, 4, 5]], labels=['only'], vert=False, patch_artist=True)\nax.set_xlabel('Value')\nax.set_ylabel('Name')")
+    assert.equal(hbox.type, 'box_and_whisker')
+    assert.deepEqual([hbox.x_label, hbox.y_label], ['Name', 'Value'])
+    assert.deepEqual(hbox.elements, [{ label: 'only', min: 1, first_quartile: 2, median: 3, third_quartile: 4, max: 5, outliers: [] }])
 
     const sup = await chartOf("fig, (a, b) = plt.subplots(1, 2)\na.plot([1, 2], [3, 4], label='l')\nb.bar(['x', 'y'], [1, 2])\nfig.suptitle('Both')")
     assert.equal(sup.type, 'superchart')
@@ -177,6 +193,38 @@ plt.show()`)
     assert.equal((await sbx.runCode(code, { envs: { CALL_VAR: 'per-call' } })).text, 'per-call')
     assert.equal((await sbx.runCode(code)).text, 'unset')
     assert.equal((await sbx.runCode("import os\nos.environ.get('SUITE_VAR')")).text, 'hello-env')
+  })
+
+  test("a call without the sandbox's access token: envd's refused /envs is asked once, not on every call", { timeout: TEST_TIMEOUT }, async () => {
+    // The server's own code (its module, loaded in the kernel) with a bash context of its own,
+    // against the sandbox's real envd: three calls without a token, /envs counted.
+    const ex = await sbx.runCode(`import http.client, importlib.util, json
+spec = importlib.util.spec_from_file_location('ember_ci_server', '/opt/ember/code-interpreter/server.py')
+srv = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(srv)
+c = http.client.HTTPConnection('127.0.0.1', 49983)
+c.request('GET', '/envs')
+refused = c.getresponse().status
+c.close()
+asked, request = [], http.client.HTTPConnection.request
+def counting(self, method, url, *a, **k):
+    asked.append(url)
+    return request(self, method, url, *a, **k)
+http.client.HTTPConnection.request = counting
+out = []
+try:
+    ctx = srv.BashContext('bash', '/tmp')
+    for _ in range(3):
+        ctx.execute('echo hi', {}, None, out.append, lambda: False)
+    ctx.stop()
+finally:
+    http.client.HTTPConnection.request = request
+print(json.dumps({'refused': refused, 'asked': asked.count('/envs'), 'out': [m['text'] for m in out if m['type'] == 'stdout']}))`)
+    assert.equal(ex.error, undefined, JSON.stringify(ex.error))
+    const r = JSON.parse(ex.logs.stdout.join(''))
+    assert.equal(r.refused, 401, 'envd answers /envs without the token')
+    assert.deepEqual(r.out, ['hi\n', 'hi\n', 'hi\n'])
+    assert.equal(r.asked, 1, `/envs asked ${r.asked} times in 3 calls`)
   })
 
   test('contexts: create with a cwd, isolated state, list, restart, remove', { timeout: TEST_TIMEOUT }, async () => {
