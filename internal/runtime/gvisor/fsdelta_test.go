@@ -164,87 +164,98 @@ func TestCloneUpper(t *testing.T) {
 // rootfs path) sees the parent's files, and afterwards their writes diverge.
 func TestForkOnClonedUpper(t *testing.T) {
 	for _, b := range layerBackends {
-		t.Run(b.name, func(t *testing.T) {
-			d := newDriver(t, func(c *gvisor.Config) {
-				c.Overlay = gvisor.OverlayHost
-				c.IgnoreCgroups = true
-				c.ExtraFlags = []string{"--network=none"}
-			})
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-			defer cancel()
-			lower := drivertest.BusyboxRootFS(t)
-			base := backendDir(t, b)
-			parentDir, childDir := filepath.Join(base, "parent"), filepath.Join(base, "child")
+		t.Run(b.name, func(t *testing.T) { forkOnClonedUpper(t, b, 0) })
+	}
+}
 
-			start := func(id, dir string, restoreFrom string) {
-				t.Helper()
-				spec := runtime.Spec{ID: id, RootFS: lower, StateDir: dir, Args: []string{"/bin/sleep", "1000000"}}
-				var err error
-				if restoreFrom == "" {
-					err = d.Start(ctx, spec)
-				} else {
-					err = d.Restore(ctx, spec, restoreFrom)
-				}
-				if err != nil {
-					t.Fatalf("start %s: %v", id, err)
-				}
-				t.Cleanup(func() { _ = d.Delete(context.Background(), id) })
-			}
-			sh := func(id, script string) string {
-				t.Helper()
-				out, code, err := d.Exec(ctx, id, []string{"/bin/sh", "-c", script})
-				if err != nil || code != 0 {
-					t.Fatalf("exec %s %q: code %d, err %v: %s", id, script, code, err, out)
-				}
-				return strings.TrimSpace(string(out))
-			}
-			const parent, child = "fsdp0001", "fsdc0001"
-			start(parent, parentDir, "")
-			sh(parent, "echo parent > /hello; head -c 1048576 /dev/urandom > /blob; rm /etc/passwd")
+// The same with a disk-limited layer (an ext4 image): where the image can be reflinked (xfs,
+// btrfs) the paused parent's layer is synced and its image cloned without a freeze, and the
+// clone's journal replayed; the child must see every file the parent wrote.
+func TestForkOnClonedDiskLayer(t *testing.T) {
+	for _, b := range layerBackends {
+		t.Run(b.name, func(t *testing.T) { forkOnClonedUpper(t, b, 64) })
+	}
+}
 
-			// On the layers' filesystem, so the layer clone can share extents.
-			img := filepath.Join(base, "img")
-			if err := os.Mkdir(img, 0o755); err != nil {
-				t.Fatal(err)
-			}
-			// The driver pauses the parent across checkpoint and layer clone, then resumes it.
-			if err := d.Checkpoint(ctx, parent, img, runtime.CheckpointOptions{LeaveRunning: true}); err != nil {
-				t.Fatalf("Checkpoint: %v", err)
-			}
-			if st, err := d.State(ctx, parent); err != nil || st.State != runtime.StateRunning {
-				t.Fatalf("parent after checkpoint: %+v %v, want running", st, err)
-			}
+func forkOnClonedUpper(t *testing.T, b layerBackend, diskMB int) {
+	d := newDriver(t, func(c *gvisor.Config) {
+		c.Overlay = gvisor.OverlayHost
+		c.IgnoreCgroups = true
+		c.ExtraFlags = []string{"--network=none"}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	lower := drivertest.BusyboxRootFS(t)
+	base := backendDir(t, b)
+	parentDir, childDir := filepath.Join(base, "parent"), filepath.Join(base, "child")
 
-			// The image holds memory only: the 1 MiB file is not in it.
-			if fi, err := os.Stat(filepath.Join(img, "pages.img")); err == nil && fi.Size() > 1<<20 {
-				t.Errorf("pages.img is %d bytes: file data went into the image", fi.Size())
-			}
+	start := func(id, dir string, restoreFrom string) {
+		t.Helper()
+		spec := runtime.Spec{ID: id, RootFS: lower, StateDir: dir, Args: []string{"/bin/sleep", "1000000"}, DiskMB: diskMB}
+		var err error
+		if restoreFrom == "" {
+			err = d.Start(ctx, spec)
+		} else {
+			err = d.Restore(ctx, spec, restoreFrom)
+		}
+		if err != nil {
+			t.Fatalf("start %s: %v", id, err)
+		}
+		t.Cleanup(func() { _ = d.Delete(context.Background(), id) })
+	}
+	sh := func(id, script string) string {
+		t.Helper()
+		out, code, err := d.Exec(ctx, id, []string{"/bin/sh", "-c", script})
+		if err != nil || code != 0 {
+			t.Fatalf("exec %s %q: code %d, err %v: %s", id, script, code, err, out)
+		}
+		return strings.TrimSpace(string(out))
+	}
+	const parent, child = "fsdp0001", "fsdc0001"
+	start(parent, parentDir, "")
+	sh(parent, "echo parent > /hello; head -c 1048576 /dev/urandom > /blob; rm /etc/passwd")
 
-			start(child, childDir, img)
-			if got := sh(child, "cat /hello"); got != "parent" {
-				t.Errorf("child /hello = %q, want parent", got)
-			}
-			if got := sh(child, "wc -c < /blob"); got != "1048576" {
-				t.Errorf("child /blob size = %q", got)
-			}
-			if got := sh(child, "md5sum < /blob"); got != sh(parent, "md5sum < /blob") {
-				t.Errorf("child /blob differs from the parent's")
-			}
-			if got := sh(child, "test -e /etc/passwd && echo present || echo absent"); got != "absent" {
-				t.Errorf("child /etc/passwd %s, want absent (deleted by the parent)", got)
-			}
+	// On the layers' filesystem, so the layer clone can share extents.
+	img := filepath.Join(base, "img")
+	if err := os.Mkdir(img, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// The driver pauses the parent across checkpoint and layer clone, then resumes it.
+	if err := d.Checkpoint(ctx, parent, img, runtime.CheckpointOptions{LeaveRunning: true}); err != nil {
+		t.Fatalf("Checkpoint: %v", err)
+	}
+	if st, err := d.State(ctx, parent); err != nil || st.State != runtime.StateRunning {
+		t.Fatalf("parent after checkpoint: %+v %v, want running", st, err)
+	}
 
-			sh(child, "echo child > /hello; echo only-child > /c")
-			sh(parent, "echo parent2 > /hello")
-			if got := sh(child, "cat /hello"); got != "child" {
-				t.Errorf("child /hello = %q, want child", got)
-			}
-			if got := sh(parent, "cat /hello; test -e /c && echo leaked || true"); got != "parent2" {
-				t.Errorf("parent sees %q, want parent2 and no /c", got)
-			}
-			if _, err := os.Stat(filepath.Join(lower, "etc", "passwd")); err != nil {
-				t.Errorf("template rootfs changed: %v", err)
-			}
-		})
+	// The image holds memory only: the 1 MiB file is not in it.
+	if fi, err := os.Stat(filepath.Join(img, "pages.img")); err == nil && fi.Size() > 1<<20 {
+		t.Errorf("pages.img is %d bytes: file data went into the image", fi.Size())
+	}
+
+	start(child, childDir, img)
+	if got := sh(child, "cat /hello"); got != "parent" {
+		t.Errorf("child /hello = %q, want parent", got)
+	}
+	if got := sh(child, "wc -c < /blob"); got != "1048576" {
+		t.Errorf("child /blob size = %q", got)
+	}
+	if got := sh(child, "md5sum < /blob"); got != sh(parent, "md5sum < /blob") {
+		t.Errorf("child /blob differs from the parent's")
+	}
+	if got := sh(child, "test -e /etc/passwd && echo present || echo absent"); got != "absent" {
+		t.Errorf("child /etc/passwd %s, want absent (deleted by the parent)", got)
+	}
+
+	sh(child, "echo child > /hello; echo only-child > /c")
+	sh(parent, "echo parent2 > /hello")
+	if got := sh(child, "cat /hello"); got != "child" {
+		t.Errorf("child /hello = %q, want child", got)
+	}
+	if got := sh(parent, "cat /hello; test -e /c && echo leaked || true"); got != "parent2" {
+		t.Errorf("parent sees %q, want parent2 and no /c", got)
+	}
+	if _, err := os.Stat(filepath.Join(lower, "etc", "passwd")); err != nil {
+		t.Errorf("template rootfs changed: %v", err)
 	}
 }

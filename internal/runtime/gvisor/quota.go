@@ -34,6 +34,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -306,6 +307,14 @@ func cloneDiskLayerFrozen(srcSandboxDir, dstSandboxDir string, frozen func()) (o
 			return true, fmt.Errorf("gvisor: disk limit: clone: %w", err)
 		}
 		defer unix.Close(fd)
+		if frozen != nil {
+			// The instance is paused (its caller holds it so until frozen): nothing writes the
+			// layer, so where the image can be reflinked a sync and a clone are enough, without
+			// the freeze below (whose three barriers cost ~40 ms of the instance's stop).
+			if ok, err := clonePausedDiskLayer(fd, srcSandboxDir, dst, frozen); ok {
+				return true, err
+			}
+		}
 		// The kernel keeps a filesystem frozen after the process that froze it dies: the marker
 		// lets a later daemon thaw a layer a crash left frozen (thawCutLayer).
 		marker := filepath.Join(srcSandboxDir, layerFrozenName)
@@ -339,6 +348,56 @@ func cloneDiskLayerFrozen(srcSandboxDir, dstSandboxDir string, frozen func()) (o
 	if err := copyImage(srcImg, filepath.Join(dst, diskImageName)); err != nil {
 		_ = os.RemoveAll(dst)
 		return true, err
+	}
+	return true, nil
+}
+
+// clonePausedDiskLayer is cloneDiskLayerFrozen for the mounted limited layer of a paused
+// instance (fd: its mount) where the filesystem shares extents: the layer's filesystem is synced
+// (its journal committed, its data on the image), the image reflinked into dst, frozen called
+// (the instance may run again: the clone no longer changes), and then the clone's journal
+// replayed by a mount and unmount of it, so that it is a clean filesystem as a frozen copy is
+// (read-only mounts of it skip the journal). ok is false, with nothing made, where the image
+// cannot be reflinked: the caller freezes and copies instead.
+func clonePausedDiskLayer(fd int, srcSandboxDir, dst string, frozen func()) (ok bool, err error) {
+	tree, err := unix.OpenTree(unix.AT_FDCWD, srcSandboxDir, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+	if err != nil {
+		return true, fmt.Errorf("gvisor: disk limit: clone: open_tree: %w", err)
+	}
+	defer unix.Close(tree)
+	in, err := os.Open(fmt.Sprintf("/proc/self/fd/%d/%s/%s", tree, layerDirName, diskImageName))
+	if err != nil {
+		return true, fmt.Errorf("gvisor: disk limit: clone: %w", err)
+	}
+	defer in.Close()
+	if err := os.Mkdir(dst, 0o700); err != nil {
+		return true, fmt.Errorf("gvisor: disk limit: clone: %w", err)
+	}
+	img := filepath.Join(dst, diskImageName)
+	out, err := os.OpenFile(img, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		os.RemoveAll(dst)
+		return true, fmt.Errorf("gvisor: disk limit: clone: %w", err)
+	}
+	if err := unix.Syncfs(fd); err != nil {
+		out.Close()
+		os.RemoveAll(dst)
+		return true, fmt.Errorf("gvisor: disk limit: clone: sync: %w", err)
+	}
+	cerr := unix.IoctlFileClone(int(out.Fd()), int(in.Fd()))
+	out.Close()
+	if cerr != nil {
+		os.RemoveAll(dst)
+		return false, nil
+	}
+	frozen()
+	// The clone is the image as a crash would leave it: committed, with its journal to replay.
+	if err := mountDiskLayer(dst); err != nil {
+		os.RemoveAll(dst)
+		return true, fmt.Errorf("gvisor: disk limit: clone: replay the journal: %w", err)
+	}
+	if err := unmountStrict(dst, 15*time.Second); err != nil {
+		return true, fmt.Errorf("gvisor: disk limit: clone: replay the journal: %w", err)
 	}
 	return true, nil
 }
