@@ -266,7 +266,8 @@ func runcStart(b *testing.B, n *node) dist {
 }
 
 // BenchmarkLoad: 100 concurrent creates, each running a command, then every sandbox killed:
-// wall time, throughput and per-create latency (issue 7 item 8, issue 11's throughput row).
+// wall time, throughput and per-create latency (issue 7 item 8, issue 11's throughput row), next
+// to its baseline: 100 raw runsc restores of the template's image at once (restores per second).
 func BenchmarkLoad(b *testing.B) {
 	n := getNode(b, 2)
 	ctx := context.Background()
@@ -311,4 +312,47 @@ func BenchmarkLoad(b *testing.B) {
 		n.Manager.Kill(ctx, id)
 	}
 	fmt.Printf("killed %d sandboxes in %s\n", len(ids), time.Since(t0).Round(time.Millisecond))
+
+	// The baseline: as many raw runsc restores of the template's image at once, each into its
+	// own bundle and network namespace (no slot, layer, envd /init or command of ember's).
+	tpl, err := n.Store.GetTemplate(ctx, "base")
+	if err != nil {
+		b.Fatal(err)
+	}
+	raw := newRawRunsc(b, n)
+	bundles := make([]string, count)
+	for i := range bundles {
+		bundles[i] = raw.instance(b, i)
+	}
+	time.Sleep(2 * time.Second) // the kills' clean-up settles
+	rawOK := 0
+	start = time.Now()
+	for i := range bundles {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, err := raw.restore(bundles[i], fmt.Sprintf("rawload-%03d", i), tpl.Image, "")
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				fmt.Printf("  raw restore: %v\n", err)
+				return
+			}
+			rawOK++
+		}()
+	}
+	wg.Wait()
+	rawWall := time.Since(start)
+	fmt.Printf("baseline: %d raw runsc restores at once: %d ok in %s: %.1f restores/s\n", count, rawOK, rawWall.Round(time.Millisecond), float64(rawOK)/rawWall.Seconds())
+	b.ReportMetric(float64(rawOK)/rawWall.Seconds(), "baseline_raw_restores_per_s")
+	sem := make(chan struct{}, 8)
+	for i := range bundles {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			raw.remove(fmt.Sprintf("rawload-%03d", i))
+		}()
+	}
+	wg.Wait()
 }
