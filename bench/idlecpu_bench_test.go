@@ -115,15 +115,8 @@ func runscCPU(runscRoot string, stateDirs map[string]bool) map[int]uint64 {
 		u, _ := strconv.ParseUint(f[11], 10, 64)
 		s, _ := strconv.ParseUint(f[12], 10, 64)
 		all[pid] = proc{ppid, u + s}
-		cl, err := os.ReadFile(p + "/cmdline")
-		if err != nil || !strings.Contains(string(cl), runscRoot) {
-			continue
-		}
-		for d := range stateDirs {
-			if strings.Contains(string(cl), "--bundle="+d+string(filepath.Separator)) || strings.Contains(string(cl), "--bundle\x00"+d+string(filepath.Separator)) {
-				ours[pid] = true
-				break
-			}
+		if cl, err := os.ReadFile(p + "/cmdline"); err == nil && runscOf(string(cl), runscRoot, stateDirs) {
+			ours[pid] = true
 		}
 	}
 	out := map[int]uint64{}

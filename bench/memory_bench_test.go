@@ -207,27 +207,31 @@ type memBreakdown struct {
 
 // sandboxMemory sums the memory of the runsc processes under runscRoot whose bundle is in one of
 // stateDirs (nil: all) by kind, their memory files and their memory cgroups.
+// runscOf reports whether cl (a /proc cmdline) is a runsc process of runscRoot whose bundle is in
+// one of stateDirs (any of its instances when stateDirs is nil).
+func runscOf(cl, runscRoot string, stateDirs map[string]bool) bool {
+	if !strings.Contains(cl, runscRoot) {
+		return false
+	}
+	if stateDirs == nil {
+		return true
+	}
+	for d := range stateDirs {
+		// The sentry has --bundle=<StateDir>/bundle, the gofer --bundle <StateDir>/bundle.
+		if strings.Contains(cl, "--bundle="+d+string(filepath.Separator)) || strings.Contains(cl, "--bundle\x00"+d+string(filepath.Separator)) {
+			return true
+		}
+	}
+	return false
+}
+
 func sandboxMemory(runscRoot string, stateDirs map[string]bool) memBreakdown {
 	m := memBreakdown{procs: map[string]*memUse{"sentry": {}, "gofer": {}, "stubs": {}}}
 	sentries := map[string]bool{}
 	cgroups := map[string]bool{}
 	procs, _ := filepath.Glob("/proc/[0-9]*")
 	kindOf := map[string]string{}
-	ours := func(cl string) bool {
-		if !strings.Contains(cl, runscRoot) {
-			return false
-		}
-		if stateDirs == nil {
-			return true
-		}
-		for d := range stateDirs {
-			// The sentry has --bundle=<StateDir>/bundle, the gofer --bundle <StateDir>/bundle.
-			if strings.Contains(cl, "--bundle="+d+string(filepath.Separator)) || strings.Contains(cl, "--bundle\x00"+d+string(filepath.Separator)) {
-				return true
-			}
-		}
-		return false
-	}
+	ours := func(cl string) bool { return runscOf(cl, runscRoot, stateDirs) }
 	for _, p := range procs {
 		b, err := os.ReadFile(p + "/cmdline")
 		if err != nil || !ours(string(b)) {
