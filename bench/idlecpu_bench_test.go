@@ -19,6 +19,8 @@ import (
 // sandbox costs bounds how many a node holds before the idle ones slow the busy ones: before
 // envd's out-of-memory guard rested while nothing but envd runs (it read /proc/meminfo every 50
 // ms), an idle sandbox cost 1.6–2.1 % of a core, so 40 of them took both cores of this host.
+// Every second sandbox has a process left asleep in it (`sleep`, as a kernel or a server would
+// be): there the guard looks at the memory 20 times a second, and what each look costs shows.
 // EMBER_BENCH_IDLE_N sets N, EMBER_BENCH_IDLE_WINDOW the measured window (default 20 s).
 func BenchmarkIdleCPU(b *testing.B) {
 	n := getNode(b, 2)
@@ -45,11 +47,22 @@ func BenchmarkIdleCPU(b *testing.B) {
 		}
 		sbs = append(sbs, sb)
 	}
+	for i, sb := range sbs {
+		if i%2 == 1 {
+			if _, err := n.run(sb, "nohup sleep 86400 >/dev/null 2>&1 &"); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
 	time.Sleep(5 * time.Second) // the last restores settle
-	dirs := map[string]bool{}
-	for _, sb := range sbs {
+	dirs, sleeping := map[string]bool{}, map[string]bool{}
+	for i, sb := range sbs {
 		if got, err := n.Manager.Get(ctx, sb.ID); err == nil && got.Runtime.StateDir != "" {
-			dirs[got.Runtime.StateDir] = true
+			if i%2 == 1 {
+				sleeping[got.Runtime.StateDir] = true
+			} else {
+				dirs[got.Runtime.StateDir] = true
+			}
 		}
 	}
 	pre := map[string]bool{}
@@ -62,7 +75,8 @@ func BenchmarkIdleCPU(b *testing.B) {
 		name string
 		dirs map[string]bool
 		a    map[int]uint64
-	}{{name: "idle sandbox (envd, nothing running)", dirs: dirs}, {name: "baseline: pre-started instance (no guest)", dirs: pre}}
+	}{{name: "idle sandbox (envd, nothing running)", dirs: dirs}, {name: "idle sandbox, a process asleep in it", dirs: sleeping},
+		{name: "baseline: pre-started instance (no guest)", dirs: pre}}
 	for i := range sets {
 		sets[i].a = runscCPU(root, sets[i].dirs)
 	}

@@ -54,6 +54,16 @@ type oomGuardConfig struct {
 	// but pid 1 and envd is left (default 1 s). With none, nothing but envd can allocate, so the
 	// guard stops looking until envd starts a process (Wake): an idle sandbox costs no CPU.
 	IdleCheck time.Duration
+	// Free is the cheap look at the guest's memory (total and free bytes; ok false when it
+	// cannot tell): while it shows more free than the reserve, /proc/meminfo is not read.
+	// Default: sysinfo(2) when Proc is the real /proc, none otherwise. Under gVisor a read of
+	// /proc/meminfo first asks the host which of the guest's pages are committed (a scan of
+	// its memory file, throttled to one per clock tick): 1.4 ms at the guard's pace, so that a
+	// sandbox with any process alive (a kernel, a server, a sleep) cost 2-3 % of a core while
+	// idle. sysinfo's free memory is the memory file's allocated blocks as the host counts them
+	// (one fstat, 0.06 ms), never more than /proc/meminfo's MemAvailable: the pages the Sentry
+	// knows of are among them. So when it shows enough free memory, so would /proc/meminfo.
+	Free func() (total, free uint64, ok bool)
 }
 
 type oomGuard struct {
@@ -95,6 +105,9 @@ func newOOMGuard(log *slog.Logger, cfg oomGuardConfig) *oomGuard {
 	}
 	if cfg.IdleCheck <= 0 {
 		cfg.IdleCheck = time.Second
+	}
+	if cfg.Free == nil && cfg.Proc == "/proc" {
+		cfg.Free = sysinfoFree
 	}
 	return &oomGuard{cfg: cfg, log: log, self: os.Getpid(), stopped: make(chan struct{}), wake: make(chan struct{}, 1)}
 }
@@ -224,10 +237,32 @@ func (g *oomGuard) run(ctx context.Context) {
 				lastIdleCheck = time.Now()
 			}
 		}
-		if n, err := g.meminfo(); err == nil && n.total > 0 {
+		if n, err := g.look(); err == nil && n.total > 0 {
 			m = n
 		}
 	}
+}
+
+// look is the guard's periodic look at the guest's memory: the cheap one (Free) while it shows
+// more free memory than the reserve, else /proc/meminfo, which decides whether the memory is
+// low and how much is used past the total.
+func (g *oomGuard) look() (mem, error) {
+	if g.cfg.Free != nil {
+		if total, free, ok := g.cfg.Free(); ok && total > 0 && free <= total && free > reserve(total) {
+			return mem{total: total, avail: free, used: total - free}, nil
+		}
+	}
+	return g.meminfo()
+}
+
+// sysinfoFree is the guest's total and free memory from sysinfo(2).
+func sysinfoFree() (total, free uint64, ok bool) {
+	var si syscall.Sysinfo_t
+	if err := syscall.Sysinfo(&si); err != nil {
+		return 0, 0, false
+	}
+	unit := max(uint64(si.Unit), 1)
+	return si.Totalram * unit, si.Freeram * unit, true
 }
 
 // stall stops every process but envd: kill(-1, SIGSTOP) spares init (envd) and the caller, and

@@ -164,6 +164,47 @@ func TestOOMGuardKeepsLookingWhileAProcessRuns(t *testing.T) {
 	}
 }
 
+// The guard's periodic look is the cheap one (sysinfo under gVisor) while it shows more free
+// memory than the reserve; /proc/meminfo, whose every read under gVisor scans the sandbox's
+// memory file (2-3 % of a core for a sandbox with a process alive, looked at 20 times a second),
+// is read only once the cheap look shows the memory low, and it decides as before.
+func TestOOMGuardReadsMeminfoOnlyWhenTheCheapLookIsLow(t *testing.T) {
+	f := newFakeProc(t, 1024, 40)
+	f.set(1, 10)
+	f.set(20, 5)
+	var mu sync.Mutex
+	free, looks := uint64(900<<20), 0
+	cheap := func() (uint64, uint64, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		looks++
+		return 1024 << 20, free, true
+	}
+	killed, _ := startGuardWith(t, f, oomGuardConfig{Free: cheap})
+	time.Sleep(100 * time.Millisecond)
+	f.set(20, 990) // only /proc/meminfo shows it: the guard must not be reading it
+	select {
+	case pid := <-killed:
+		t.Fatalf("killed %d while the cheap look showed 900 MiB free: the guard read /proc/meminfo", pid)
+	case <-time.After(300 * time.Millisecond):
+	}
+	mu.Lock()
+	n := looks
+	free = 4 << 20 // the cheap look shows the memory low: /proc/meminfo decides
+	mu.Unlock()
+	if n < 5 {
+		t.Fatalf("%d cheap looks in 400 ms, want the guard's pace (one per 20 ms here)", n)
+	}
+	select {
+	case pid := <-killed:
+		if pid != 20 {
+			t.Fatalf("killed %d, want 20", pid)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("nothing killed 2 s after the cheap look showed the memory low")
+	}
+}
+
 // When the guest's memory runs out the guard kills the largest process, never pid 1, envd or a
 // protected one, and only one for one allocation.
 func TestOOMGuardKillsTheLargestProcess(t *testing.T) {
