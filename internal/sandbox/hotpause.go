@@ -186,6 +186,17 @@ func (m *Manager) checkpointInBackground(e *entry, h *hotState) {
 			}
 			return
 		}
+		// The save grew the instance's own memory (gVisor: the sentry's heap, which a frozen
+		// sentry would keep until its Go runtime's forced collection minutes later): given back
+		// now, and the instance measured again for the paused-memory budget.
+		if r, ok := m.cfg.Driver.(runtime.MemoryReducer); ok {
+			if err := r.ReduceMemory(ctx, h.inst); err != nil {
+				m.logger(id).Debug("reduce the memory of a paused sandbox", "err", err)
+			} else if st, err := m.cfg.Driver.Stats(ctx, h.inst); err == nil {
+				h.memMB.Store(int64(st.MemoryBytes >> 20))
+				m.kickTiers()
+			}
+		}
 		e.mu.Lock()
 		defer e.mu.Unlock()
 		if e.hot != h {

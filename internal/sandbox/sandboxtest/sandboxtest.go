@@ -538,6 +538,18 @@ func (d *Driver) setFrozen(op, id string, frozen bool) error {
 	return nil
 }
 
+var _ runtime.MemoryReducer = (*Driver)(nil)
+
+// ReduceMemory implements runtime.MemoryReducer: counted (Calls("ReduceMemory")); Memory may
+// answer less afterwards.
+func (d *Driver) ReduceMemory(ctx context.Context, id string) error {
+	if err := d.fail("ReduceMemory", id); err != nil {
+		return err
+	}
+	_, err := d.get(id)
+	return err
+}
+
 // Stats implements runtime.Driver.
 func (d *Driver) Stats(ctx context.Context, id string) (runtime.Stats, error) {
 	if _, err := d.get(id); err != nil {
