@@ -273,7 +273,7 @@ func (ps *processService) StreamInput(_ context.Context, stream *connect.ClientS
 	return connect.NewResponse(&pb.StreamInputResponse{}), nil
 }
 
-func (ps *processService) SendSignal(_ context.Context, req *connect.Request[pb.SendSignalRequest]) (*connect.Response[pb.SendSignalResponse], error) {
+func (ps *processService) SendSignal(ctx context.Context, req *connect.Request[pb.SendSignalRequest]) (*connect.Response[pb.SendSignalResponse], error) {
 	var sig syscall.Signal
 	switch req.Msg.GetSignal() {
 	case pb.Signal_SIGNAL_SIGKILL:
@@ -290,8 +290,23 @@ func (ps *processService) SendSignal(_ context.Context, req *connect.Request[pb.
 	if err := p.signal(sig); err != nil {
 		return nil, toConnectError(err)
 	}
+	if sig == syscall.SIGKILL {
+		// Answered once the process is gone (reaped): a check right after the kill (`kill -0`,
+		// ps; E2B's test_kill_process) must not find it, and a zombie is found. Bounded: a
+		// process in an uninterruptible wait dies late, and the kill was sent all the same.
+		t := time.NewTimer(killReapWait)
+		defer t.Stop()
+		select {
+		case <-p.exited:
+		case <-t.C:
+		case <-ctx.Done():
+		}
+	}
 	return connect.NewResponse(&pb.SendSignalResponse{}), nil
 }
+
+// killReapWait bounds how long a SIGKILL's answer waits for the process to be reaped.
+const killReapWait = 2 * time.Second
 
 func (ps *processService) CloseStdin(_ context.Context, req *connect.Request[pb.CloseStdinRequest]) (*connect.Response[pb.CloseStdinResponse], error) {
 	p, err := ps.s.procs.get(req.Msg.GetProcess())

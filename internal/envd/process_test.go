@@ -2,12 +2,14 @@ package envd_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -194,6 +196,11 @@ func TestListAndKill(t *testing.T) {
 	}
 	if err := kill(); err != nil {
 		t.Fatal(err)
+	}
+	// A SIGKILL is answered once the process is gone: a check right after it (E2B's
+	// test_kill_process runs `kill -0 <pid>`) must not find it, not even as a zombie.
+	if err := syscall.Kill(int(pid), 0); !errors.Is(err, syscall.ESRCH) {
+		t.Fatalf("right after the kill, kill -0 %d: %v, want ESRCH", pid, err)
 	}
 	r := collectRest[*pb.StartResponse](stream)
 	if r.end == nil || r.end.ExitCode != -1 || r.end.Status != "signal: killed" || r.end.Exited || r.end.GetError() != "signal: killed" {
