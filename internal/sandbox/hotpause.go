@@ -74,7 +74,16 @@ type hotState struct {
 	done   chan struct{}
 	image  string
 	err    error
+	// reduced: the instance was asked to give back memory it no longer uses (reduceLater).
+	reduced atomic.Bool
 }
+
+// DefaultPausedReduceAfter is how long a sandbox stays paused in memory, its state on disk, before its
+// instance is asked to give back the memory it no longer uses (runtime.MemoryReducer; gVisor:
+// the sentry's heap grown by the background checkpoint, kept by a frozen sentry until its Go
+// runtime's forced collection minutes later, and cached file pages no mapping uses). Not at
+// once: a sandbox resumed within seconds (an agent's step) would only pay for it.
+const DefaultPausedReduceAfter = 10 * time.Second
 
 // hotPauseLocked pauses e in memory. In StorePauses mode the image is written (from the frozen
 // instance, which stays frozen) and stored before it answers.
@@ -185,17 +194,6 @@ func (m *Manager) checkpointInBackground(e *entry, h *hotState) {
 				m.logger(id).Warn("background checkpoint of a sandbox paused in memory failed; a demotion checkpoints it anew", "err", err)
 			}
 			return
-		}
-		// The save grew the instance's own memory (gVisor: the sentry's heap, which a frozen
-		// sentry would keep until its Go runtime's forced collection minutes later): given back
-		// now, and the instance measured again for the paused-memory budget.
-		if r, ok := m.cfg.Driver.(runtime.MemoryReducer); ok {
-			if err := r.ReduceMemory(ctx, h.inst); err != nil {
-				m.logger(id).Debug("reduce the memory of a paused sandbox", "err", err)
-			} else if st, err := m.cfg.Driver.Stats(ctx, h.inst); err == nil {
-				h.memMB.Store(int64(st.MemoryBytes >> 20))
-				m.kickTiers()
-			}
 		}
 		e.mu.Lock()
 		defer e.mu.Unlock()
@@ -392,6 +390,7 @@ func (m *Manager) demoteDue(now time.Time) {
 		case total > budget || budget < 0:
 			why = fmt.Sprintf("paused memory %d MiB over its budget of %d MiB", total, budget)
 		default:
+			m.reduceLater(he, now)
 			continue
 		}
 		if budget < 0 {
@@ -406,6 +405,38 @@ func (m *Manager) demoteDue(now time.Time) {
 			total -= he.h.memMB.Load()
 		}
 	}
+}
+
+// reduceLater asks he's instance, once it has been paused Config.PausedReduceAfter with its state on
+// disk, to give back what it no longer uses, and measures it again for the budget; once a pause.
+// In the background, with the manager's context: a resume meanwhile only thaws a sentry that
+// finishes its collection running.
+func (m *Manager) reduceLater(he hotEntry, now time.Time) {
+	r, ok := m.cfg.Driver.(runtime.MemoryReducer)
+	if !ok || now.Sub(he.h.since) < m.cfg.PausedReduceAfter {
+		return
+	}
+	select {
+	case <-he.h.done:
+	default:
+		return
+	}
+	if he.h.err != nil || he.h.reduced.Swap(true) {
+		return
+	}
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		ctx, cancel := context.WithTimeout(m.bg, time.Minute)
+		defer cancel()
+		if err := r.ReduceMemory(ctx, he.h.inst); err != nil {
+			m.logger(he.e.sb.ID).Debug("reduce the memory of a paused sandbox", "err", err)
+			return
+		}
+		if st, err := m.cfg.Driver.Stats(ctx, he.h.inst); err == nil {
+			he.h.memMB.Store(int64(st.MemoryBytes >> 20))
+		}
+	}()
 }
 
 // demote demotes he if it is still paused in memory.

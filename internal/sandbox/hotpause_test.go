@@ -148,11 +148,12 @@ func TestCheckpointAndFilesOnlyPausesEndTheInstance(t *testing.T) {
 	}
 }
 
-// Once a sandbox paused in memory has its state on disk, the instance gives back what the
-// save took (gVisor's sentry keeps the save's garbage until its forced collection, minutes
-// later: 2.6 MiB more paused than running), and the paused-memory budget counts what is left.
+// A sandbox that stays paused in memory (PausedReduceAfter, its state on disk) has its instance
+// give back what the save took (gVisor's sentry keeps the save's garbage until its forced
+// collection, minutes later: 2.6 MiB more paused than running), once, and the paused-memory
+// budget counts what is left. One resumed before that is not asked.
 func TestPausedSandboxGivesBackWhatItsCheckpointTook(t *testing.T) {
-	n := newNode(t, nil)
+	n := newNode(t, func(c *sandbox.Config) { c.PausedReduceAfter = 300 * time.Millisecond })
 	d := n.rig.Driver
 	d.Memory = func(string) uint64 {
 		if d.Calls("ReduceMemory") > 0 {
@@ -162,6 +163,18 @@ func TestPausedSandboxGivesBackWhatItsCheckpointTook(t *testing.T) {
 	}
 	n.build("base")
 	ctx := context.Background()
+	quick := n.create(sandbox.CreateRequest{}) // an agent's step: resumed well before
+	if err := n.m.Pause(ctx, quick.ID); err != nil {
+		t.Fatal(err)
+	}
+	n.onDisk(quick.ID)
+	if _, _, err := n.m.Connect(ctx, quick.ID, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1500 * time.Millisecond) // past PausedReduceAfter and a tier round
+	if c := d.Calls("ReduceMemory"); c != 0 {
+		t.Fatalf("a sandbox resumed within PausedReduceAfter was reduced (%d calls)", c)
+	}
 	sb := n.create(sandbox.CreateRequest{})
 	n.putMem(sb.ID, "k", "v")
 	if err := n.m.Pause(ctx, sb.ID); err != nil {
@@ -174,6 +187,10 @@ func TestPausedSandboxGivesBackWhatItsCheckpointTook(t *testing.T) {
 	})
 	if !n.frozen(sb.Runtime.InstanceID) {
 		t.Fatal("the instance is no longer frozen after its memory was reduced")
+	}
+	time.Sleep(1500 * time.Millisecond)
+	if c := d.Calls("ReduceMemory"); c != 1 {
+		t.Fatalf("%d reduce calls for one pause, want 1", c)
 	}
 	if _, _, err := n.m.Connect(ctx, sb.ID, time.Minute); err != nil {
 		t.Fatal(err)

@@ -194,6 +194,9 @@ type Config struct {
 	// HotPauseMax is how long a sandbox stays paused in memory before it is demoted to disk
 	// (default 10 minutes).
 	HotPauseMax time.Duration
+	// PausedReduceAfter is how long a sandbox stays paused in memory, its state on disk, before
+	// its instance gives back the memory it no longer uses (0 = DefaultPausedReduceAfter).
+	PausedReduceAfter time.Duration
 }
 
 // Manager owns every sandbox on this node. It implements Service.
@@ -362,6 +365,9 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	}
 	if cfg.PausedMemoryMB == 0 {
 		cfg.PausedMemoryMB = 2 * defaultPoolMemoryMB() // an eighth of the host's, twice
+	}
+	if cfg.PausedReduceAfter <= 0 {
+		cfg.PausedReduceAfter = DefaultPausedReduceAfter
 	}
 	if cfg.HotPauseMax == 0 {
 		cfg.HotPauseMax = 10 * time.Minute
