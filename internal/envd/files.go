@@ -197,7 +197,7 @@ func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
 				writeJSONError(w, http.StatusBadRequest, "a file part has no filename and the request no path")
 				return
 			}
-			info, err := writeFileAs(acct, acct.resolvePath(dest), part, md)
+			info, err := s.writeFileWatched(acct, acct.resolvePath(dest), part, md)
 			part.Close()
 			if err != nil {
 				writeHTTPError(w, err)
@@ -220,7 +220,7 @@ func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
 			defer zr.Close()
 			body = zr
 		}
-		info, err := writeFileAs(acct, acct.resolvePath(queryPath), body, md)
+		info, err := s.writeFileWatched(acct, acct.resolvePath(queryPath), body, md)
 		if err != nil {
 			writeHTTPError(w, err)
 			return
@@ -232,6 +232,15 @@ func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeJSON(w, http.StatusOK, written)
+}
+
+// writeFileWatched is writeFileAs, answered once the polling watchers of path's directory have
+// taken in the write (watcherRegistry.expectWrite).
+func (s *Server) writeFileWatched(acct *account, path string, body io.Reader, md map[string]string) (writeInfo, error) {
+	wait := s.watchers.expectWrite(path)
+	info, err := writeFileAs(acct, path, body, md)
+	wait(err == nil)
+	return info, err
 }
 
 // writeFileAs streams body to path (creating parents, replacing the file) owned by acct, and

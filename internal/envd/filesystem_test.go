@@ -2,9 +2,12 @@ package envd_test
 
 import (
 	"context"
+	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -219,6 +222,49 @@ func TestWatchDir(t *testing.T) {
 			t.Fatalf("%v", err)
 		}
 	})
+}
+
+// A write through envd's file API is answered once every polling watcher of its directory has
+// taken in its event: a poll right after the write finds it (E2B's
+// test_watch_directory_changes_with_entry_info: write, then get_new_events at once, failed
+// under gVisor when envd's inotify reader had not caught up yet). Many rounds, as the race is
+// narrow on a host kernel.
+func TestWatcherPollingSeesEnvdsOwnWriteAtOnce(t *testing.T) {
+	h := newHarness(t, envd.Config{})
+	ctx := context.Background()
+	dir := t.TempDir()
+	if err := os.WriteFile(dir+"/w.txt", []byte("first"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cr, err := h.fs.CreateWatcher(ctx, connect.NewRequest(&fspb.CreateWatcherRequest{Path: dir, IncludeEntry: true}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := cr.Msg.GetWatcherId()
+	for i := 0; i < 300; i++ {
+		code, resp, _ := doReq(t, http.MethodPost, filesURL(h.url, map[string]string{"path": dir + "/w.txt", "username": "root"}),
+			strings.NewReader(fmt.Sprintf("round %d", i)), map[string]string{"Content-Type": "application/octet-stream"})
+		if code != http.StatusOK {
+			t.Fatalf("POST %d %s", code, resp)
+		}
+		r, err := h.fs.GetWatcherEvents(ctx, connect.NewRequest(&fspb.GetWatcherEventsRequest{WatcherId: id}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		found := false
+		for _, ev := range r.Msg.GetEvents() {
+			if ev.GetName() == "w.txt" && ev.GetType() == fspb.EventType_EVENT_TYPE_WRITE {
+				found = true
+			}
+		}
+		if !found {
+			t.Fatalf("round %d: the poll right after the write has no WRITE event of w.txt: %v", i, r.Msg.GetEvents())
+		}
+		time.Sleep(2 * time.Millisecond) // the rest of the write's events (attributes) come in
+		if _, err := h.fs.GetWatcherEvents(ctx, connect.NewRequest(&fspb.GetWatcherEventsRequest{WatcherId: id})); err != nil {
+			t.Fatal(err)
+		}
+	}
 }
 
 func TestWatcherPolling(t *testing.T) {

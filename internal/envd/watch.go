@@ -8,6 +8,8 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -28,9 +30,14 @@ type dirWatcher struct {
 	out          *queue[*pb.FilesystemEvent]
 	done         chan struct{}
 	wg           sync.WaitGroup
+
+	// waits are envd's own writes waiting for their event to be taken in (expect), by path.
+	waitMu sync.Mutex
+	waits  map[string][]chan struct{}
 }
 
 func newDirWatcher(root string, recursive, includeEntry, allowNetworkMounts bool) (*dirWatcher, error) {
+	root = filepath.Clean(root) // events are named root + "/" + name; expectWrite matches them
 	fi, err := os.Stat(root)
 	if err != nil {
 		return nil, fsError("path "+root+" not found", err)
@@ -49,7 +56,7 @@ func newDirWatcher(root string, recursive, includeEntry, allowNetworkMounts bool
 	}
 	d := &dirWatcher{
 		root: root, recursive: recursive, includeEntry: includeEntry,
-		w: w, out: newQueue[*pb.FilesystemEvent](), done: make(chan struct{}),
+		w: w, out: newQueue[*pb.FilesystemEvent](), done: make(chan struct{}), waits: map[string][]chan struct{}{},
 	}
 	if err := d.add(root); err != nil {
 		w.Close()
@@ -132,6 +139,43 @@ func (d *dirWatcher) handle(ev fsnotify.Event) {
 			}
 		}
 		d.out.push(fe)
+	}
+	d.waitMu.Lock()
+	for _, ch := range d.waits[ev.Name] {
+		close(ch)
+	}
+	delete(d.waits, ev.Name)
+	d.waitMu.Unlock()
+}
+
+// sees reports whether d is told of changes to the file at path (absolute, clean).
+func (d *dirWatcher) sees(path string) bool {
+	dir := filepath.Dir(path)
+	if dir == d.root {
+		return true
+	}
+	rel, err := filepath.Rel(d.root, dir)
+	return d.recursive && err == nil && rel != ".." && !strings.HasPrefix(rel, "../")
+}
+
+// expect returns a channel closed once d has taken in an event of path (the caller's write is
+// about to make one); forget drops it unused.
+func (d *dirWatcher) expect(path string) chan struct{} {
+	ch := make(chan struct{})
+	d.waitMu.Lock()
+	d.waits[path] = append(d.waits[path], ch)
+	d.waitMu.Unlock()
+	return ch
+}
+
+func (d *dirWatcher) forget(path string, ch chan struct{}) {
+	d.waitMu.Lock()
+	defer d.waitMu.Unlock()
+	w := slices.DeleteFunc(d.waits[path], func(c chan struct{}) bool { return c == ch })
+	if len(w) == 0 {
+		delete(d.waits, path)
+	} else {
+		d.waits[path] = w
 	}
 }
 
@@ -224,6 +268,49 @@ func (r *watcherRegistry) get(id string) (*dirWatcher, error) {
 		return nil, connect.NewError(connect.CodeNotFound, errorf(errdefs.ErrNotFound, "watcher '%s' not found", id))
 	}
 	return d, nil
+}
+
+// writeSettle bounds how long a write through envd's file API waits for the polling watchers
+// of its directory to take in its event (normally well under a millisecond).
+const writeSettle = 200 * time.Millisecond
+
+// expectWrite is called before envd itself writes the file at path: the function it returns,
+// called once the write is done, waits (at most writeSettle) until every polling watcher that
+// sees path has taken in an event of it, so that a GetWatcherEvents after the write's answer
+// finds it, as it would for a kernel's synchronous inotify queue. Nothing to wait for without
+// such a watcher.
+func (r *watcherRegistry) expectWrite(path string) (wait func(written bool)) {
+	path = filepath.Clean(path)
+	type expectation struct {
+		d  *dirWatcher
+		ch chan struct{}
+	}
+	var es []expectation
+	r.mu.Lock()
+	for _, d := range r.m {
+		if d.sees(path) {
+			es = append(es, expectation{d, d.expect(path)})
+		}
+	}
+	r.mu.Unlock()
+	return func(written bool) {
+		if len(es) == 0 {
+			return
+		}
+		t := time.NewTimer(writeSettle)
+		defer t.Stop()
+		for _, e := range es {
+			if written {
+				select {
+				case <-e.ch:
+					continue
+				case <-e.d.done:
+				case <-t.C:
+				}
+			}
+			e.d.forget(path, e.ch)
+		}
+	}
 }
 
 func (r *watcherRegistry) closeAll() {
