@@ -147,7 +147,7 @@ func sandboxCmd(g *globals) *cobra.Command {
 			return nil
 		},
 	}
-	pause := simple("pause", "Pause a sandbox (checkpoint; frees its memory)", http.MethodPost, "/sandboxes/%s/pause", "paused")
+	pause := simple("pause", "Pause a sandbox (frozen in place, its state written to disk in the background; resume continues it with its memory, processes and files)", http.MethodPost, "/sandboxes/%s/pause", "paused")
 	var resumeTimeout int
 	resume := &cobra.Command{
 		Use: "resume ID", Short: "Resume a paused sandbox", Args: cobra.ExactArgs(1),

@@ -42,7 +42,7 @@ func (s *suite) testPrestart(t *testing.T) {
 	kids := make([]rt.Spec, 2)
 	for i := range kids {
 		kids[i] = e.spec()
-		kids[i].NetNSPath = newNetNS(t, ips[i])
+		kids[i].NetNSPath = NewNetNS(t, ips[i])
 		if err := ps.Prestart(ctx(t), kids[i], img); err != nil {
 			t.Fatalf("Prestart(%s): %v", kids[i].ID, err)
 		}
@@ -170,9 +170,9 @@ func (s *suite) testPrestart(t *testing.T) {
 	})
 }
 
-// newNetNS makes a network namespace (bind-mounted on a file of t's, removed at its end) with a
+// NewNetNS makes a network namespace (bind-mounted on a file of t's, removed at its end) with a
 // veth pair (both ends inside) holding ip, so that an instance's view of its network tells which it joined.
-func newNetNS(t *testing.T, ip string) string {
+func NewNetNS(t *testing.T, ip string) string {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "netns")
 	if err := os.WriteFile(path, nil, 0o600); err != nil {

@@ -2,10 +2,14 @@ package gvisor
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+
+	"golang.org/x/sys/unix"
+	"gvisor.dev/gvisor/pkg/sentry/state/checkpointfiles"
 
 	"github.com/ember-sandbox/ember/internal/errdefs"
 	"github.com/ember-sandbox/ember/internal/runtime"
@@ -51,24 +55,46 @@ func (d *Driver) Prestart(ctx context.Context, spec runtime.Spec, imageDir strin
 	if err == nil {
 		err = d.launch(ctx, spec, "create", "--bundle", bundle, spec.ID)
 	}
+	if err == nil && !d.cfg.RunscCLI {
+		// The restore's network set-up, done now (netargs.go): RestoreInto is then one call.
+		if err = d.prestartNetwork(ctx, spec); err != nil {
+			d.cleanupFailed(spec.ID)
+		}
+	}
 	if err != nil && d.hostLayers() {
 		releaseLayer(spec.StateDir)
 	}
 	return err
 }
 
+// prestartNetName, in a pre-started instance's state dir, says its sentry has its network
+// (presetNetwork): RestoreInto restores over the control socket.
+const prestartNetName = "prestart-network"
+
+func (d *Driver) prestartNetwork(ctx context.Context, spec runtime.Spec) error {
+	st, err := d.readState(spec.ID)
+	if err != nil {
+		return err
+	}
+	if !alive(st.Pid) {
+		return fmt.Errorf("gvisor: prestart %s: sandbox process gone: %w", spec.ID, errdefs.ErrUnavailable)
+	}
+	if err := d.presetNetwork(ctx, spec.ID, st.Pid); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(spec.StateDir, prestartNetName), nil, 0o600)
+}
+
 // RestoreInto implements runtime.Prestarter. On failure the instance is deleted (it cannot be
 // used again); the caller still releases its state dir.
 //
-// It runs `runsc restore`, not the sentry's containerManager.Restore over the control socket
-// (ctlsock.go): before that one call, runsc's restore of a created container applies its host
-// settings, enters the sandbox's network namespace to scrape its links, addresses and routes,
-// opens a packet socket per link there and hands them to the sentry
-// (containerManager.SetNetworkArgs; runsc/sandbox/network.go, dependent on runsc's network
-// configuration and version), and afterwards moves the container to "running" in its state file
-// and sets the sandbox's and gofer's OOM scores. Doing that in the daemon means importing
-// runsc/sandbox and runsc/container, which link the whole sentry (some 460 packages) into it, or
-// re-implementing runsc's network set-up; neither stays safely in step with runsc.
+// An instance whose sentry got its network at pre-start (prestartNetwork) is restored with the
+// sentry's containerManager.Restore over the control socket (restoreOverSocket): what `runsc
+// restore` of a created container does besides that call is the network set-up, done already,
+// its host-settings check (warnings only), moving the container to "running" in its state file
+// (done here the way ctlsock.go does it for pause and resume) and OOM scores, which the driver's
+// specs do not set. With Config.RunscCLI, or for an instance pre-started by an earlier daemon
+// without that step, it runs `runsc restore`.
 func (d *Driver) RestoreInto(ctx context.Context, id, imageDir string) error {
 	if err := validateID(id); err != nil {
 		return err
@@ -89,14 +115,20 @@ func (d *Driver) RestoreInto(ctx context.Context, id, imageDir string) error {
 	if _, err := os.Stat(filepath.Join(imageDir, "checkpoint.img")); err != nil {
 		return fmt.Errorf("gvisor: restore image %q: %v: %w", imageDir, err, errdefs.ErrNotFound)
 	}
-	args := []string{"restore", "--detach", "--image-path", imageDir}
-	if d.cfg.RestoreBackground {
-		args = append(args, "--background")
+	if _, serr := os.Stat(filepath.Join(stateDir, prestartNetName)); serr == nil && !d.cfg.RunscCLI {
+		tl.Mark("prepare")
+		err = d.restoreOverSocket(ctx, id, imageDir)
+		tl.Mark("restore_call")
+	} else {
+		args := []string{"restore", "--detach", "--image-path", imageDir}
+		if d.cfg.RestoreBackground {
+			args = append(args, "--background")
+		}
+		logs := filepath.Join(stateDir, "logs")
+		tl.Mark("prepare")
+		err = d.launchOnce(ctx, id, logs, append(args, id))
+		tl.Mark("runsc_restore")
 	}
-	logs := filepath.Join(stateDir, "logs")
-	tl.Mark("prepare")
-	err = d.launchOnce(ctx, id, logs, append(args, id))
-	tl.Mark("runsc_restore")
 	if err != nil {
 		if errors.Is(err, errdefs.ErrConflict) {
 			return fmt.Errorf("gvisor: restore into %s: %w", id, err)
@@ -110,4 +142,66 @@ func (d *Driver) RestoreInto(ctx context.Context, id, imageDir string) error {
 		d.log.Warn("no memory headroom: an out-of-memory stops the whole sandbox", "instance", id, "err", err)
 	}
 	return nil
+}
+
+// restoreOverSocket restores imageDir into created instance id with containerManager.Restore
+// over its control socket, under runsc's lock of the container, and records it running.
+func (d *Driver) restoreOverSocket(ctx context.Context, id, imageDir string) (err error) {
+	unlock, err := d.lockState(ctx, id)
+	if err != nil {
+		return err
+	}
+	failed := true
+	defer func() {
+		unlock()
+		if failed {
+			d.cleanupFailed(id) // a sentry that began a restore takes no other
+		}
+	}()
+	st, err := d.readState(id)
+	if err != nil {
+		return err
+	}
+	if st.Status != statusCreated || !alive(st.Pid) {
+		return fmt.Errorf("gvisor: restore into %s: instance is %s: %w", id, st.Status, errdefs.ErrConflict)
+	}
+	var opts restoreOpts
+	defer func() {
+		for _, f := range opts.FilePayload.Files {
+			f.Close()
+		}
+	}()
+	for i, n := range []string{checkpointfiles.StateFileName, checkpointfiles.PagesMetadataFileName, checkpointfiles.PagesFileName} {
+		f, err := os.OpenFile(filepath.Join(imageDir, n), os.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if i == 1 && errors.Is(err, os.ErrNotExist) {
+			break // one compressed file: the pages are in the state file
+		}
+		if err != nil {
+			return fmt.Errorf("gvisor: restore image %q: %w", imageDir, err)
+		}
+		opts.FilePayload.Files = append(opts.FilePayload.Files, f)
+	}
+	opts.HavePagesFile = len(opts.FilePayload.Files) == 3
+	opts.Background = d.cfg.RestoreBackground
+	if err := d.ctlCall(ctx, id, st.Socket, ctlRestore, &opts, nil); err != nil {
+		return err
+	}
+	markRestored(st)
+	if err := d.writeStatus(id, st, statusRunning); err != nil {
+		return err
+	}
+	failed = false
+	return nil
+}
+
+// markRestored sets runsc's "restored" flag of the sandbox in its state, as its restore does.
+func markRestored(st *runscState) {
+	var sb map[string]json.RawMessage
+	if json.Unmarshal(st.raw["sandbox"], &sb) != nil || sb == nil {
+		return
+	}
+	sb["restored"] = json.RawMessage("true")
+	if b, err := json.Marshal(sb); err == nil {
+		st.raw["sandbox"] = b
+	}
 }
