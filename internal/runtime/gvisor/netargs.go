@@ -160,18 +160,16 @@ func scrapeIn(nsPath string) (*linksAndRoutesArgs, error) {
 		return nil, err
 	}
 	defer ns.Close()
-	// Never the host's namespace (runsc refuses it too): its addresses would be taken away.
-	for _, other := range []string{"/proc/1/ns/net", "/proc/self/ns/net"} {
-		if o, err := netns.GetFromPath(other); err == nil {
-			same := o.Equal(ns)
-			o.Close()
-			if same {
-				return nil, fmt.Errorf("%s is the host's network namespace", nsPath)
-			}
-		}
-	}
 	if err := netns.Set(ns); err != nil {
 		return nil, fmt.Errorf("enter %s: %w", nsPath, err)
+	}
+	// Never the host's namespace (runsc refuses it too): its addresses would be taken away.
+	// As runsc tells it: this file is only in the initial namespace's /proc/sys/net.
+	switch err := unix.Access("/proc/sys/net/core/dev_weight", unix.F_OK); {
+	case err == nil:
+		return nil, fmt.Errorf("%s is the host's network namespace", nsPath)
+	case !errors.Is(err, unix.ENOENT):
+		return nil, fmt.Errorf("is %s the host's network namespace: %w", nsPath, err)
 	}
 	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
