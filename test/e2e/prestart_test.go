@@ -12,10 +12,12 @@ import (
 )
 
 // waitPrestarted waits (bounded) until runsc holds at least n pre-started instances (state
-// "created") under the daemon's root.
+// "created") under the daemon's root and the daemon's pools hold them ready (GET /ember/pools:
+// an instance is ready once its pre-start is done, a little after runsc says "created").
 func (d *daemon) waitPrestarted(t *testing.T, n int, bound time.Duration) []instance {
 	t.Helper()
 	var pre []instance
+	ready := 0
 	testutil.EventuallyOr(t, bound, func() bool {
 		pre = nil
 		for _, i := range d.instances() {
@@ -23,9 +25,21 @@ func (d *daemon) waitPrestarted(t *testing.T, n int, bound time.Duration) []inst
 				pre = append(pre, i)
 			}
 		}
-		return len(pre) >= n
+		ready = 0
+		var pools []struct {
+			Kind  string `json:"kind"`
+			Ready int    `json:"ready"`
+		}
+		if code, _, err := d.call(10*time.Second, "GET", "/ember/pools", nil, &pools); err == nil && code == 200 {
+			for _, p := range pools {
+				if p.Kind == "prestarted" || p.Kind == "resume" {
+					ready += p.Ready
+				}
+			}
+		}
+		return len(pre) >= n && ready >= n
 	}, func() string {
-		return fmt.Sprintf("node %s: %d pre-started instances, want %d\n%s", d.nodeID, len(pre), n, d.logs())
+		return fmt.Sprintf("node %s: %d pre-started instances, %d ready in the pools, want %d\n%s", d.nodeID, len(pre), ready, n, d.logs())
 	})
 	return pre
 }
@@ -66,7 +80,7 @@ func TestPoolMissRestoresIntoPrestarted(t *testing.T) {
 	s := d.createNoCleanup(t, nil) // killAll below; the daemon is stopped at the end
 	// The log line may not be read yet ("", as elsewhere); the pool's hits are checked below.
 	if how := d.createdHow(s.SandboxID); how != "" && how != "prestarted" {
-		t.Fatalf("restored pool off, %d pre-started: sandbox created by %q, want prestarted", len(pre), how)
+		t.Fatalf("restored pool off, %d pre-started: sandbox created by %q, want prestarted\n%s", len(pre), how, d.logs())
 	}
 	if r := d.run(t, s, "hostname; echo kept > /home/user/k.txt && cat /home/user/k.txt"); r.exitCode != 0 || r.stdout != "sandbox\nkept\n" {
 		t.Fatalf("a sandbox restored into a pre-started instance: %+v", r)
