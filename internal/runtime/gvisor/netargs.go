@@ -1,13 +1,11 @@
 package gvisor
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"net"
 	"os"
 	"runtime"
-	"strconv"
 	"unsafe"
 
 	"github.com/vishvananda/netlink"
@@ -30,7 +28,7 @@ import (
 // every network flag: one channel per link, host GSO when the link has it, RX checksum offload,
 // a FIFO queue, no PCAP, no NAT scrape). The types mirror runsc/boot's CreateLinksAndRoutesArgs
 // (uRPC encodes them as JSON, the files as SCM_RIGHTS); runsc/boot itself is not imported (it
-// links the sentry). TestPrestartNetworkMatchesRunsc compares the sentry's stored copy
+// links the sentry). TestRestoreIntoOverTheSocket compares the sentry's stored copy
 // (containerManager.GetNetworkConfig) with what runsc's own restore gives it, field by field.
 
 const (
@@ -119,22 +117,6 @@ type restoreOpts struct {
 // gvisorGSOMaxSize is pkg/tcpip/stack GVisorGSOMaxSize: the sentry segments itself when the
 // host link has no GSO (runsc's --software-gso, on by default).
 const gvisorGSOMaxSize = 1 << 16
-
-// presetNetwork gives pre-started instance id (sandbox process pid) its network the way runsc's
-// restore would. On error the instance's namespace may have lost its addresses: the instance
-// must not be used.
-func (d *Driver) presetNetwork(ctx context.Context, id string, pid int) error {
-	args, err := scrapeNetwork("/proc/" + strconv.Itoa(pid) + "/ns/net")
-	if err != nil {
-		return fmt.Errorf("gvisor: network of %s: %w", id, err)
-	}
-	defer func() {
-		for _, f := range args.FilePayload.Files {
-			f.Close()
-		}
-	}()
-	return d.ctlCall(ctx, id, "", ctlSetNetworkArgs, args, nil)
-}
 
 // scrapeNetwork reads the links of the network namespace at nsPath, takes the addresses off its
 // non-loopback links and opens a packet socket on each: runsc's setupNetwork for --network=sandbox

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 
 	"golang.org/x/sys/unix"
 	"gvisor.dev/gvisor/pkg/sentry/state/checkpointfiles"
@@ -68,7 +69,7 @@ func (d *Driver) Prestart(ctx context.Context, spec runtime.Spec, imageDir strin
 }
 
 // prestartNetName, in a pre-started instance's state dir, says its sentry has its network
-// (presetNetwork): RestoreInto restores over the control socket.
+// (prestartNetwork): RestoreInto restores over the control socket.
 const prestartNetName = "prestart-network"
 
 func (d *Driver) prestartNetwork(ctx context.Context, spec runtime.Spec) error {
@@ -79,7 +80,17 @@ func (d *Driver) prestartNetwork(ctx context.Context, spec runtime.Spec) error {
 	if !alive(st.Pid) {
 		return fmt.Errorf("gvisor: prestart %s: sandbox process gone: %w", spec.ID, errdefs.ErrUnavailable)
 	}
-	if err := d.presetNetwork(ctx, spec.ID, st.Pid); err != nil {
+	// On error the namespace may have lost its addresses: Prestart deletes the instance.
+	args, err := scrapeNetwork("/proc/" + strconv.Itoa(st.Pid) + "/ns/net")
+	if err != nil {
+		return fmt.Errorf("gvisor: network of %s: %w", spec.ID, err)
+	}
+	defer func() {
+		for _, f := range args.FilePayload.Files {
+			f.Close()
+		}
+	}()
+	if err := d.ctlCall(ctx, spec.ID, st.Socket, ctlSetNetworkArgs, args, nil); err != nil {
 		return err
 	}
 	return os.WriteFile(filepath.Join(spec.StateDir, prestartNetName), nil, 0o600)
