@@ -307,6 +307,7 @@ func BenchmarkLoad(b *testing.B) {
 	report(b, "create + command, under 100 concurrent", lat)
 	fmt.Printf("%d ok, %d failed in %s: %.1f creates/s\n", len(lat), failed, wall.Round(time.Millisecond), float64(len(lat))/wall.Seconds())
 	b.ReportMetric(float64(len(lat))/wall.Seconds(), "creates_per_s")
+	recordScalar(loadCreatesPerSec, float64(len(lat))/wall.Seconds())
 	t0 := time.Now()
 	for _, id := range ids {
 		n.Manager.Kill(ctx, id)
@@ -345,6 +346,7 @@ func BenchmarkLoad(b *testing.B) {
 	rawWall := time.Since(start)
 	fmt.Printf("baseline: %d raw runsc restores at once: %d ok in %s: %.1f restores/s\n", count, rawOK, rawWall.Round(time.Millisecond), float64(rawOK)/rawWall.Seconds())
 	b.ReportMetric(float64(rawOK)/rawWall.Seconds(), "baseline_raw_restores_per_s")
+	recordScalar(loadRawRestoresPerSec, float64(rawOK)/rawWall.Seconds())
 	sem := make(chan struct{}, 8)
 	for i := range bundles {
 		wg.Add(1)

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"strconv"
@@ -133,6 +134,7 @@ func report(b *testing.B, name string, d dist) {
 	b.Helper()
 	fmt.Printf("%-44s n=%-3d p50=%8s ms  p99=%8s ms\n", name, len(d), ms(d.pct(0.5)), ms(d.pct(0.99)))
 	b.ReportMetric(float64(d.pct(0.5).Microseconds())/1000, strings.ReplaceAll(name, " ", "_")+"_p50_ms")
+	recordDist(name, d)
 }
 
 // memOfProcs sums PSS and private memory (KiB) of the processes whose cmdline contains substr.
@@ -179,9 +181,14 @@ func memAvailableKiB() int64 {
 
 func TestMain(m *testing.M) {
 	code := m.Run()
+	printTargets()
 	if theNode != nil {
 		theNode.Close()
 		testnode.RemoveDataDir(theNode.dataDir)
+		// A node that shuts down keeps its firewall table for the next start; this one has none.
+		if names, err := daemon.NodeNames(envOr("EMBER_BENCH_NODE", "bench")); err == nil {
+			exec.Command("nft", "delete", "table", "inet", names.Table).Run()
+		}
 	}
 	os.Exit(code)
 }

@@ -147,5 +147,7 @@ func BenchmarkHotPause(b *testing.B) {
 	_, mib := n.Manager.PausedMemory()
 	fmt.Printf("memory of an idle sandbox (%d runsc processes): running PSS %d KiB (private %d), hot-paused PSS %d KiB (private %d) 2 s after its state reached disk, %d KiB (private %d) %s later; paused-memory budget counts %d MiB (cgroup)\n",
 		procs, runPSS, runPriv, hotPSS0, hotPriv0, hotPSS, hotPriv, sandbox.DefaultPausedReduceAfter, mib)
+	recordScalar(runningPSS, float64(runPSS)/1024)
+	recordScalar(hotPausedPSS, float64(hotPSS)/1024)
 	resume()
 }
