@@ -76,7 +76,7 @@ bench-basic: build
 	EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -run '^$$' -bench 'BenchmarkBasic' -benchtime 1x -timeout 30m ./bench/
 
 bench: build
-	EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 60m ./bench/
+	EMBER_CACHE_DIR=$(CURDIR)/.cache $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 180m ./bench/
 
 proto:
 	bash scripts/gen-proto.sh
