@@ -416,6 +416,7 @@ func (m *Manager) Rollback(ctx context.Context, id, cid string) (*Sandbox, error
 	start := time.Now()
 	var p Placement
 	swapped := false
+	m.awaitStandbyLocked(ctx, e, cid)
 	if s := m.takeStandbyLocked(e, cid); s != nil {
 		// The standby restored ahead: thawed, it is the sandbox from now on.
 		if err := m.cfg.Driver.Thaw(ctx, s.p.InstanceID); err != nil {

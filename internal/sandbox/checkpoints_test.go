@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -344,6 +345,71 @@ func TestRollbackStandby(t *testing.T) {
 	n.m.CheckpointStandby(true)
 	c := n.checkpoint(sb.ID)
 	testutil.Eventually(t, 5*time.Second, "a standby", hasStandby(c.ID))
+	if err := n.m.Kill(ctx, sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	n.assertHolds(0)
+}
+
+// A rollback that comes while the standby of its checkpoint is still being restored waits for
+// it and swaps it in, rather than restoring the same checkpoint a second time beside it (the
+// tree search under load: most rollbacks came before their standby was ready).
+func TestRollbackWaitsForTheStandbyBeingMade(t *testing.T) {
+	n := newNode(t, nil)
+	n.rig.Driver.SetCapturesLayers(true)
+	n.build("base")
+	ctx := context.Background()
+	sb := n.create(sandbox.CreateRequest{})
+	n.write(sb.ID, "/f", "1")
+	n.writeMem(sb.ID, "m", "1")
+	// From here every restore waits at the gate: the standby's first.
+	gate, entered := make(chan struct{}), make(chan struct{}, 8)
+	var once sync.Once
+	release := func() { once.Do(func() { close(gate) }) }
+	defer release() // a failure below must not leave restores waiting (the node's clean-up)
+	n.rig.Driver.Image = func(op, imageDir string) error {
+		if op == "Restore" {
+			select {
+			case entered <- struct{}{}:
+			default:
+			}
+			<-gate
+		}
+		return nil
+	}
+	restores := n.rig.Driver.Calls("Restore")
+	a := n.checkpoint(sb.ID)
+	<-entered // the standby of a is being restored
+	n.write(sb.ID, "/f", "2")
+	n.writeMem(sb.ID, "m", "2")
+	type result struct {
+		sb  *sandbox.Sandbox
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		got, err := n.m.Rollback(ctx, sb.ID, a.ID)
+		done <- result{got, err}
+	}()
+	time.Sleep(300 * time.Millisecond)
+	if got := n.rig.Driver.Calls("Restore") - restores; got != 1 {
+		t.Fatalf("%d restores while the standby was being made, want 1 (the standby's): the rollback restored beside it", got)
+	}
+	release()
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the rollback did not end once the standby was made")
+	}
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	n.expectState(sb.ID, "1")
+	// The rollback swapped the standby in: one restore for both (the next standby's aside).
+	if got := n.rig.Driver.Calls("Restore") - restores; got > 2 {
+		t.Fatalf("%d restores: the rollback did not take the standby", got)
+	}
 	if err := n.m.Kill(ctx, sb.ID); err != nil {
 		t.Fatal(err)
 	}

@@ -286,13 +286,14 @@ type entry struct {
 	released chan struct{}
 	// standby is an instance restored ahead from the sandbox's head checkpoint and frozen, for
 	// a rollback to swap in; standbyGen counts what makes a standby being built stale, and
-	// standbyStop/standbyDone cancel and wait for the one being built. smu guards them
-	// (standby.go): the build never takes mu.
+	// standbyStop/standbyDone cancel and wait for the one being built, of checkpoint
+	// standbyCkpt. smu guards them (standby.go): the build never takes mu.
 	smu         sync.Mutex
 	standby     *standby
 	standbyGen  uint64
 	standbyStop context.CancelFunc
 	standbyDone chan struct{}
+	standbyCkpt string
 	// hot is set while the sandbox is paused in memory: its instance frozen (hotpause.go).
 	hot *hotState
 }

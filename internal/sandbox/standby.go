@@ -36,7 +36,7 @@ func (m *Manager) dropStandbyLocked(e *entry, wait bool) {
 	e.smu.Lock()
 	e.standbyGen++
 	s, stop, done := e.standby, e.standbyStop, e.standbyDone
-	e.standby, e.standbyStop, e.standbyDone = nil, nil, nil
+	e.standby, e.standbyStop, e.standbyDone, e.standbyCkpt = nil, nil, nil, ""
 	e.smu.Unlock()
 	if stop != nil {
 		stop()
@@ -77,6 +77,24 @@ func (m *Manager) takeStandbyLocked(e *entry, cid string) *standby {
 	return s
 }
 
+// awaitStandbyLocked waits (while ctx lasts) for a standby of checkpoint cid that is still being
+// made, so that a rollback right after a checkpoint or another rollback swaps it in: its restore
+// started before the rollback did, so it is ready before a restore started now would be, and
+// two restores of one checkpoint at once only slow each other (the agent loop's tree search:
+// under load most rollbacks came before their standby was ready and restored beside it).
+func (m *Manager) awaitStandbyLocked(ctx context.Context, e *entry, cid string) {
+	e.smu.Lock()
+	ready, done, building := e.standby != nil, e.standbyDone, e.standbyCkpt
+	e.smu.Unlock()
+	if ready || done == nil || building != cid {
+		return
+	}
+	select {
+	case <-done:
+	case <-ctx.Done():
+	}
+}
+
 // standbyLocked replaces e's standby with one of ck, built in the background (budget
 // permitting).
 func (m *Manager) standbyLocked(e *entry, ck *Checkpoint) {
@@ -89,7 +107,7 @@ func (m *Manager) standbyLocked(e *entry, ck *Checkpoint) {
 	done := make(chan struct{})
 	e.smu.Lock()
 	gen := e.standbyGen
-	e.standbyStop, e.standbyDone = stop, done
+	e.standbyStop, e.standbyDone, e.standbyCkpt = stop, done, ck.ID
 	e.smu.Unlock()
 	m.wg.Add(1)
 	go func() {

@@ -61,10 +61,27 @@ func Build(dir string, ember bool) (Binaries, error) {
 	return b, nil
 }
 
-// RemoveDataDir removes dataDir's parent (the node's temporary directory), after unmounting the
-// namespace mount runsc keeps in its root and the btrfs image ember mounts over a data dir that
-// cannot clone (internal/layerfs).
+// RemoveDataDir removes dataDir's parent (the node's temporary directory) with whatever still
+// runs from it: a daemon that closes leaves its sandboxes and pools running for the next start
+// to adopt, so scripts/remove-data-dir.sh kills them by their runsc root and unmounts what is
+// mounted below the data dir; then the namespace mount runsc keeps in its root and the btrfs
+// image ember mounts over a data dir that cannot clone (internal/layerfs) go, if still there.
 func RemoveDataDir(dataDir string) {
+	// What is left is said: a benchmark that leaks a sandbox shows here.
+	if out, err := exec.Command("pgrep", "-a", "-f", "--", "--root="+datadir.Runsc(dataDir)+"( |$)").Output(); err == nil && len(out) > 0 {
+		var ids []string
+		for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+			f := strings.Fields(line)
+			if len(f) > 0 && strings.HasPrefix(f[1], "runsc-sandbox") {
+				ids = append(ids, f[len(f)-1])
+			}
+		}
+		fmt.Fprintf(os.Stderr, "testnode: %s: killing what still runs from it: sandbox instances %v\n", dataDir, ids)
+	}
+	script := filepath.Join(testutil.RepoRoot(), "scripts", "remove-data-dir.sh")
+	if out, err := exec.Command("bash", script, dataDir).CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "testnode: remove-data-dir.sh %s: %v\n%s", dataDir, err, out)
+	}
 	exec.Command("umount", filepath.Join(datadir.Runsc(dataDir), "null-netns")).Run()
 	if err := layerfs.Unmount(dataDir, 10*time.Second); err != nil {
 		fmt.Fprintln(os.Stderr, "testnode:", err)
