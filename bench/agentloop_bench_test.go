@@ -106,13 +106,13 @@ func BenchmarkAgentLoop(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		fmt.Printf("-- tree search: %d branches from every third step (%d checkpoints, %d rollbacks: %d found a standby ready) --\n",
+		fmt.Printf("-- tree search: %d branches from every third step (%d checkpoints, %d rollbacks: %d found a standby ready at the call; the others waited for the one being made, or restored) --\n",
 			c.branches, len(t.answer), len(t.rollback), t.standbyReady)
 		report(b, "tree checkpoint: answer (HTTP)", t.answer)
 		report(b, "tree checkpoint: sandbox stopped", t.stopped)
 		report(b, "tree rollback of a paused sandbox (HTTP)", t.rollback)
-		report(b, "tree rollback, standby ready", t.rollbackStandby)
-		report(b, "tree rollback, no standby ready", t.rollbackRestore)
+		report(b, "tree rollback, standby ready at the call", t.rollbackStandby)
+		report(b, "tree rollback, no standby ready at the call", t.rollbackRestore)
 		report(b, "tree branch overhead (pause + rollback)", t.branch)
 		report(b, "tree trunk step overhead (resume + pause)", t.step)
 		fmt.Printf("tree search wall time %s s\n", secs(t.wall))
