@@ -52,14 +52,6 @@ func TestRemoveDataDirEndsWhatTheNodeLeftRunning(t *testing.T) {
 	}
 	n.Close()
 	exec.Command("nft", "delete", "table", "inet", "ember_tn").Run()
-	defer func() { // the node's cgroups, empty once its sandboxes are gone
-		for _, pat := range []string{"/sys/fs/cgroup/*/ember-tn/*", "/sys/fs/cgroup/*/ember-tn", "/sys/fs/cgroup/ember-tn/*", "/sys/fs/cgroup/ember-tn"} {
-			dirs, _ := filepath.Glob(pat)
-			for _, d := range dirs {
-				os.Remove(d)
-			}
-		}
-	}()
 	if !running() {
 		testnode.RemoveDataDir(dataDir)
 		t.Fatal("the node left no sandbox running when it closed")
